@@ -1,0 +1,1 @@
+"""Distribution: collectives with autograd, the item-parallel catalog, and all-gather thresholding."""

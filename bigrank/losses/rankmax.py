@@ -1,0 +1,224 @@
+"""Rankmax: the adaptive Euclidean projection on the (n, k)-simplex and its cross-entropy loss.
+
+Kong, Krichene, Mayoraz, Rendle, Zhang, "Rankmax: An Adaptive Projection Alternative to the Softmax Function"
+(NeurIPS 2020), Section 3. Notation: z = scores of one row, y = its positive item, z_[i] = i-th largest score,
+eta = margin.
+
+    mu_y    = min(z_y, z_[k]) - eta                                         (eq. 11)
+    alpha_y = (k - t) / sum_{i=t+1..s} (z_[i] - mu_y),  s = |{i : z_i > mu_y}|  (eq. 12)
+    Rankmax(z, y) = clip_[0,1](alpha_y (z - mu_y))                          (eq. 13)
+    loss(z, y)    = -log min(1, alpha_y (z_y - mu_y))                       (eq. 14)
+
+``t`` (the number of coordinates clipped at 1) is the smallest t in [0, k) with alpha_t (z_[t+1] - mu) <= 1,
+found from the top-k values only, so a row costs O(n log k) (``torch.topk``) plus O(n) sums.
+
+Gradient (derived from eq. 14; the loss is log D - log(z_y - mu) - log(k - t) with D = sum over the
+"middle" set M = {i : mu < z_i, i not among the top t}): for rows with alpha_y (z_y - mu) < 1,
+
+    d loss / d z_i = [i in M] / D  +  [i carries mu] * (1 / (z_y - mu) - (s - t) / D)  -  [i = y] / (z_y - mu),
+
+where mu is carried by y when z_y <= z_[k], else by the k-th largest score (shared equally among ties).
+For k = 1 this is eq. 16 with s counting the support *without* y: the gradient at y is -(s - 1) / D, so that
+the gradient sums to zero as Section 3.3 states (eq. 16 as printed, -s Rankmax_y, does not sum to zero).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from bigrank.losses.scores import (
+    Layout,
+    catalog_loss_rows,
+    gather_row_stats,
+    local_topk,
+    sum_row_stats,
+)
+from bigrank.losses.validation import (
+    check_reduction,
+    check_scores,
+    check_target,
+    first_nonfinite_row,
+    raise_if_nonfinite,
+    reduce_rows,
+)
+
+__all__ = ["rankmax", "rankmax_loss", "RankmaxLoss"]
+
+
+def _check_params(k, margin) -> None:
+    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+        raise ValueError(f"k must be an integer >= 1, got {k!r}")
+    if not isinstance(margin, int | float) or not math.isfinite(margin) or margin <= 0:
+        raise ValueError(f"margin must be a finite number > 0, got {margin!r}")
+
+
+def _solve_alpha(top: torch.Tensor, mu: torch.Tensor, support_sum: torch.Tensor, k: int):
+    """Eq. 12 for every row: t, D_t = sum_{i=t+1..s}(z_[i] - mu) and alpha = (k - t) / D_t.
+
+    ``top`` [B, k] are the k largest scores (descending), ``support_sum`` [B] is sum_i (z_i - mu)_+. t is the
+    smallest index with alpha_t (z_[t+1] - mu) <= 1; it exists because at t = k - 1, D_t >= z_[k] - mu.
+    """
+    gaps = top - mu.unsqueeze(1)  # z_[i] - mu > 0 for the top k, since mu <= z_[k] - eta
+    clipped_sums = torch.cumsum(gaps, dim=1) - gaps  # sum_{i<=t} (z_[i] - mu) for t = 0..k-1
+    denominators = support_sum.unsqueeze(1) - clipped_sums
+    remaining = torch.arange(k, 0, -1, dtype=top.dtype, device=top.device)  # k - t
+    alphas = remaining / denominators
+    feasible = alphas * gaps <= 1
+    t = feasible.to(torch.int64).argmax(dim=1)  # first feasible t (t = k - 1 always is)
+    pick = t.unsqueeze(1)
+    return t, denominators.gather(1, pick).squeeze(1), alphas.gather(1, pick).squeeze(1)
+
+
+class _RankmaxImpl:
+    """Per-row statistics and analytic gradient of eq. 14, shared by the dense, chunked and distributed forms."""
+
+    def __init__(self, k: int, margin: float):
+        self.k, self.margin = k, float(margin)
+
+    def forward(self, source, layout: Layout, group):
+        k, margin = self.k, self.margin
+        if k > layout.num_items:
+            raise ValueError(f"k must be <= the number of items n = {layout.num_items}, got k = {k}")
+        positive = layout.positive
+        # Pass 1: local top-k, and the support sums for the common case mu = z_y - eta (y not in the top k).
+        guess = positive - margin
+        top = local_topk(source, k)
+        sums = torch.zeros((source.batch, 2), dtype=torch.float64, device=source.device)
+        for _, block in source.blocks():
+            _accumulate_support(block, guess, sums)
+        gathered = gather_row_stats(torch.cat([top, sums], dim=1), group)  # [W, B, k + 2]
+        top = gathered[..., :k].permute(1, 0, 2).reshape(source.batch, -1).topk(k, dim=1).values
+        sums = gathered[..., k:].sum(dim=0)
+        kth = top[:, k - 1]
+        y_carries_mu = positive <= kth
+        mu = torch.where(y_carries_mu, guess, kth - margin)
+        ties_at_kth = torch.ones_like(kth)
+        # Pass 2, only for rows whose positive is in the top k (mu = z_[k] - eta): the replicated row set
+        # keeps the collectives identical on every rank.
+        rows = (~y_carries_mu).nonzero().squeeze(1)
+        if rows.numel():
+            extra = torch.zeros((rows.numel(), 3), dtype=torch.float64, device=source.device)
+            for _, block in source.blocks(rows):
+                _accumulate_support(block, mu[rows], extra[:, :2])
+                extra[:, 2] += (block == kth[rows].to(block.dtype).unsqueeze(1)).sum(dim=1)
+            extra = sum_row_stats(extra, group)
+            sums[rows] = extra[:, :2]
+            ties_at_kth[rows] = extra[:, 2].clamp_min(1)
+        support_sum, support_size = sums[:, 0], sums[:, 1]
+        t, denominator, alpha = _solve_alpha(top, mu, support_sum, k)
+        prob_positive = alpha * (positive - mu)
+        per_row = -torch.log(prob_positive.clamp(max=1.0))
+        upper = torch.where(t > 0, top.gather(1, (t - 1).clamp_min(0).unsqueeze(1)).squeeze(1), torch.inf)
+        state = dict(
+            mu=mu, upper=upper, t=t, denominator=denominator, support_size=support_size, kth=kth,
+            y_carries_mu=y_carries_mu, ties_at_kth=ties_at_kth, active=prob_positive < 1,
+        )  # fmt: skip
+        return per_row, state
+
+    def grad_block(self, block, start, state, layout: Layout, grad_rows):
+        active = state["active"].to(torch.float64)
+        weight = grad_rows * active
+        denominator, mu = state["denominator"], state["mu"]
+        inv_gap = 1.0 / (layout.positive - mu)
+        in_middle = (block > mu.to(block.dtype).unsqueeze(1)) & (block < state["upper"].to(block.dtype).unsqueeze(1))
+        grad = in_middle.to(block.dtype) * (weight / denominator).to(block.dtype).unsqueeze(1)
+        via_mu = weight * (inv_gap - (state["support_size"] - state["t"]) / denominator)
+        y_carries = state["y_carries_mu"]
+        layout.add_at_target(grad, start, torch.where(y_carries, via_mu, 0.0) - weight * inv_gap)
+        rows = (~y_carries & state["active"]).nonzero().squeeze(1)
+        if rows.numel():
+            # mu = z_[k] - eta: the k-th largest score carries mu; ties share it equally.
+            kth = state["kth"][rows].to(block.dtype).unsqueeze(1)
+            share = (via_mu[rows] / state["ties_at_kth"][rows]).to(block.dtype).unsqueeze(1)
+            grad[rows] += (block[rows] == kth).to(block.dtype) * share
+        return grad
+
+
+def _accumulate_support(block: torch.Tensor, mu: torch.Tensor, sums: torch.Tensor) -> None:
+    """sums[:, 0] += sum_i (z_i - mu)_+ and sums[:, 1] += |{i : z_i > mu}| over this block of columns."""
+    shifted = (block - mu.to(block.dtype).unsqueeze(1)).clamp_min_(0)
+    sums[:, 0] += shifted.sum(dim=1, dtype=torch.float64)
+    sums[:, 1] += torch.count_nonzero(shifted, dim=1)
+
+
+def rankmax_loss(
+    scores,
+    target: torch.Tensor,
+    k: int = 1,
+    margin: float = 1.0,
+    reduction: str = "mean",
+    *,
+    group=None,
+    offset: int = 0,
+) -> torch.Tensor:
+    """Rankmax cross-entropy, eq. 14: ``-log min(1, alpha_y (z_y - mu_y))``; for k = 1, eq. 15's
+    ``log sum_i (z_i - z_y + margin)_+``.
+
+    Args:
+        scores: float[B, n] scores (or ``ChunkedScores`` for a lazily computed ``U @ V.T``). With ``group``,
+            columns ``[offset, offset + n_local)`` of the full [B, n] matrix, the same B rows on every rank.
+        target: int64[B], the positive item of each row (global item ids).
+        k: size of the (n, k)-simplex, 1 <= k <= n.
+        margin: eta > 0 in eq. 11 (the paper uses 1).
+        reduction: "mean" | "sum" | "none" (per-row loss [B]).
+        group: process group over which the catalog's columns are split (None: single process).
+        offset: first global column held by this rank.
+
+    Only per-row statistics cross the wire: each rank's top-k values and two sums (B x (k + 2) floats), the
+    positive's score (B floats), and, for rows whose positive is in the top k, three more sums.
+    Gradients are exact (analytic, see the module docstring) w.r.t. ``scores`` (or its factors).
+    """
+    _check_params(k, margin)
+    check_reduction(reduction)
+    if isinstance(scores, torch.Tensor):
+        check_scores(scores)
+    per_row = catalog_loss_rows(_RankmaxImpl(k, margin), scores, target, group, offset)
+    return reduce_rows(per_row, reduction)
+
+
+def rankmax(scores: torch.Tensor, target: torch.Tensor, k: int = 1, margin: float = 1.0) -> torch.Tensor:
+    """The Rankmax projection of Definition 4 (eq. 13): ``clip_[0,1](alpha_y (z - mu_y))``, float[B, n].
+
+    Each row lies in [0, 1], sums to k and has its positive ``target[b]`` in the support. Single process;
+    differentiable by autograd (t and the support are piecewise constant). Cost O(n log k) per row.
+    """
+    _check_params(k, margin)
+    check_scores(scores)
+    check_target(target, scores.shape[0])
+    raise_if_nonfinite(first_nonfinite_row(scores))
+    n = scores.shape[1]
+    if k > n:
+        raise ValueError(f"k must be <= the number of items n = {n}, got k = {k}")
+    target = target.to(device=scores.device, dtype=torch.int64)
+    if target.numel() and (int(target.min()) < 0 or int(target.max()) >= n):
+        raise ValueError(
+            f"target holds item ids outside [0, {n}): e.g. {target[(target < 0) | (target >= n)][:5].tolist()}"
+        )
+    positive = scores.gather(1, target.unsqueeze(1)).squeeze(1)
+    top = scores.topk(k, dim=1).values
+    mu = torch.minimum(positive, top[:, k - 1]) - margin
+    support_sum = (scores - mu.unsqueeze(1)).clamp_min(0).sum(dim=1)
+    with torch.no_grad():
+        t, _, _ = _solve_alpha(top.double(), mu.double(), support_sum.double(), k)
+    gaps = top - mu.unsqueeze(1)
+    clipped = (torch.cumsum(gaps, dim=1) - gaps).gather(1, t.unsqueeze(1)).squeeze(1)
+    alpha = (k - t).to(scores.dtype) / (support_sum - clipped)
+    return (alpha.unsqueeze(1) * (scores - mu.unsqueeze(1))).clamp(0.0, 1.0)
+
+
+class RankmaxLoss(torch.nn.Module):
+    """``rankmax_loss`` with its hyper-parameters held by the module (k, margin, reduction)."""
+
+    def __init__(self, k: int = 1, margin: float = 1.0, reduction: str = "mean"):
+        super().__init__()
+        _check_params(k, margin)
+        check_reduction(reduction)
+        self.k, self.margin, self.reduction = k, margin, reduction
+
+    def forward(self, scores, target: torch.Tensor, *, group=None, offset: int = 0) -> torch.Tensor:
+        return rankmax_loss(scores, target, self.k, self.margin, self.reduction, group=group, offset=offset)
+
+    def extra_repr(self) -> str:
+        return f"k={self.k}, margin={self.margin}, reduction={self.reduction!r}"

@@ -1,0 +1,316 @@
+"""Where full-catalog losses read their scores from, and the autograd glue they share.
+
+A full-catalog loss needs a handful of *per-row statistics* of the score matrix (top-k values, the positive's
+score, sums, counts, maxima). It reads the matrix as a sequence of column blocks:
+
+* ``DenseScores``: a materialised ``scores: float[B, n_local]`` tensor, read as one block;
+* ``ChunkedScores``: the product ``user_vectors @ item_rows.T`` computed ``chunk_size`` items at a time and
+  recomputed in backward, so the ``B x n_local`` matrix never exists at once (the "fused linear + loss"
+  pattern). Gradients go straight to ``user_vectors`` and ``item_rows``.
+
+With a process group, each rank holds columns ``[offset, offset + n_local)`` of the full matrix; per-row
+statistics are exchanged with collectives whose number and shapes are decided from replicated values, so all
+ranks call the same collectives (no hang on bad input: every rank raises the same error).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from bigrank.distributed.collectives import all_gather_no_grad, group_size, is_distributed
+from bigrank.losses.validation import check_target, first_nonfinite_row
+
+__all__ = ["ChunkedScores", "DenseScores", "Layout", "as_score_source", "catalog_loss_rows"]
+
+
+class DenseScores:
+    """A materialised score matrix ``[B, n_local]`` read as a single column block."""
+
+    def __init__(self, scores: torch.Tensor):
+        if scores.dim() != 2:
+            raise ValueError(f"scores must have shape [B, n], got shape {tuple(scores.shape)}")
+        if not scores.is_floating_point():
+            raise ValueError(f"scores must be floating point, got dtype {scores.dtype}")
+        self.scores = scores
+
+    @property
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        return (self.scores,)
+
+    @classmethod
+    def rebuild(cls, tensors, _params) -> DenseScores:
+        return cls(*tensors)
+
+    @property
+    def params(self) -> tuple:
+        return ()
+
+    @property
+    def batch(self) -> int:
+        return self.scores.shape[0]
+
+    @property
+    def num_local(self) -> int:
+        return self.scores.shape[1]
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.scores.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.scores.device
+
+    def blocks(self, rows: torch.Tensor | None = None) -> Iterator[tuple[int, torch.Tensor]]:
+        yield 0, self.scores if rows is None else self.scores[rows]
+
+    def gather_columns(self, columns: torch.Tensor) -> torch.Tensor:
+        """``scores[b, columns[b]]`` for every row: [B]."""
+        return self.scores.gather(1, columns.unsqueeze(1)).squeeze(1)
+
+    def nonfinite_rows(self) -> torch.Tensor:
+        return first_nonfinite_row(self.scores)
+
+    def backward(self, grad_block: Callable[[int, torch.Tensor], torch.Tensor]) -> tuple[torch.Tensor, ...]:
+        return (grad_block(0, self.scores),)
+
+
+class ChunkedScores:
+    """Lazy scores ``user_vectors @ item_rows.T`` ([B, d] x [n_local, d] -> [B, n_local]), ``chunk_size`` items
+    at a time.
+
+    Peak extra memory is ``O(B * chunk_size)`` instead of ``O(B * n_local)``; the price is that the scores are
+    recomputed in backward (one more GEMM per chunk). Passing a ``ChunkedScores`` to a full-catalog loss gives
+    the same loss and gradients (w.r.t. both inputs) as passing the materialised product.
+    """
+
+    def __init__(self, user_vectors: torch.Tensor, item_rows: torch.Tensor, chunk_size: int):
+        if user_vectors.dim() != 2 or item_rows.dim() != 2 or user_vectors.shape[1] != item_rows.shape[1]:
+            raise ValueError(
+                "ChunkedScores needs user_vectors [B, d] and item_rows [n, d] with the same d, got "
+                f"{tuple(user_vectors.shape)} and {tuple(item_rows.shape)}"
+            )
+        if int(chunk_size) < 1:
+            raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+        if user_vectors.dtype != item_rows.dtype:
+            raise ValueError(f"user_vectors ({user_vectors.dtype}) and item_rows ({item_rows.dtype}) differ in dtype")
+        self.user_vectors = user_vectors
+        self.item_rows = item_rows
+        self.chunk_size = int(chunk_size)
+
+    @property
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        return (self.user_vectors, self.item_rows)
+
+    @property
+    def params(self) -> tuple:
+        return (self.chunk_size,)
+
+    @classmethod
+    def rebuild(cls, tensors, params) -> ChunkedScores:
+        return cls(*tensors, *params)
+
+    @property
+    def batch(self) -> int:
+        return self.user_vectors.shape[0]
+
+    @property
+    def num_local(self) -> int:
+        return self.item_rows.shape[0]
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.user_vectors.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.user_vectors.device
+
+    def blocks(self, rows: torch.Tensor | None = None) -> Iterator[tuple[int, torch.Tensor]]:
+        users = self.user_vectors if rows is None else self.user_vectors[rows]
+        for start in range(0, self.num_local, self.chunk_size):
+            yield start, users @ self.item_rows[start : start + self.chunk_size].T
+
+    def gather_columns(self, columns: torch.Tensor) -> torch.Tensor:
+        if self.num_local == 0:
+            return self.user_vectors.new_zeros(self.batch)
+        return (self.user_vectors * self.item_rows[columns]).sum(dim=1)
+
+    def nonfinite_rows(self) -> torch.Tensor:
+        # Scores are finite when both factors are (barring overflow): check the small factors, not B x n.
+        bad_rows = first_nonfinite_row(self.user_vectors)
+        if self.num_local and bool(first_nonfinite_row(self.item_rows).any()):
+            bad_rows = torch.ones_like(bad_rows)
+        return bad_rows
+
+    def backward(self, grad_block: Callable[[int, torch.Tensor], torch.Tensor]) -> tuple[torch.Tensor, ...]:
+        grad_users = torch.zeros_like(self.user_vectors)
+        grad_items = torch.empty_like(self.item_rows)
+        for start, block in self.blocks():
+            grad = grad_block(start, block)
+            rows = self.item_rows[start : start + self.chunk_size]
+            grad_users.addmm_(grad, rows)
+            grad_items[start : start + grad.shape[1]] = grad.T @ self.user_vectors
+        return grad_users, grad_items
+
+
+def as_score_source(scores) -> DenseScores | ChunkedScores:
+    if isinstance(scores, ChunkedScores | DenseScores):
+        return scores
+    if isinstance(scores, torch.Tensor):
+        return DenseScores(scores)
+    raise ValueError(f"scores must be a tensor [B, n] or ChunkedScores, got {type(scores).__name__}")
+
+
+@dataclass
+class Layout:
+    """Where this rank's columns sit in the full catalog, and where each row's positive is.
+
+    ``owned[b]`` is True when row b's target lies in this rank's columns, at local column ``local_target[b]``
+    (clamped to a valid column otherwise). ``positive`` is the positive's score z_y [B], replicated.
+    """
+
+    num_items: int
+    offset: int
+    num_local: int
+    owned: torch.Tensor
+    local_target: torch.Tensor
+    positive: torch.Tensor | None = None
+
+    def add_at_target(self, grad: torch.Tensor, start: int, values: torch.Tensor, rows=None) -> None:
+        """``grad[b, y_b - start] += values[b]`` for rows whose positive falls in this block of columns."""
+        owned, local = (self.owned, self.local_target) if rows is None else (self.owned[rows], self.local_target[rows])
+        inside = owned & (local >= start) & (local < start + grad.shape[1])
+        if bool(inside.any()):
+            hit = inside.nonzero().squeeze(1)
+            grad[hit, local[hit] - start] += values[hit].to(grad.dtype)
+
+
+def catalog_layout(source, target: torch.Tensor, group, offset: int) -> Layout:
+    """Check the inputs of a full-catalog loss on every rank at once and locate each row's positive.
+
+    One all-gather of 6 integers per rank carries what each rank needs to check that shards are contiguous
+    and in rank order, that every rank has the same batch and the same targets, and that no rank saw
+    non-finite scores; every rank then raises the same ``ValueError`` (no rank is left in a collective).
+    """
+    check_target(target, source.batch)
+    target = target.to(device=source.device, dtype=torch.int64)
+    bad_rows = source.nonfinite_rows()
+    weights = torch.arange(1, target.numel() + 1, dtype=torch.int64, device=target.device)
+    mine = torch.tensor(
+        [int(offset), source.num_local, source.batch, int(bad_rows.sum()), int(target.sum()),
+         int((target * weights).sum())],
+        dtype=torch.int64,
+    )  # fmt: skip
+    if is_distributed(group):
+        everyone = all_gather_no_grad(mine.unsqueeze(0).to(source.device), group).cpu()
+    else:
+        if int(offset) != 0:
+            raise ValueError(f"offset must be 0 without a process group, got {offset}")
+        everyone = mine.unsqueeze(0)
+    offsets, sizes, batches, bad, tsum, twsum = everyone.T.tolist()
+    if len(set(batches)) != 1:
+        raise ValueError(f"every rank must score the same rows: batch sizes by rank are {batches}")
+    expected = [0]
+    for size in sizes[:-1]:
+        expected.append(expected[-1] + size)
+    if offsets != expected:
+        raise ValueError(
+            f"shards must be contiguous and in rank order: offsets by rank are {offsets} for shard sizes "
+            f"{sizes} (expected offsets {expected})"
+        )
+    if len(set(tsum)) != 1 or len(set(twsum)) != 1:
+        raise ValueError("every rank must pass the same target (global item ids); they differ across ranks")
+    if sum(bad):
+        ranks = [r for r, count in enumerate(bad) if count]
+        local = bad_rows.nonzero().squeeze(1)[:5].tolist()
+        raise ValueError(f"scores hold NaN or infinite values (on ranks {ranks}; rows here: {local})")
+    num_items = sum(sizes)
+    if target.numel() and (int(target.min()) < 0 or int(target.max()) >= num_items):
+        bad_ids = target[(target < 0) | (target >= num_items)][:5].tolist()
+        raise ValueError(f"target holds item ids outside [0, {num_items}): e.g. {bad_ids}")
+    local = target - int(offset)
+    owned = (local >= 0) & (local < source.num_local)
+    local_target = local.clamp(0, max(source.num_local - 1, 0))
+    return Layout(num_items, int(offset), source.num_local, owned, local_target)
+
+
+def positive_scores(source, layout: Layout, group) -> torch.Tensor:
+    """z_y for every row [B] in float64, replicated on all ranks (summed from the rank that owns y)."""
+    if layout.num_local:
+        local = source.gather_columns(layout.local_target).to(torch.float64)
+    else:
+        local = torch.zeros(source.batch, dtype=torch.float64, device=source.device)
+    local = torch.where(layout.owned, local, torch.zeros_like(local))
+    if is_distributed(group):
+        dist.all_reduce(local, group=group)
+    return local
+
+
+def gather_row_stats(stats: torch.Tensor, group) -> torch.Tensor:
+    """Per-row statistics [B, c] from every rank -> [W, B, c] (no autograd: gradients are analytic)."""
+    if not is_distributed(group):
+        return stats.unsqueeze(0)
+    return all_gather_no_grad(stats.contiguous(), group).view(group_size(group), *stats.shape)
+
+
+def sum_row_stats(stats: torch.Tensor, group) -> torch.Tensor:
+    """Sum of per-row statistics over ranks (no autograd)."""
+    if is_distributed(group):
+        stats = stats.contiguous()
+        dist.all_reduce(stats, group=group)
+    return stats
+
+
+def local_topk(source, k: int, rows: torch.Tensor | None = None) -> torch.Tensor:
+    """The ``k`` largest scores of each row in this rank's columns, float64 [R, k], descending, padded with
+    -inf when the shard has fewer than ``k`` columns. O(n log k) per row (``torch.topk``), never a full sort."""
+    batch = source.batch if rows is None else rows.numel()
+    best = torch.full((batch, k), float("-inf"), dtype=torch.float64, device=source.device)
+    for _, block in source.blocks(rows):
+        if block.shape[1] == 0:
+            continue
+        top = block.topk(min(k, block.shape[1]), dim=1, sorted=False).values.to(torch.float64)
+        best = torch.cat([best, top], dim=1).topk(k, dim=1).values
+    return best
+
+
+class _CatalogLoss(torch.autograd.Function):
+    """Per-row loss [B] of a full-catalog loss ``impl``, with the gradient ``impl.grad_block`` supplies."""
+
+    @staticmethod
+    def forward(ctx, impl, source_type, params, target, group, offset, *tensors):
+        source = source_type.rebuild(tensors, params)
+        layout = catalog_layout(source, target, group, offset)
+        layout.positive = positive_scores(source, layout, group)
+        per_row, state = impl.forward(source, layout, group)
+        ctx.impl, ctx.source_type, ctx.params, ctx.layout, ctx.state = (
+            impl,
+            source_type,
+            params,
+            layout,
+            state,
+        )
+        ctx.save_for_backward(*tensors)
+        return per_row.to(source.dtype)
+
+    @staticmethod
+    def backward(ctx, grad_rows):
+        source = ctx.source_type.rebuild(ctx.saved_tensors, ctx.params)
+        grad_rows = grad_rows.to(torch.float64)
+
+        def grad_block(start: int, block: torch.Tensor) -> torch.Tensor:
+            return ctx.impl.grad_block(block, start, ctx.state, ctx.layout, grad_rows)
+
+        grads = source.backward(grad_block)
+        return (None, None, None, None, None, None, *grads)
+
+
+def catalog_loss_rows(impl, scores, target: torch.Tensor, group, offset: int) -> torch.Tensor:
+    """Run the full-catalog loss ``impl`` on ``scores`` (tensor or ChunkedScores): per-row loss [B]."""
+    source = as_score_source(scores)
+    return _CatalogLoss.apply(impl, type(source), source.params, target, group, offset, *source.tensors)

@@ -1,0 +1,70 @@
+"""Softmax cross-entropy over the full catalog, single-process or item-parallel.
+
+loss(z, y) = -z_y + log sum_i exp(z_i)  (Section 3.3 of the Rankmax paper, "Comparison to Softmax"); gradient
+softmax(z) - e_y. Distributed, as Megatron's vocab-parallel cross-entropy: each rank sends its row max and
+sum-exp (B x 2 floats) and the positive's score comes from its owner.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from bigrank.losses.scores import Layout, catalog_loss_rows, gather_row_stats
+from bigrank.losses.validation import check_reduction, check_scores, reduce_rows
+
+__all__ = ["softmax_loss", "SoftmaxLoss"]
+
+
+class _SoftmaxImpl:
+    def forward(self, source, layout: Layout, group):
+        row_max = torch.full((source.batch,), float("-inf"), dtype=torch.float64, device=source.device)
+        sum_exp = torch.zeros(source.batch, dtype=torch.float64, device=source.device)
+        for _, block in source.blocks():
+            if block.shape[1] == 0:
+                continue
+            block_max = block.max(dim=1).values.to(torch.float64)
+            new_max = torch.maximum(row_max, block_max)
+            # Online log-sum-exp: rescale what was summed under the old max (Milakov & Gimelshein, 2018).
+            sum_exp = sum_exp * torch.exp(row_max - new_max) + torch.exp(
+                block - new_max.to(block.dtype).unsqueeze(1)
+            ).sum(dim=1, dtype=torch.float64)
+            row_max = new_max
+        stats = gather_row_stats(torch.stack([row_max, sum_exp], dim=1), group)  # [W, B, 2]
+        row_max = stats[..., 0].max(dim=0).values
+        scale = torch.exp(stats[..., 0] - row_max)
+        sum_exp = (stats[..., 1] * torch.where(stats[..., 1] > 0, scale, 0.0)).sum(dim=0)
+        log_normalizer = row_max + torch.log(sum_exp)
+        return log_normalizer - layout.positive, dict(log_normalizer=log_normalizer)
+
+    def grad_block(self, block, start, state, layout: Layout, grad_rows):
+        shift = state["log_normalizer"].to(block.dtype).unsqueeze(1)
+        grad = torch.exp(block - shift).mul_(grad_rows.to(block.dtype).unsqueeze(1))
+        layout.add_at_target(grad, start, -grad_rows)
+        return grad
+
+
+def softmax_loss(scores, target: torch.Tensor, reduction: str = "mean", *, group=None, offset: int = 0):
+    """Softmax cross-entropy ``-log softmax(z)_y`` per row.
+
+    Args:
+        scores: float[B, n] (or ``ChunkedScores``); with ``group``, columns ``[offset, offset + n_local)``.
+        target: int64[B] positive item of each row (global ids).
+        reduction: "mean" | "sum" | "none".
+    """
+    check_reduction(reduction)
+    if isinstance(scores, torch.Tensor):
+        check_scores(scores)
+    per_row = catalog_loss_rows(_SoftmaxImpl(), scores, target, group, offset)
+    return reduce_rows(per_row, reduction)
+
+
+class SoftmaxLoss(torch.nn.Module):
+    """``softmax_loss`` as a module."""
+
+    def __init__(self, reduction: str = "mean"):
+        super().__init__()
+        check_reduction(reduction)
+        self.reduction = reduction
+
+    def forward(self, scores, target: torch.Tensor, *, group=None, offset: int = 0) -> torch.Tensor:
+        return softmax_loss(scores, target, self.reduction, group=group, offset=offset)
