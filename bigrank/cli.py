@@ -13,7 +13,6 @@ import importlib
 import sys
 
 COMMAND_MODULES = [
-    "bigrank.losses.commands",
 ]
 
 
