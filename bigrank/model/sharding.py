@@ -1,0 +1,396 @@
+"""Row-wise sharding of torchrec embedding tables on CPU/gloo (and GPU/nccl), plans, shard access, checkpoints.
+
+torchrec's stock sharders offer ``row_wise`` only for CUDA/MTIA devices; on CPU the row-wise sharding itself
+works with gloo (bucketised all-to-all of ids in, reduce-scatter of pooled rows out), so the sharders below
+just add ``row_wise`` to the offered types. Each rank then owns the contiguous rows
+``[r * ceil(n/W), min(n, (r+1) * ceil(n/W)))`` of each table, stored in one fbgemm TBE whose optimizer runs
+inside the backward pass ("fused"): the sharded tables never produce dense gradients.
+
+Fused optimizers available on CPU (fbgemm-gpu-cpu 1.8): ``sgd`` (exact SGD, duplicate ids coalesced),
+``adagrad`` (exact Adagrad, Duchi et al. 2011, w -= lr·g/(sqrt(Σg²)+eps)), ``rowwise_adagrad`` (one
+accumulator per row, the mean of g² over the row). ``adam`` exists only on CUDA.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+FUSED_OPTIMIZERS = ("sgd", "adagrad", "rowwise_adagrad", "adam")
+_CPU_FUSED_OPTIMIZERS = ("sgd", "adagrad", "rowwise_adagrad")
+
+
+def _row_wise_sharder_classes():
+    from torchrec.distributed.embedding import EmbeddingCollectionSharder
+    from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
+    from torchrec.distributed.types import ShardingType
+
+    row_wise = ShardingType.ROW_WISE.value
+
+    class RowWiseEmbeddingBagCollectionSharder(EmbeddingBagCollectionSharder):
+        """``EmbeddingBagCollectionSharder`` that offers ``row_wise`` on every device type, CPU included."""
+
+        def sharding_types(self, compute_device_type: str) -> list[str]:
+            types = list(super().sharding_types(compute_device_type))
+            return types if row_wise in types else types + [row_wise]
+
+    class RowWiseEmbeddingCollectionSharder(EmbeddingCollectionSharder):
+        """``EmbeddingCollectionSharder`` that offers ``row_wise`` on every device type, CPU included."""
+
+        def sharding_types(self, compute_device_type: str) -> list[str]:
+            types = list(super().sharding_types(compute_device_type))
+            return types if row_wise in types else types + [row_wise]
+
+    return RowWiseEmbeddingBagCollectionSharder, RowWiseEmbeddingCollectionSharder
+
+
+def fused_params(
+    optimizer: str = "sgd",
+    lr: float = 0.01,
+    *,
+    weight_decay: float = 0.0,
+    eps: float = 1e-8,
+    betas: tuple[float, float] = (0.9, 0.999),
+    device_type: str = "cpu",
+) -> dict[str, Any]:
+    """The fbgemm ``fused_params`` of a fused (in-backward) optimizer for the sharded tables.
+
+    ``weight_decay`` is L2 added to the gradient (as ``torch.optim``'s ``weight_decay``); ``eps`` is the
+    Adagrad/Adam denominator term; ``betas`` is used by Adam only (CUDA only).
+    Raises ValueError for an unknown optimizer, ``adam`` on CPU, lr ≤ 0 or weight_decay < 0.
+    """
+    from fbgemm_gpu.split_embedding_configs import EmbOptimType
+    from fbgemm_gpu.split_table_batched_embeddings_ops_training import WeightDecayMode
+
+    if optimizer not in FUSED_OPTIMIZERS:
+        raise ValueError(f"unknown fused optimizer {optimizer!r}; choose one of {', '.join(FUSED_OPTIMIZERS)}")
+    if device_type == "cpu" and optimizer not in _CPU_FUSED_OPTIMIZERS:
+        raise ValueError(
+            f"fused optimizer {optimizer!r} is not supported by fbgemm on CPU; "
+            f"choose one of {', '.join(_CPU_FUSED_OPTIMIZERS)}"
+        )
+    if not lr > 0:
+        raise ValueError(f"learning rate must be > 0, got {lr}")
+    if weight_decay < 0:
+        raise ValueError(f"weight_decay must be >= 0, got {weight_decay}")
+    opt_type = {
+        "sgd": EmbOptimType.EXACT_SGD,
+        "adagrad": EmbOptimType.EXACT_ADAGRAD,
+        "rowwise_adagrad": EmbOptimType.EXACT_ROWWISE_ADAGRAD,
+        "adam": EmbOptimType.ADAM,
+    }[optimizer]
+    params: dict[str, Any] = {"optimizer": opt_type, "learning_rate": float(lr), "eps": float(eps)}
+    if weight_decay > 0:
+        params["weight_decay"] = float(weight_decay)
+        params["weight_decay_mode"] = WeightDecayMode.L2
+    if optimizer == "adam":
+        params["beta1"], params["beta2"] = (float(b) for b in betas)
+    return params
+
+
+def row_wise_sharders(params: dict[str, Any]) -> list:
+    """The row-wise-enabled sharders (bag and sequence collections) carrying the fused optimizer ``params``."""
+    bag_sharder_cls, seq_sharder_cls = _row_wise_sharder_classes()
+    return [bag_sharder_cls(fused_params=dict(params)), seq_sharder_cls(fused_params=dict(params))]
+
+
+def embedding_table_names(module: nn.Module) -> list[str]:
+    """Names of the tables of every (unsharded) ``EmbeddingBagCollection``/``EmbeddingCollection`` in ``module``."""
+    from torchrec import EmbeddingBagCollection, EmbeddingCollection
+
+    names: list[str] = []
+    for sub in module.modules():
+        if isinstance(sub, EmbeddingBagCollection):
+            names += [config.name for config in sub.embedding_bag_configs()]
+        elif isinstance(sub, EmbeddingCollection):
+            names += [config.name for config in sub.embedding_configs()]
+    return names
+
+
+@contextmanager
+def quiet_torchrec() -> Iterator[None]:
+    """Silence torchrec's planner/topology advice and deprecation warnings that do not apply here."""
+    logger = logging.getLogger("torchrec")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)
+            warnings.simplefilter("ignore", DeprecationWarning)
+            yield
+    finally:
+        logger.setLevel(level)
+
+
+def silence_torchrec_step_warnings() -> None:
+    """Process-wide filters for the deprecation warnings torchrec's collectives print on the first step.
+
+    (``reduce_scatter_tensor``/``all_gather_into_tensor`` deprecated, ShardedTensor → DTensor.) Call once in
+    each worker if the log should stay clean; they are harmless.
+    """
+    warnings.filterwarnings("ignore", message=r".*reduce_scatter_tensor.*is deprecated", category=FutureWarning)
+    warnings.filterwarnings("ignore", message=r".*all_gather_into_tensor.*is deprecated", category=FutureWarning)
+    warnings.filterwarnings("ignore", message=r".*deprecating ShardedTensor.*", category=FutureWarning)
+    logging.getLogger("torchrec").setLevel(logging.ERROR)
+    # torch.fx logs "is_fx_tracing will return true …" once when torchrec's forward checks for tracing.
+    logging.getLogger("torch.fx._symbolic_trace").setLevel(logging.ERROR)
+
+
+def shard_row_wise(
+    module: nn.Module,
+    *,
+    optimizer: str = "sgd",
+    lr: float = 0.01,
+    weight_decay: float = 0.0,
+    eps: float = 1e-8,
+    process_group: dist.ProcessGroup | None = None,
+    device: torch.device | str | None = None,
+):
+    """Plan row-wise sharding of every embedding table in ``module`` and wrap it in ``DistributedModelParallel``.
+
+    Collective: every rank of ``process_group`` (default: the world) must call it with the same module
+    configuration. Build ``module`` on the ``meta`` device for big tables: only the local rows are then
+    allocated; after sharding, ``module.reset_parameters()`` (if it has one, e.g. :class:`UserTower`) refills
+    them with its deterministic initialisation.
+
+    Returns:
+        ``(dmp, plan)``: ``dmp`` is the ``DistributedModelParallel`` (call it like ``module``; ``dmp.module``
+        is ``module`` with its tables replaced by sharded ones; ``dmp.fused_optimizer`` holds the optimizer
+        state), ``plan`` the ``ShardingPlan`` (see :func:`format_plan`).
+    Raises ValueError when ``module`` has no embedding tables or the optimizer settings are invalid.
+    """
+    from torchrec.distributed.model_parallel import DistributedModelParallel
+    from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints
+    from torchrec.distributed.planner.storage_reservations import FixedPercentageStorageReservation
+    from torchrec.distributed.planner.types import KernelConfig, TopologyFactory, TrainerConfig
+    from torchrec.distributed.types import ShardingEnv, ShardingType
+
+    if not dist.is_initialized():
+        raise ValueError("shard_row_wise needs an initialised torch.distributed process group")
+    group = process_group if process_group is not None else dist.group.WORLD
+    device = torch.device(device) if device is not None else torch.device("cpu")
+    tables = embedding_table_names(module)
+    if not tables:
+        raise ValueError(f"{type(module).__name__} holds no torchrec embedding tables to shard")
+    sharders = row_wise_sharders(
+        fused_params(optimizer, lr, weight_decay=weight_decay, eps=eps, device_type=device.type)
+    )
+    constraints = {name: ParameterConstraints(sharding_types=[ShardingType.ROW_WISE.value]) for name in tables}
+    world_size = dist.get_world_size(group)
+    with quiet_torchrec():
+        topology = TopologyFactory.create_topology(
+            trainer_config=TrainerConfig(world_size=world_size, local_world_size=world_size),
+            kernel_config=KernelConfig(compute_device=device.type),
+        )
+        planner = EmbeddingShardingPlanner(
+            topology=topology,
+            constraints=constraints,
+            storage_reservation=FixedPercentageStorageReservation(0.15),
+        )
+        plan = planner.collective_plan(module, sharders, group)
+        dmp = DistributedModelParallel(
+            module, env=ShardingEnv.from_process_group(group), device=device, plan=plan, sharders=sharders
+        )
+    _check_row_wise(plan, tables)
+    reset = getattr(dmp.module, "reset_parameters", None)
+    if callable(reset):
+        reset()
+    return dmp, plan
+
+
+def _check_row_wise(plan, tables: list[str]) -> None:
+    found = {name: sharding.sharding_type for _, name, sharding in _plan_entries(plan)}
+    wrong = {name: found.get(name) for name in tables if found.get(name) != "row_wise"}
+    if wrong:
+        raise RuntimeError(f"the planner did not shard these tables row-wise: {wrong}")
+
+
+def _plan_entries(plan):
+    for module_path, module_plan in plan.plan.items():
+        for table, sharding in module_plan.items():
+            yield module_path, table, sharding
+
+
+def plan_to_dict(plan) -> dict[str, Any]:
+    """JSON-ready description of a ``ShardingPlan``: per table its sharding type, kernel, ranks and shards."""
+    out: dict[str, Any] = {}
+    for module_path, table, sharding in _plan_entries(plan):
+        shards = []
+        spec = sharding.sharding_spec
+        for shard in getattr(spec, "shards", None) or []:
+            shards.append(
+                {
+                    "offsets": list(shard.shard_offsets),
+                    "sizes": list(shard.shard_sizes),
+                    "placement": str(shard.placement),
+                }
+            )
+        out[f"{module_path}.{table}" if module_path else table] = {
+            "sharding_type": sharding.sharding_type,
+            "compute_kernel": sharding.compute_kernel,
+            "ranks": list(sharding.ranks or []),
+            "shards": shards,
+        }
+    return out
+
+
+def format_plan(plan) -> str:
+    """Human-readable table of a ``ShardingPlan``: one line per shard (table, type, kernel, rows, rank)."""
+    lines = [f"{'table':<28} {'sharding':<10} {'kernel':<8} {'rows':<22} {'cols':<10} placement"]
+    for name, entry in plan_to_dict(plan).items():
+        for shard in entry["shards"] or [{"offsets": [0, 0], "sizes": ["?", "?"], "placement": "?"}]:
+            row0, col0 = shard["offsets"][:2]
+            rows, cols = shard["sizes"][:2]
+            row_range = f"[{row0}, {row0 + rows})" if isinstance(rows, int) else "?"
+            col_range = f"[{col0}, {col0 + cols})" if isinstance(cols, int) else "?"
+            lines.append(
+                f"{name:<28} {entry['sharding_type']:<10} {entry['compute_kernel']:<8} {row_range:<22} "
+                f"{col_range:<10} {shard['placement']}"
+            )
+    return "\n".join(lines)
+
+
+def write_plan(plan, path: str | os.PathLike) -> None:
+    """Save :func:`plan_to_dict` as JSON at ``path`` (atomic: temp file + ``os.replace``)."""
+    tmp = f"{os.fspath(path)}.tmp.{os.getpid()}"
+    with open(tmp, "w") as handle:
+        json.dump(plan_to_dict(plan), handle, indent=2)
+        handle.write("\n")
+    os.replace(tmp, path)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Access to the rows a rank holds
+
+
+def _table_weight(module: nn.Module, table: str):
+    suffix = f"embedding_bags.{table}.weight"
+    seq_suffix = f"embeddings.{table}.weight"
+    for key, value in module.state_dict().items():
+        if key.endswith(suffix) or key.endswith(seq_suffix):
+            return value
+    raise KeyError(f"no embedding table named {table!r} in {type(module).__name__}")
+
+
+def local_table_rows(module: nn.Module, table: str) -> tuple[int, int, torch.Tensor]:
+    """This rank's rows of ``table``: ``(row_start, row_stop, weight float32[row_stop-row_start, d])``.
+
+    Works on a plain module (all rows) and on a row-wise sharded one (the local shard, no communication).
+    ``weight`` is a view of the live table (writing to it under ``torch.no_grad()`` changes the model);
+    clone it to keep a snapshot while training goes on.
+    """
+    from torch.distributed._shard.sharded_tensor import ShardedTensor
+
+    weight = _table_weight(module, table)
+    if isinstance(weight, ShardedTensor):
+        shards = weight.local_shards()
+        if not shards:
+            rows = weight.size(0)
+            return rows, rows, torch.empty(0, weight.size(1))
+        if len(shards) != 1 or shards[0].metadata.shard_offsets[1] != 0:
+            raise ValueError(f"table {table!r} is not row-wise sharded (local shards: {len(shards)})")
+        start = int(shards[0].metadata.shard_offsets[0])
+        return start, start + shards[0].tensor.size(0), shards[0].tensor
+    if isinstance(weight, torch.Tensor):
+        return 0, weight.size(0), weight.detach()
+    raise TypeError(f"unsupported weight type {type(weight).__name__} for table {table!r}")
+
+
+def local_user_rows(module: nn.Module) -> tuple[int, int, torch.Tensor]:
+    """This rank's shard of the user table: ``(row_start, row_stop, float32[rows, d])`` (a live view)."""
+    from bigrank.model.towers import USER_TABLE
+
+    return local_table_rows(module, USER_TABLE)
+
+
+def full_table(module: nn.Module, table: str, group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """All rows of ``table`` on every rank, float32[n, d] — gathers the whole table; for tests and tiny tables."""
+    start, stop, rows = local_table_rows(module, table)
+    if not dist.is_initialized():
+        return rows.detach().clone()
+    pieces: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(pieces, (start, stop, rows.detach().clone()), group=group)
+    pieces.sort(key=lambda piece: piece[0])
+    return torch.cat([piece[2] for piece in pieces if piece[1] > piece[0]])
+
+
+def full_user_table(module: nn.Module, group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """The whole user table float32[num_users, d] on every rank (a gather: tests only)."""
+    from bigrank.model.towers import USER_TABLE
+
+    return full_table(module, USER_TABLE, group)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Checkpoints (torch.distributed.checkpoint)
+
+
+def tower_checkpoint_state(module: nn.Module) -> dict[str, Any]:
+    """State to put under one key of a DCP checkpoint: ``{"model": ..., "optimizer": ...}``.
+
+    ``model`` is the module's state dict (ShardedTensors of the local rows when sharded); ``optimizer`` is
+    the fused optimizer's state (Adagrad accumulators …), present only for a ``DistributedModelParallel``.
+    Pass the same structure, filled by ``dcp.load``, to :func:`restore_tower_checkpoint_state`.
+    """
+    state: dict[str, Any] = {"model": module.state_dict()}
+    fused = getattr(module, "fused_optimizer", None)
+    if fused is not None:
+        state["optimizer"] = fused.state_dict()
+    return state
+
+
+def restore_tower_checkpoint_state(module: nn.Module, state: dict[str, Any]) -> None:
+    """Copy a state from :func:`tower_checkpoint_state` (after ``dcp.load`` filled it) into ``module``."""
+    module.load_state_dict(state["model"])
+    fused = getattr(module, "fused_optimizer", None)
+    if fused is not None and "optimizer" in state:
+        fused.load_state_dict(state["optimizer"])
+
+
+def save_tower_state(module: nn.Module, path: str | os.PathLike) -> None:
+    """Save the tower's (sharded) weights and fused-optimizer state to the DCP directory ``path``.
+
+    Collective. Every rank writes its own shard; the directory appears under ``path`` only when complete
+    (written to ``path + ".partial"``, renamed by rank 0 after a barrier). Raises FileExistsError if
+    ``path`` exists.
+    """
+    import torch.distributed.checkpoint as dcp
+
+    path = os.fspath(path)
+    if os.path.exists(path):
+        raise FileExistsError(f"checkpoint directory {path} already exists")
+    partial = path + ".partial"
+    with quiet_torchrec():
+        dcp.save(tower_checkpoint_state(module), checkpoint_id=partial)
+    distributed = dist.is_initialized()
+    if distributed:
+        dist.barrier()
+    if not distributed or dist.get_rank() == 0:
+        os.replace(partial, path)
+    if distributed:
+        dist.barrier()
+
+
+def load_tower_state(module: nn.Module, path: str | os.PathLike) -> None:
+    """Load weights and fused-optimizer state saved by :func:`save_tower_state` into ``module`` (collective).
+
+    The module must have the same tables; its sharding may differ from the saved one (DCP reshards).
+    """
+    import torch.distributed.checkpoint as dcp
+
+    path = os.fspath(path)
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"no checkpoint directory at {path}")
+    state = tower_checkpoint_state(module)
+    with quiet_torchrec():
+        dcp.load(state, checkpoint_id=path)
+    restore_tower_checkpoint_state(module, state)
