@@ -1,0 +1,252 @@
+"""SoftRank NDCG (Taylor, Guiver, Robertson & Minka, "SoftRank: Optimizing Non-Smooth Rank Metrics", WSDM 2008).
+
+Each candidate's score is treated as a Gaussian ``s_j ~ N(mean_j, sigma^2)``. The probability that i beats j
+(the pairwise contest) is ``pi_ij = Phi((mean_i - mean_j) / (sqrt(2) sigma))`` (eq. 3), and the rank
+distribution of j follows from adding the contestants one at a time (the rank-binomial recursion, eq. 5)::
+
+    p_j^(1)(r) = delta(r)                 p_j^(i)(r) = p_j^(i-1)(r - 1) pi_ij + p_j^(i-1)(r) (1 - pi_ij)
+
+SoftNDCG is the expected NDCG under these distributions (eq. 8):
+``G_soft = (1 / G_max) sum_j g_j sum_r D(r) p_j(r)`` with ``D(r) = 1 / log2(2 + r)`` (rank r = 0 is the top).
+This is the exact recursion, not the expected-rank shortcut.
+
+Cost: the recursion is O(N^3) time and O(N^2) memory per row for a list of N candidates, so it runs on a
+candidate list per row: all positives (gain > 0) plus the highest-scoring negatives, ``num_candidates`` in all.
+The backward pass does not store the N intermediate distributions (that would be O(N^3) memory): the gradient
+of ``p_j`` w.r.t. ``pi_ij`` needs j's rank distribution without contestant i, which is recovered by dividing
+the generating polynomial ``prod_i ((1 - pi_ij) + pi_ij z)`` by the factor of i, in the numerically stable
+direction (forward when pi_ij <= 1/2, from the top rank down otherwise).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from bigrank.distributed.collectives import all_gather_replicated, is_distributed
+from bigrank.losses.softrank import check_positive_float, finish, local_positives, row_counts
+from bigrank.losses.validation import check_reduction, check_scores
+
+__all__ = ["SoftNDCGLoss", "rank_distributions", "softrank_ndcg_loss"]
+
+# A candidate list longer than this would need B x N^2 floats per step and O(N^3) time: ask for a shorter list.
+MAX_LIST_SIZE = 4096
+
+
+class _RankBinomial(torch.autograd.Function):
+    """``p[b, j, r]`` = probability that candidate j has rank r, from ``pi[b, i, j]`` = P(i beats j).
+
+    Entries of ``pi`` that are not contests (i == j, padding) must be 0: a factor ``(1 - 0) + 0 z`` is a no-op.
+    """
+
+    @staticmethod
+    def forward(ctx, pi):
+        batch, size, _ = pi.shape
+        p = pi.new_zeros(batch, size, size)
+        p[:, :, 0] = 1.0
+        for i in range(size):
+            beats = pi[:, i, :].unsqueeze(2)  # [B, j, 1]
+            top = min(i + 2, size)  # after i + 1 contests the support is ranks 0 .. i + 1
+            old = p[:, :, :top]
+            new = old * (1.0 - beats)
+            new[:, :, 1:] += old[:, :, : top - 1] * beats
+            p[:, :, :top] = new
+        ctx.save_for_backward(pi, p)
+        return p
+
+    @staticmethod
+    def backward(ctx, grad_p):
+        pi, p = ctx.saved_tensors
+        size = p.shape[-1]
+        if size < 2:
+            return torch.zeros_like(pi)
+        # dL/dpi_ij = sum_r q_ij(r) (w_j(r + 1) - w_j(r)), with q_ij = p_j without contestant i and w = grad_p.
+        step = (grad_p[:, :, 1:] - grad_p[:, :, :-1]).unsqueeze(1)  # [B, 1, j, N - 1]
+        nonzero = step.ne(0).flatten(0, 2).any(dim=0).nonzero()
+        last = int(nonzero.max()) + 1 if nonzero.numel() else 0  # ranks past the last non-zero step add 0
+        target = p.unsqueeze(1)  # [B, 1, j, N]
+        keep = 1.0 - pi
+        # Division by (1 - pi) amplifies rounding by pi / (1 - pi) <= 1 when pi <= 1/2: stable.
+        low = torch.zeros_like(pi)
+        divisor = keep.clamp_min(torch.finfo(pi.dtype).tiny)
+        q = torch.zeros_like(pi)
+        for r in range(last):
+            q = (target[..., r] - pi * q) / divisor
+            low += q * step[..., r]
+        # Division by pi from the top rank down amplifies rounding by (1 - pi) / pi < 1 when pi > 1/2.
+        high = torch.zeros_like(pi)
+        divisor = pi.clamp_min(torch.finfo(pi.dtype).tiny)
+        q = torch.zeros_like(pi)
+        for r in range(size - 1, 0, -1):
+            q = (target[..., r] - keep * q) / divisor  # q(r - 1)
+            if r - 1 < last:
+                high += q * step[..., r - 1]
+        return torch.where(pi <= 0.5, low, high)
+
+
+def rank_distributions(scores: torch.Tensor, valid: torch.Tensor | None = None, sigma: float = 0.1) -> torch.Tensor:
+    """SoftRank rank distributions of a candidate list: ``p[b, j, r]`` = P(candidate j has rank r) [B, N, N].
+
+    Args:
+        scores: float[B, N] score means of the candidates. valid: bool[B, N] (False = padding: not a contestant,
+            its own distribution is a point mass at rank 0). sigma: score noise standard deviation.
+
+    Each row ``p[b, j, :]`` sums to 1; differentiable w.r.t. ``scores`` (Taylor et al. 2008, eq. 3 and 5).
+    """
+    sigma = check_positive_float(sigma, "sigma")
+    batch, size = scores.shape
+    if valid is None:
+        valid = torch.ones(batch, size, dtype=torch.bool, device=scores.device)
+    diff = (scores.unsqueeze(2) - scores.unsqueeze(1)) / (math.sqrt(2.0) * sigma)  # [b, i, j]: s_i - s_j
+    eye = torch.eye(size, dtype=torch.bool, device=scores.device)
+    contest = valid.unsqueeze(2) & valid.unsqueeze(1) & ~eye
+    pi = torch.where(contest, torch.special.ndtr(diff), diff.new_zeros(()))
+    return _RankBinomial.apply(pi)
+
+
+def _discounts(size: int, k: int | None, dtype, device) -> torch.Tensor:
+    ranks = torch.arange(size, dtype=dtype, device=device)
+    discount = 1.0 / torch.log2(ranks + 2.0)
+    if k is not None:
+        discount = torch.where(ranks < k, discount, discount.new_zeros(()))
+    return discount
+
+
+def _candidate_list(scores, gains, valid, positive, n_positive, num_candidates, group):
+    """Each row's list: every positive plus the top-scoring negatives, ``num_candidates`` in all (more when a
+    row has more positives). Returns (scores [B, N] with gradient, gains [B, N], in_list bool [B, N])."""
+    if num_candidates is None:
+        local = torch.stack([scores, gains, valid.to(scores.dtype)], dim=-1)  # [B, C, 3]
+    else:
+        pos_scores, pos_present = local_positives(scores, positive)
+        pos_gains, _ = local_positives(gains, positive)
+        negatives = valid & ~positive
+        width = min(num_candidates, scores.shape[1])
+        ranked = scores.detach().masked_fill(~negatives, float("-inf"))
+        top = ranked.topk(width, dim=1).indices
+        neg_present = torch.isfinite(ranked.gather(1, top))
+        local = torch.cat(
+            [
+                torch.stack([pos_scores, pos_gains, pos_present.to(scores.dtype)], dim=-1),
+                torch.stack([scores.gather(1, top), scores.new_zeros(top.shape), neg_present.to(scores.dtype)], dim=-1),
+            ],
+            dim=1,
+        )  # fmt: skip
+    if is_distributed(group):
+        # Every rank runs the same (replicated) list computation on the gathered lists.
+        local = all_gather_replicated(local.transpose(0, 1).contiguous(), group).transpose(0, 1)
+    list_scores, list_gains, present = local[..., 0], local[..., 1].detach(), local[..., 2].detach() > 0.5
+    if num_candidates is None:
+        return list_scores, list_gains, present
+    is_positive = present & (list_gains > 0)
+    key = torch.where(is_positive, float("inf"), torch.where(present, list_scores.detach(), float("-inf")))
+    length = min(key.shape[1], max(num_candidates, int(n_positive.max()) if n_positive.numel() else 0))
+    order = key.topk(length, dim=1).indices
+    slots = torch.arange(length, device=scores.device)
+    in_list = present.gather(1, order) & (slots.unsqueeze(0) < n_positive.clamp_min(num_candidates).unsqueeze(1))
+    return list_scores.gather(1, order), list_gains.gather(1, order), in_list
+
+
+def softrank_ndcg_loss(
+    scores: torch.Tensor,
+    gains: torch.Tensor,
+    mask: torch.Tensor | None = None,
+    reduction: str = "mean",
+    *,
+    group=None,
+    sigma: float = 0.1,
+    k: int | None = None,
+    num_candidates: int | None = 64,
+    return_valid: bool = False,
+):
+    """1 - SoftNDCG per row (Taylor et al., WSDM 2008, eq. 8), exact rank-binomial recursion.
+
+    Args:
+        scores: float[B, C] local candidate scores. gains: float[B, C] relevance gains >= 0 (or bool, gain 1);
+            positives are gains > 0. mask: bool[B, C] valid columns.
+        reduction: "mean" | "sum" | "none" (over non-degenerate rows).
+        group: process group splitting the columns across ranks; the shards' candidate lists are gathered
+            and every rank computes the same SoftNDCG.
+        sigma: standard deviation of the Gaussian score noise (score units; the smoothing "temperature").
+        k: truncate the discount at rank k (SoftNDCG@k); None = no truncation.
+        num_candidates: list size per row: all positives plus the highest-scoring negatives (the list grows when
+            a row has more positives). None = every valid column (for inputs that already are a short list).
+        return_valid: also return ``valid: bool[B]`` (False = no positive or no negative: excluded).
+
+    The ideal DCG is taken over the list, which holds every positive, so it is the row's ideal DCG(@k).
+    Memory O(B N^2), time O(B N^3) for a list of N candidates.
+    """
+    check_reduction(reduction)
+    check_scores(scores)
+    sigma = check_positive_float(sigma, "sigma")
+    if k is not None and (isinstance(k, bool) or not isinstance(k, int) or k < 1):
+        raise ValueError(f"k must be a positive integer or None, got {k!r}")
+    if num_candidates is not None and (
+        isinstance(num_candidates, bool) or not isinstance(num_candidates, int) or num_candidates < 2
+    ):
+        raise ValueError(f"num_candidates must be an integer >= 2 or None, got {num_candidates!r}")
+    if not isinstance(gains, torch.Tensor) or gains.shape != scores.shape:
+        shape = tuple(gains.shape) if isinstance(gains, torch.Tensor) else type(gains).__name__
+        raise ValueError(f"gains must be a tensor with the shape of scores {tuple(scores.shape)}, got {shape}")
+    if not (gains.is_floating_point() or gains.dtype == torch.bool):
+        raise ValueError(f"gains must be floating point (or bool), got dtype {gains.dtype}")
+    if mask is not None and (
+        not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool or mask.shape != scores.shape
+    ):
+        raise ValueError(f"mask must be a bool tensor with the shape of scores {tuple(scores.shape)}")
+    gains = gains.detach().to(scores.dtype)
+    valid = torch.ones_like(scores, dtype=torch.bool) if mask is None else mask
+    clean = scores if mask is None else scores.masked_fill(~mask, 0.0)
+    bad_gains = ((~torch.isfinite(gains) | (gains < 0)) & valid).any(dim=1)
+    gains = torch.where(valid & ~bad_gains.unsqueeze(1), gains, gains.new_zeros(()))
+    positive = valid & (gains > 0)
+    n_valid, n_positive = row_counts(
+        clean, valid, positive, group, raw_scores=None if mask is None else scores,
+        bad_labels=bad_gains, labels_problem="gains must be finite and >= 0 in valid columns",
+    )  # fmt: skip
+    list_scores, list_gains, in_list = _candidate_list(clean, gains, valid, positive, n_positive, num_candidates, group)
+    if list_scores.shape[1] > MAX_LIST_SIZE:
+        raise ValueError(
+            f"SoftNDCG candidate list has {list_scores.shape[1]} entries (> {MAX_LIST_SIZE}): the recursion is "
+            "O(N^3); pass num_candidates to keep the positives and the top-scoring negatives only"
+        )
+    p = rank_distributions(list_scores, in_list, sigma)  # [B, N, N]
+    discount = _discounts(list_scores.shape[1], k, scores.dtype, scores.device)
+    list_gains = torch.where(in_list, list_gains, list_gains.new_zeros(()))
+    expected_dcg = torch.einsum("bj,bjr,r->b", list_gains, p, discount)
+    ideal_dcg = (list_gains.sort(dim=1, descending=True).values * discount).sum(dim=1)
+    valid_rows = (n_positive > 0) & (n_positive < n_valid) & (ideal_dcg > 0)
+    ndcg = expected_dcg / torch.where(valid_rows, ideal_dcg, ideal_dcg.new_ones(()))
+    return finish(1.0 - ndcg, valid_rows, reduction, return_valid)
+
+
+class SoftNDCGLoss(nn.Module):
+    """``softrank_ndcg_loss`` as a module. ``temperature`` is an alias of ``sigma`` (the score noise), so
+    ``LossWarmupWrapper`` can anneal it; ``last_excluded_rows`` counts the degenerate rows of the last call."""
+
+    def __init__(
+        self, sigma: float = 0.1, k: int | None = None, num_candidates: int | None = 64, reduction: str = "mean"
+    ):
+        super().__init__()
+        check_reduction(reduction)
+        self.sigma = check_positive_float(sigma, "sigma")
+        self.k, self.num_candidates, self.reduction = k, num_candidates, reduction
+        self.last_excluded_rows = 0
+
+    @property
+    def temperature(self) -> float:
+        return self.sigma
+
+    @temperature.setter
+    def temperature(self, value: float) -> None:
+        self.sigma = check_positive_float(value, "temperature")
+
+    def forward(self, scores, gains, mask=None, *, group=None):
+        loss, valid = softrank_ndcg_loss(
+            scores, gains, mask, self.reduction, group=group, sigma=self.sigma, k=self.k,
+            num_candidates=self.num_candidates, return_valid=True,
+        )  # fmt: skip
+        self.last_excluded_rows = int((~valid).sum())
+        return loss
