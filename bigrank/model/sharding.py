@@ -8,7 +8,8 @@ inside the backward pass ("fused"): the sharded tables never produce dense gradi
 
 Fused optimizers available on CPU (fbgemm-gpu-cpu 1.8): ``sgd`` (exact SGD, duplicate ids coalesced),
 ``adagrad`` (exact Adagrad, Duchi et al. 2011, w -= lr·g/(sqrt(Σg²)+eps)), ``rowwise_adagrad`` (one
-accumulator per row, the mean of g² over the row). ``adam`` exists only on CUDA.
+accumulator per row, the mean of g² over the row). ``adam`` and weight decay exist only on CUDA. fbgemm's
+tables need an embedding dimension that is a multiple of 4.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from torch import nn
 
 FUSED_OPTIMIZERS = ("sgd", "adagrad", "rowwise_adagrad", "adam")
 _CPU_FUSED_OPTIMIZERS = ("sgd", "adagrad", "rowwise_adagrad")
+_WEIGHT_DECAY_OPTIMIZERS = ("rowwise_adagrad", "adam")
 
 
 def _row_wise_sharder_classes():
@@ -64,9 +66,15 @@ def fused_params(
 ) -> dict[str, Any]:
     """The fbgemm ``fused_params`` of a fused (in-backward) optimizer for the sharded tables.
 
-    ``weight_decay`` is L2 added to the gradient (as ``torch.optim``'s ``weight_decay``); ``eps`` is the
-    Adagrad/Adam denominator term; ``betas`` is used by Adam only (CUDA only).
-    Raises ValueError for an unknown optimizer, ``adam`` on CPU, lr ≤ 0 or weight_decay < 0.
+    Update rules, applied to the rows looked up in the batch (g summed over duplicates and ranks):
+      sgd              w -= lr·g
+      adagrad          s += g²;          w -= lr·g / (sqrt(s) + eps)     (one s per element)
+      rowwise_adagrad  s += mean_j g_j²; w -= lr·g / (sqrt(s) + eps)     (one s per row)
+      adam             CUDA only (``betas``), as torch.optim.Adam on the looked-up rows.
+    ``weight_decay`` (L2, ``g + wd·w``) exists in fbgemm only for rowwise_adagrad and adam on CUDA; its CPU
+    kernels ignore it, so it is refused on CPU.
+    Raises ValueError for an unknown optimizer, ``adam`` on CPU, lr ≤ 0, weight_decay < 0 or weight decay
+    with an optimizer/device that would ignore it.
     """
     from fbgemm_gpu.split_embedding_configs import EmbOptimType
     from fbgemm_gpu.split_table_batched_embeddings_ops_training import WeightDecayMode
@@ -82,6 +90,13 @@ def fused_params(
         raise ValueError(f"learning rate must be > 0, got {lr}")
     if weight_decay < 0:
         raise ValueError(f"weight_decay must be >= 0, got {weight_decay}")
+    if weight_decay > 0 and (device_type == "cpu" or optimizer not in _WEIGHT_DECAY_OPTIMIZERS):
+        # fbgemm's sgd/adagrad kernels take no weight_decay, and its CPU kernels ignore it (checked on
+        # fbgemm-gpu-cpu 1.8 for rowwise_adagrad, all modes): refuse rather than drop it silently.
+        raise ValueError(
+            f"weight_decay is not supported by the fused {optimizer!r} on {device_type}; fbgemm applies it "
+            f"only on CUDA with {' or '.join(_WEIGHT_DECAY_OPTIMIZERS)}: use weight_decay=0"
+        )
     opt_type = {
         "sgd": EmbOptimType.EXACT_SGD,
         "adagrad": EmbOptimType.EXACT_ADAGRAD,
@@ -105,15 +120,20 @@ def row_wise_sharders(params: dict[str, Any]) -> list:
 
 def embedding_table_names(module: nn.Module) -> list[str]:
     """Names of the tables of every (unsharded) ``EmbeddingBagCollection``/``EmbeddingCollection`` in ``module``."""
+    return list(embedding_table_dims(module))
+
+
+def embedding_table_dims(module: nn.Module) -> dict[str, int]:
+    """Embedding dimension of each table of the (unsharded) torchrec collections in ``module``."""
     from torchrec import EmbeddingBagCollection, EmbeddingCollection
 
-    names: list[str] = []
+    dims: dict[str, int] = {}
     for sub in module.modules():
         if isinstance(sub, EmbeddingBagCollection):
-            names += [config.name for config in sub.embedding_bag_configs()]
+            dims.update({config.name: config.embedding_dim for config in sub.embedding_bag_configs()})
         elif isinstance(sub, EmbeddingCollection):
-            names += [config.name for config in sub.embedding_configs()]
-    return names
+            dims.update({config.name: config.embedding_dim for config in sub.embedding_configs()})
+    return dims
 
 
 @contextmanager
@@ -154,6 +174,7 @@ def shard_row_wise(
     eps: float = 1e-8,
     process_group: dist.ProcessGroup | None = None,
     device: torch.device | str | None = None,
+    gradient_division: bool = False,
 ):
     """Plan row-wise sharding of every embedding table in ``module`` and wrap it in ``DistributedModelParallel``.
 
@@ -162,18 +183,28 @@ def shard_row_wise(
     allocated; after sharding, ``module.reset_parameters()`` (if it has one, e.g. :class:`UserTower`) refills
     them with its deterministic initialisation.
 
+    Gradients: by default the sharded tables receive exactly the gradient of the loss that is
+    back-propagated, summed over ranks (``dL/dE = Σ_r dL_r/dE``), as the item-parallel catalog does. torchrec's
+    own default divides it by the world size (it assumes DDP-style per-rank mean losses); pass
+    ``gradient_division=True`` for that. This is torchrec's process-wide switch
+    (``torchrec.distributed.comm_ops.set_gradient_division``): the last call in a process wins.
+
     Returns:
         ``(dmp, plan)``: ``dmp`` is the ``DistributedModelParallel`` (call it like ``module``; ``dmp.module``
         is ``module`` with its tables replaced by sharded ones; ``dmp.fused_optimizer`` holds the optimizer
         state), ``plan`` the ``ShardingPlan`` (see :func:`format_plan`).
     Raises ValueError when ``module`` has no embedding tables or the optimizer settings are invalid.
     """
+    from torchrec.distributed import comm_ops
     from torchrec.distributed.model_parallel import DistributedModelParallel
     from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints
     from torchrec.distributed.planner.storage_reservations import FixedPercentageStorageReservation
     from torchrec.distributed.planner.types import KernelConfig, TopologyFactory, TrainerConfig
     from torchrec.distributed.types import ShardingEnv, ShardingType
 
+    for name, dim in embedding_table_dims(module).items():
+        if dim % 4:
+            raise ValueError(f"table {name!r} has dim {dim}: fbgemm's sharded tables need a multiple of 4")
     if not dist.is_initialized():
         raise ValueError("shard_row_wise needs an initialised torch.distributed process group")
     group = process_group if process_group is not None else dist.group.WORLD
@@ -201,6 +232,7 @@ def shard_row_wise(
             module, env=ShardingEnv.from_process_group(group), device=device, plan=plan, sharders=sharders
         )
     _check_row_wise(plan, tables)
+    comm_ops.set_gradient_division(bool(gradient_division))
     reset = getattr(dmp.module, "reset_parameters", None)
     if callable(reset):
         reset()
