@@ -1,0 +1,331 @@
+"""Dataset layout: the manifest, atomic Parquet writes, and up-front validation of the files.
+
+A dataset is a directory::
+
+    <root>/manifest.json                       written last: its presence means the dataset is complete
+    <root>/{train,valid,test}/part-NNNNN.parquet
+    <root>/users.parquet, items.parquet        (ingested data: dense id -> original id, titles)
+    <root>/truth.npz                           (synthetic data without expansion: the true factors)
+
+Parquet columns: ``user_id: int32`` and ``item_id: int32`` (0-based; ids lie in ``[0, num_users)`` and
+``[0, num_items)``), plus ``rating: float32`` / ``timestamp: int64`` where the source has them.
+
+Every file is written to a temporary name and renamed into place (``os.replace``), so an interrupted run
+never leaves a file that looks complete, and the manifest is written after all data files. The manifest
+records, per split, the row count, the relative file paths, each file's size in bytes, its row count and
+its row-group sizes: readers plan their work from it (identically on every rank) and a truncated or
+replaced file is caught before training starts.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+
+import numpy as np
+
+FORMAT_VERSION = 1
+MANIFEST_NAME = "manifest.json"
+SPLITS = ("train", "valid", "test")
+ROW_GROUP_SIZE = 1 << 20
+ROWS_PER_FILE = 1 << 23
+COMPRESSION = "zstd"
+REQUIRED_KEYS = ("format_version", "num_users", "num_items", "splits", "schema", "seed", "source", "generator")
+ID_COLUMNS = ("user_id", "item_id")
+SPLIT_FRACTIONS = (0.8, 0.1, 0.1)
+COLUMN_TYPES = {"user_id": "int32", "item_id": "int32", "rating": "float32", "timestamp": "int64"}
+
+
+def random_split_labels(rng: np.random.Generator, count: int, fractions=SPLIT_FRACTIONS) -> np.ndarray:
+    """Exact-size random split of ``count`` pairs (the Rankmax paper's 80/10/10 protocol by default).
+
+    Returns int8 labels of shape (count,): 0 = train, 1 = valid, 2 = test (index into ``SPLITS``).
+    """
+    sizes = [int(round(f * count)) for f in fractions[:-1]]
+    labels = np.full(count, len(fractions) - 1, dtype=np.int8)
+    order = rng.permutation(count)
+    start = 0
+    for label, size in enumerate(sizes):
+        labels[order[start : start + size]] = label
+        start += size
+    return labels
+
+
+def temporary_path(path: Path) -> Path:
+    """A sibling name for writing ``path`` before the atomic rename (hidden, tagged with the pid)."""
+    return path.with_name(f".{path.name}.tmp-{os.getpid()}")
+
+
+def remove_stale_temporaries(directory: str | Path) -> int:
+    """Delete leftovers of interrupted writes (``.*.tmp-*``) under ``directory``; returns how many."""
+    removed = 0
+    for path in Path(directory).rglob(".*.tmp-*"):
+        path.unlink(missing_ok=True)
+        removed += 1
+    return removed
+
+
+def write_json_atomic(path: str | Path, payload: Mapping) -> None:
+    """Write ``payload`` as indented JSON to ``path`` via a temporary file and ``os.replace``."""
+    path = Path(path)
+    tmp = temporary_path(path)
+    tmp.write_text(json.dumps(payload, indent=1, sort_keys=False) + "\n")
+    os.replace(tmp, path)
+
+
+def arrow_table(columns: Mapping[str, np.ndarray]):
+    """A ``pyarrow.Table`` from numpy columns, cast to the layout's types (``COLUMN_TYPES``)."""
+    import pyarrow as pa
+
+    arrays, names = [], []
+    for name, values in columns.items():
+        dtype = COLUMN_TYPES.get(name)
+        values = np.asarray(values)
+        if dtype is not None and values.dtype != np.dtype(dtype):
+            values = values.astype(dtype)
+        arrays.append(pa.array(values))
+        names.append(name)
+    return pa.Table.from_arrays(arrays, names=names)
+
+
+def write_parquet_atomic(
+    path: str | Path,
+    columns: Mapping[str, np.ndarray],
+    row_group_size: int = ROW_GROUP_SIZE,
+    compression: str = COMPRESSION,
+) -> Path:
+    """Write numpy ``columns`` (equal lengths) to the Parquet file ``path`` atomically.
+
+    Row groups hold ``row_group_size`` rows (the unit of work of the streaming reader). Returns ``path``.
+    """
+    import pyarrow.parquet as pq
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = temporary_path(path)
+    pq.write_table(arrow_table(columns), tmp, row_group_size=row_group_size, compression=compression)
+    os.replace(tmp, path)
+    return path
+
+
+def part_name(split: str, index: int) -> str:
+    """Relative path of part ``index`` of ``split``: ``<split>/part-NNNNN.parquet``."""
+    return f"{split}/part-{index:05d}.parquet"
+
+
+def write_split_parts(
+    root: str | Path,
+    split: str,
+    columns: Mapping[str, np.ndarray],
+    first_part: int = 0,
+    rows_per_file: int = ROWS_PER_FILE,
+    row_group_size: int = ROW_GROUP_SIZE,
+    compression: str = COMPRESSION,
+) -> list[str]:
+    """Write in-memory ``columns`` of one split as part files ``first_part, first_part+1, ...``.
+
+    Returns the relative paths written (none when the columns are empty).
+    """
+    root = Path(root)
+    lengths = {len(values) for values in columns.values()}
+    if len(lengths) != 1:
+        raise ValueError(f"columns of split {split!r} have different lengths: {sorted(lengths)}")
+    (rows,) = lengths
+    written = []
+    for index, start in enumerate(range(0, rows, rows_per_file)):
+        name = part_name(split, first_part + index)
+        piece = {key: values[start : start + rows_per_file] for key, values in columns.items()}
+        write_parquet_atomic(root / name, piece, row_group_size=row_group_size, compression=compression)
+        written.append(name)
+    return written
+
+
+def describe_files(root: str | Path, files: Iterable[str]) -> dict:
+    """Read the footers of ``files`` (relative to ``root``) and describe the split they form.
+
+    Returns ``{rows, files, file_rows, file_bytes, row_groups}`` where ``row_groups[f]`` lists the row
+    counts of the row groups of file ``f``. Raises like ``validate_dataset`` on a missing or corrupt file.
+    """
+    root = Path(root)
+    files = list(files)
+    file_rows, file_bytes, row_groups = [], [], []
+    for name in files:
+        metadata = _read_footer(root / name)
+        groups = [metadata.row_group(g).num_rows for g in range(metadata.num_row_groups)]
+        file_rows.append(int(metadata.num_rows))
+        file_bytes.append((root / name).stat().st_size)
+        row_groups.append(groups)
+    return {
+        "rows": int(sum(file_rows)),
+        "files": files,
+        "file_rows": file_rows,
+        "file_bytes": file_bytes,
+        "row_groups": row_groups,
+    }
+
+
+def _read_footer(path: Path):
+    import pyarrow.parquet as pq
+
+    if not path.is_file():
+        raise FileNotFoundError(f"dataset file is missing: {path}")
+    try:
+        return pq.ParquetFile(path).metadata
+    except Exception as error:  # pyarrow raises ArrowInvalid / OSError for a bad footer
+        raise ValueError(
+            f"dataset file is corrupt or truncated (unreadable Parquet footer): {path}: {error}"
+        ) from error
+
+
+def file_schema(path: str | Path) -> dict[str, str]:
+    """Column name -> Arrow type name of one Parquet file."""
+    import pyarrow.parquet as pq
+
+    schema = pq.read_schema(path)
+    return {field.name: str(field.type) for field in schema}
+
+
+def write_manifest(
+    root: str | Path,
+    *,
+    num_users: int,
+    num_items: int,
+    split_files: Mapping[str, list[str]],
+    seed: int | None,
+    source: str,
+    generator: Mapping,
+    extra: Mapping | None = None,
+) -> dict:
+    """Describe the split files from their footers and write ``<root>/manifest.json`` atomically.
+
+    Call it only after every data file is in place: the manifest is the mark of a complete dataset.
+    ``extra`` adds keys (e.g. ``num_rated_items``). Returns the manifest.
+    """
+    root = Path(root)
+    splits = {name: describe_files(root, files) for name, files in split_files.items()}
+    schema = {}
+    for description in splits.values():
+        if description["files"]:
+            schema = file_schema(root / description["files"][0])
+            break
+    manifest = {
+        "format_version": FORMAT_VERSION,
+        "num_users": int(num_users),
+        "num_items": int(num_items),
+        "num_ratings": int(sum(s["rows"] for s in splits.values())),
+        "splits": splits,
+        "schema": schema,
+        "seed": seed,
+        "source": source,
+        "generator": dict(generator),
+    }
+    manifest.update(extra or {})
+    write_json_atomic(root / MANIFEST_NAME, manifest)
+    return manifest
+
+
+def load_manifest(root: str | Path) -> dict:
+    """Read and check ``<root>/manifest.json``.
+
+    Raises FileNotFoundError when the directory or the manifest is missing (a dataset whose generation did
+    not finish has no manifest), ValueError when it is not valid JSON, has another format version or lacks
+    a required key.
+    """
+    root = Path(root)
+    if not root.is_dir():
+        raise FileNotFoundError(f"dataset directory does not exist: {root}")
+    path = root / MANIFEST_NAME
+    if not path.is_file():
+        raise FileNotFoundError(
+            f"no {MANIFEST_NAME} in {root}: not a bigrank dataset, or its generation did not finish "
+            "(rerun `bigrank generate ... --resume`)"
+        )
+    try:
+        manifest = json.loads(path.read_text())
+    except json.JSONDecodeError as error:
+        raise ValueError(f"{path} is not valid JSON: {error}") from error
+    if not isinstance(manifest, dict):
+        raise ValueError(f"{path} does not hold a JSON object")
+    missing = [key for key in REQUIRED_KEYS if key not in manifest]
+    if missing:
+        raise ValueError(f"{path} lacks the keys {missing}")
+    if manifest["format_version"] != FORMAT_VERSION:
+        raise ValueError(f"{path} has format_version {manifest['format_version']}, this bigrank reads {FORMAT_VERSION}")
+    for name, split in manifest["splits"].items():
+        for key in ("rows", "files", "file_rows", "row_groups"):
+            if key not in split:
+                raise ValueError(f"{path}: split {name!r} lacks {key!r}")
+    return manifest
+
+
+def split_info(manifest: Mapping, split: str) -> dict:
+    """The manifest entry of ``split``; ValueError naming the available splits when it is absent."""
+    if split not in manifest["splits"]:
+        raise ValueError(f"dataset has no split {split!r}; it has {sorted(manifest['splits'])}")
+    return manifest["splits"][split]
+
+
+def validate_dataset(root: str | Path, splits: Iterable[str] | None = None, deep: bool = False) -> dict:
+    """Check the files of ``splits`` (default: all) against the manifest before any work starts.
+
+    Checks that every file exists (FileNotFoundError naming it), has the recorded size (truncated or
+    replaced files), has a readable footer, and holds the recorded rows and row groups with ``user_id`` /
+    ``item_id`` of type int32 (ValueError naming the file). ``deep=True`` also decodes every row group
+    and checks ids lie in ``[0, num_users)`` / ``[0, num_items)`` — this reads all the data. Returns the
+    manifest.
+    """
+    root = Path(root)
+    manifest = load_manifest(root)
+    names = list(manifest["splits"]) if splits is None else list(splits)
+    for split in names:
+        info = split_info(manifest, split)
+        if len(info["file_rows"]) != len(info["files"]) or len(info["row_groups"]) != len(info["files"]):
+            raise ValueError(f"manifest of {root}: split {split!r} lists inconsistent file entries")
+        if sum(info["file_rows"]) != info["rows"]:
+            raise ValueError(f"manifest of {root}: split {split!r} row count differs from its files' sum")
+        for index, name in enumerate(info["files"]):
+            path = root / name
+            if not path.is_file():
+                raise FileNotFoundError(f"dataset file listed in the manifest is missing: {path}")
+            expected_bytes = info.get("file_bytes", [None] * len(info["files"]))[index]
+            size = path.stat().st_size
+            if expected_bytes is not None and size != expected_bytes:
+                raise ValueError(
+                    f"dataset file is truncated or was modified: {path} has {size} bytes, "
+                    f"the manifest records {expected_bytes}"
+                )
+            metadata = _read_footer(path)
+            groups = [metadata.row_group(g).num_rows for g in range(metadata.num_row_groups)]
+            if metadata.num_rows != info["file_rows"][index] or groups != list(info["row_groups"][index]):
+                raise ValueError(
+                    f"dataset file {path} holds {metadata.num_rows} rows in row groups {groups[:8]}..., "
+                    f"the manifest records {info['file_rows'][index]}"
+                )
+            schema = metadata.schema.to_arrow_schema()
+            for column in ID_COLUMNS:
+                if column not in schema.names or str(schema.field(column).type) != "int32":
+                    raise ValueError(f"dataset file {path} lacks an int32 column {column!r}")
+            if deep:
+                _check_file_contents(path, manifest)
+    return manifest
+
+
+def _check_file_contents(path: Path, manifest: Mapping) -> None:
+    import pyarrow.parquet as pq
+
+    try:
+        parquet = pq.ParquetFile(path)
+        for group in range(parquet.num_row_groups):
+            table = parquet.read_row_group(group, columns=list(ID_COLUMNS))
+            users = table.column("user_id").to_numpy()
+            items = table.column("item_id").to_numpy()
+            if len(users) and (users.min() < 0 or users.max() >= manifest["num_users"]):
+                raise ValueError(f"user_id out of [0, {manifest['num_users']}) in row group {group}")
+            if len(items) and (items.min() < 0 or items.max() >= manifest["num_items"]):
+                raise ValueError(f"item_id out of [0, {manifest['num_items']}) in row group {group}")
+    except ValueError as error:
+        raise ValueError(f"dataset file {path} is invalid: {error}") from error
+    except Exception as error:
+        raise ValueError(f"dataset file {path} is corrupt (a row group does not decode): {error}") from error

@@ -1,0 +1,397 @@
+"""Streaming reader over a dataset split: per-rank shares, bounded shuffle, prefetch, exact resume.
+
+``ParquetStream(root, split, batch_size, rank, world_size, ...)`` yields batches as dicts of torch tensors
+(``user_id`` / ``item_id`` int64, ``rating`` float32 when asked for). How an epoch is laid out:
+
+1. **Global order.** The split's row groups (listed in the manifest) are permuted with a generator seeded
+   by (seed, epoch) — the same on every rank. Concatenated, they form the epoch's global row sequence of
+   ``N`` rows.
+2. **Rank shares.** Rank ``r`` of ``W`` owns rows ``[r*N//W, (r+1)*N//W)`` of that sequence: shares differ
+   by at most one row and together cover every row exactly once. A rank reads only the row groups that
+   overlap its share (at most two row groups are shared, each rank reading its own slice).
+3. **Bounded shuffle.** A rank's share is cut into windows of whole pieces of at least ``shuffle_buffer``
+   rows (at most ``shuffle_buffer`` + one row group in memory); each window's rows are permuted with a
+   generator seeded by (seed, epoch, rank, window). Because every window's content and permutation are
+   known from the manifest alone, the stream can start at any row without reading what came before.
+4. **Batches and lock-step.** All ranks run ``steps_per_epoch()`` steps, the same number on every rank
+   (computed from the manifest), so collectives stay in lock-step:
+
+   * ``drop_last=False`` (default): ``steps = ceil(ceil(N/W) / batch_size)``. Batch ``s`` of a rank holds its
+     rows ``[s*B, min((s+1)*B, share))``: every row is seen exactly once per epoch; the last batch of a rank
+     is smaller, and when ``N % W != 0`` it can hold **zero rows** on the ranks with the smaller share (an
+     empty batch is still yielded so that the rank takes part in the step's collectives).
+   * ``drop_last=True``: ``steps = (N//W) // batch_size``; every batch is full and the
+     ``N - W*steps*B`` rows at the end of the shares are skipped this epoch (different rows every epoch).
+
+Resume: ``state_dict()`` records the epoch and the number of batches handed out in it;
+``load_state_dict()`` continues with the next batch exactly, so an epoch interrupted and resumed yields the
+same batches as an uninterrupted one. The state moves to the next epoch as soon as the last batch of an
+epoch is handed out. ``set_epoch(e)`` moves to the start of epoch ``e`` unless the stream is already in
+epoch ``e`` (so a resumed trainer can call it without losing its place).
+
+Files are checked against the manifest when the stream is built (``validate_dataset``): a missing,
+truncated or corrupt file is an error naming it, raised before training starts; a row group that fails to
+decode later raises ValueError naming the file and row group.
+"""
+
+from __future__ import annotations
+
+import math
+import queue
+import threading
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+import numpy as np
+
+from bigrank.data import manifest as layout
+
+DEFAULT_SHUFFLE_BUFFER = 1 << 20
+_DONE = object()
+
+
+class ParquetStream:
+    """Iterable over the batches of one split for one rank (see the module docstring for the policy).
+
+    ``for batch in stream`` yields the rest of the current epoch; ``len(stream)`` and
+    ``steps_per_epoch()`` give the number of steps every rank runs per epoch. Batches are dicts of torch
+    tensors of shape (b,), b <= batch_size.
+    """
+
+    def __init__(
+        self,
+        root: str | Path,
+        split: str,
+        batch_size: int,
+        rank: int = 0,
+        world_size: int = 1,
+        seed: int = 0,
+        shuffle: bool = True,
+        shuffle_buffer: int = DEFAULT_SHUFFLE_BUFFER,
+        drop_last: bool = False,
+        columns: Sequence[str] = ("user_id", "item_id"),
+        prefetch: int = 4,
+        validate: bool = True,
+    ):
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be positive, got {batch_size}")
+        if world_size < 1 or not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} is not in [0, world_size={world_size})")
+        if shuffle_buffer < 1:
+            raise ValueError(f"shuffle_buffer must be positive, got {shuffle_buffer}")
+        self.root = Path(root)
+        self.split = split
+        self.batch_size = int(batch_size)
+        self.rank = int(rank)
+        self.world_size = int(world_size)
+        self.seed = int(seed)
+        self.shuffle = bool(shuffle)
+        self.shuffle_buffer = int(shuffle_buffer)
+        self.drop_last = bool(drop_last)
+        self.columns = tuple(columns)
+        self.prefetch = int(prefetch)
+        manifest = layout.validate_dataset(self.root, [split]) if validate else layout.load_manifest(self.root)
+        self.manifest = manifest
+        info = layout.split_info(manifest, split)
+        schema = manifest.get("schema") or {}
+        missing = [c for c in self.columns if schema and c not in schema]
+        if missing:
+            raise ValueError(f"dataset {self.root} has no column(s) {missing}; it has {sorted(schema)}")
+        self._files = [self.root / name for name in info["files"]]
+        group_file, group_index, group_rows = [], [], []
+        for file_index, groups in enumerate(info["row_groups"]):
+            for index, rows in enumerate(groups):
+                if rows:
+                    group_file.append(file_index)
+                    group_index.append(index)
+                    group_rows.append(rows)
+        self._group_file = np.asarray(group_file, dtype=np.int64)
+        self._group_index = np.asarray(group_index, dtype=np.int64)
+        self._group_rows = np.asarray(group_rows, dtype=np.int64)
+        self.num_rows = int(self._group_rows.sum())
+        self.epoch = 0
+        self._step = 0
+        self._handles: dict[int, object] = {}
+
+    # ----- the plan (identical on every rank) -----
+    def share(self, rank: int | None = None) -> tuple[int, int]:
+        """Rows ``[start, stop)`` of the epoch's global row sequence owned by ``rank`` (default: own)."""
+        rank = self.rank if rank is None else rank
+        return rank * self.num_rows // self.world_size, (rank + 1) * self.num_rows // self.world_size
+
+    def steps_per_epoch(self) -> int:
+        """Steps every rank runs per epoch (same value on all ranks; see the module docstring)."""
+        if self.drop_last:
+            return (self.num_rows // self.world_size) // self.batch_size
+        return math.ceil(math.ceil(self.num_rows / self.world_size) / self.batch_size)
+
+    def __len__(self) -> int:
+        return self.steps_per_epoch()
+
+    def rows_per_epoch(self) -> int:
+        """Rows this rank yields per epoch."""
+        start, stop = self.share()
+        if self.drop_last:
+            return self.steps_per_epoch() * self.batch_size
+        return stop - start
+
+    def _group_order(self, epoch: int) -> np.ndarray:
+        if not self.shuffle:
+            return np.arange(len(self._group_rows))
+        return np.random.default_rng([self.seed, epoch, 0x57AE]).permutation(len(self._group_rows))
+
+    def _windows(self, epoch: int) -> list[list[tuple[int, int, int]]]:
+        """This rank's share as windows of pieces ``(group, lo, hi)`` (rows lo:hi of row group ``group``)."""
+        order = self._group_order(epoch)
+        sizes = self._group_rows[order]
+        starts = np.concatenate([[0], np.cumsum(sizes)])
+        begin, end = self.share()
+        windows, current, current_rows = [], [], 0
+        first = int(np.searchsorted(starts, begin, side="right")) - 1
+        for k in range(max(first, 0), len(order)):
+            if starts[k] >= end:
+                break
+            lo = max(begin - int(starts[k]), 0)
+            hi = min(end - int(starts[k]), int(sizes[k]))
+            if hi <= lo:
+                continue
+            current.append((int(order[k]), lo, hi))
+            current_rows += hi - lo
+            if not self.shuffle or current_rows >= self.shuffle_buffer:
+                windows.append(current)
+                current, current_rows = [], 0
+        if current:
+            windows.append(current)
+        return windows
+
+    # ----- state -----
+    def state_dict(self) -> dict:
+        """Where the stream stands: the epoch and the batches already handed out in it, plus the settings
+        that must match on restore."""
+        return {
+            "epoch": self.epoch,
+            "step": self._step,
+            "split": self.split,
+            "rank": self.rank,
+            "world_size": self.world_size,
+            "batch_size": self.batch_size,
+            "seed": self.seed,
+            "shuffle": self.shuffle,
+            "shuffle_buffer": self.shuffle_buffer,
+            "drop_last": self.drop_last,
+            "num_rows": self.num_rows,
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        """Continue from ``state`` (from ``state_dict()`` of a stream with the same settings)."""
+        for key in ("split", "rank", "world_size", "batch_size", "seed", "shuffle", "shuffle_buffer", "drop_last"):
+            if key in state and state[key] != getattr(self, key):
+                raise ValueError(f"stream state has {key}={state[key]!r} but this stream has {getattr(self, key)!r}")
+        if state.get("num_rows", self.num_rows) != self.num_rows:
+            raise ValueError(f"stream state is for a split of {state['num_rows']} rows, this one has {self.num_rows}")
+        step = int(state["step"])
+        if not 0 <= step <= self.steps_per_epoch():
+            raise ValueError(f"stream state step {step} is outside [0, {self.steps_per_epoch()}]")
+        self.epoch = int(state["epoch"])
+        self._step = step
+
+    def set_epoch(self, epoch: int) -> None:
+        """Move to the start of ``epoch``; no-op when already in ``epoch`` (keeps a restored position)."""
+        if int(epoch) != self.epoch:
+            self.epoch = int(epoch)
+            self._step = 0
+
+    # ----- reading -----
+    def _read_piece(self, group: int, lo: int, hi: int) -> dict[str, np.ndarray]:
+        file_index = int(self._group_file[group])
+        path = self._files[file_index]
+        index = int(self._group_index[group])
+        try:
+            handle = self._handles.get(file_index)
+            if handle is None:
+                import pyarrow.parquet as pq
+
+                if len(self._handles) >= 8:
+                    self._handles.clear()
+                handle = self._handles[file_index] = pq.ParquetFile(path)
+            table = handle.read_row_group(index, columns=list(self.columns))
+        except Exception as error:
+            raise ValueError(f"cannot read row group {index} of dataset file {path}: {error}") from error
+        if table.num_rows != int(self._group_rows[group]):
+            raise ValueError(
+                f"row group {index} of {path} holds {table.num_rows} rows, the manifest records "
+                f"{int(self._group_rows[group])}"
+            )
+        return {name: table.column(name).to_numpy()[lo:hi] for name in self.columns}
+
+    def _read_window(self, epoch: int, window_index: int, pieces) -> dict[str, np.ndarray]:
+        parts = [self._read_piece(*piece) for piece in pieces]
+        data = {name: np.concatenate([p[name] for p in parts]) for name in self.columns}
+        if self.shuffle:
+            rows = len(data[self.columns[0]])
+            permutation = np.random.default_rng([self.seed, epoch, self.rank, window_index, 0x5B0F]).permutation(rows)
+            data = {name: values[permutation] for name, values in data.items()}
+        return data
+
+    def _batches(self, epoch: int, first_step: int, stop_event: threading.Event | None = None):
+        """Numpy batches of ``epoch`` from step ``first_step`` to the end of the epoch."""
+        steps = self.steps_per_epoch()
+        end = self.rows_per_epoch()
+        position = min(first_step * self.batch_size, end)
+        windows = self._windows(epoch)
+        window_sizes = [sum(hi - lo for _, lo, hi in pieces) for pieces in windows]
+        window_starts = np.concatenate([[0], np.cumsum(window_sizes)]).astype(np.int64)
+        window = int(np.searchsorted(window_starts, position, side="right")) - 1
+        offset = position - int(window_starts[window]) if windows else 0
+        carry: list[dict[str, np.ndarray]] = []
+        carry_rows = 0
+        for step in range(first_step, steps):
+            size = max(0, min(self.batch_size, end - step * self.batch_size))
+            while carry_rows < size:
+                data = self._read_window(epoch, window, windows[window])
+                if offset:
+                    data = {name: values[offset:] for name, values in data.items()}
+                    offset = 0
+                carry.append(data)
+                carry_rows += len(data[self.columns[0]])
+                window += 1
+            if len(carry) == 1:
+                merged = carry[0]
+            elif carry:
+                merged = {name: np.concatenate([c[name] for c in carry]) for name in self.columns}
+            else:
+                merged = {name: np.empty(0, dtype=np.int64) for name in self.columns}
+            batch = {name: values[:size] for name, values in merged.items()}
+            rest = {name: values[size:] for name, values in merged.items()}
+            carry_rows = len(rest[self.columns[0]]) if rest else 0
+            carry = [rest] if carry_rows else []
+            if stop_event is not None and stop_event.is_set():
+                return
+            yield step, batch
+
+    def __iter__(self) -> Iterator[dict]:
+        import torch
+
+        epoch, first_step, steps = self.epoch, self._step, self.steps_per_epoch()
+        if first_step >= steps:  # a restored state at the very end of an epoch
+            self.epoch, self._step = epoch + 1, 0
+            return
+        source, stop_event, worker = self._start(epoch, first_step)
+        try:
+            for step, batch in source:
+                tensors = {}
+                for name, values in batch.items():
+                    if name in ("user_id", "item_id", "timestamp"):
+                        values = values.astype(np.int64, copy=False)
+                    tensors[name] = torch.from_numpy(np.ascontiguousarray(values))
+                # The state moves past this batch before the caller sees it: a checkpoint taken while
+                # the batch is being trained on resumes at the next one.
+                if step + 1 >= steps:
+                    self.epoch, self._step = epoch + 1, 0
+                else:
+                    self.epoch, self._step = epoch, step + 1
+                yield tensors
+        finally:
+            if stop_event is not None:
+                stop_event.set()
+                _drain(source)
+                worker.join()
+
+    def _start(self, epoch: int, first_step: int):
+        """The batch source: a background thread filling a bounded queue, or the plain generator."""
+        if self.prefetch <= 0:
+            return self._batches(epoch, first_step), None, None
+        buffer: queue.Queue = queue.Queue(maxsize=self.prefetch)
+        stop_event = threading.Event()
+
+        def produce():
+            try:
+                for item in self._batches(epoch, first_step, stop_event):
+                    while not stop_event.is_set():
+                        try:
+                            buffer.put(item, timeout=0.1)
+                            break
+                        except queue.Full:
+                            continue
+                    if stop_event.is_set():
+                        return
+                buffer.put(_DONE)
+            except BaseException as error:  # handed to the consumer, raised there
+                buffer.put(error)
+
+        worker = threading.Thread(target=produce, name=f"ParquetStream-{self.split}-{self.rank}", daemon=True)
+        worker.start()
+
+        return _QueueSource(buffer), stop_event, worker
+
+
+class _QueueSource:
+    """Iterator over the prefetch queue; raises the producer's exception in the consumer."""
+
+    def __init__(self, buffer: queue.Queue):
+        self.buffer = buffer
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        item = self.buffer.get()
+        if item is _DONE:
+            raise StopIteration
+        if isinstance(item, BaseException):
+            raise item
+        return item
+
+
+def _drain(source) -> None:
+    buffer = getattr(source, "buffer", None)
+    if buffer is None:
+        return
+    try:
+        while True:
+            buffer.get_nowait()
+    except queue.Empty:
+        pass
+
+
+def iter_row_groups(root: str | Path, split: str, columns: Sequence[str] = ("user_id", "item_id")):
+    """Yield every row group of ``split`` in file order as a dict of numpy arrays (bounded memory)."""
+    import pyarrow.parquet as pq
+
+    root = Path(root)
+    manifest = layout.load_manifest(root)
+    info = layout.split_info(manifest, split)
+    for name in info["files"]:
+        path = root / name
+        try:
+            parquet = pq.ParquetFile(path)
+            for group in range(parquet.num_row_groups):
+                table = parquet.read_row_group(group, columns=list(columns))
+                yield {c: table.column(c).to_numpy() for c in columns}
+        except FileNotFoundError as error:
+            raise FileNotFoundError(f"dataset file is missing: {path}") from error
+        except Exception as error:
+            raise ValueError(f"cannot read dataset file {path}: {error}") from error
+
+
+def read_user_items(root: str | Path, split: str, num_users: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """All (user, item) pairs of ``split`` as per-user CSR arrays, read row group by row group.
+
+    Returns ``(indptr, items)``: ``indptr`` int64 of shape (num_users + 1,), ``items`` int32 of shape
+    (rows,); the items of user ``u`` are ``items[indptr[u]:indptr[u+1]]``, sorted ascending (so
+    ``np.searchsorted`` tests membership). ``num_users`` defaults to the manifest's. Memory: ~16 bytes per
+    row of the split while sorting.
+    """
+    manifest = layout.load_manifest(root)
+    num_users = int(manifest["num_users"] if num_users is None else num_users)
+    num_items = int(manifest["num_items"])
+    keys = []
+    for group in iter_row_groups(root, split):
+        keys.append(group["user_id"].astype(np.int64) * num_items + group["item_id"])
+    keys = np.sort(np.concatenate(keys)) if keys else np.empty(0, dtype=np.int64)
+    users = keys // num_items
+    if len(users) and (users.min() < 0 or users.max() >= num_users):
+        raise ValueError(f"split {split!r} of {root} has user ids outside [0, {num_users})")
+    indptr = np.zeros(num_users + 1, dtype=np.int64)
+    np.cumsum(np.bincount(users, minlength=num_users), out=indptr[1:])
+    return indptr, (keys - users * num_items).astype(np.int32)
