@@ -13,6 +13,7 @@ import importlib
 import sys
 
 COMMAND_MODULES = [
+    "bigrank.data.commands",
 ]
 
 
