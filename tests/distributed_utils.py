@@ -15,6 +15,7 @@ instead of blocking the suite.
 from __future__ import annotations
 
 import os
+import pickle
 import socket
 import traceback
 
@@ -46,7 +47,9 @@ def _worker(rank, world_size, port, fn, args, queue):
             result = fn(rank, world_size, dist.group.WORLD, *args)
         finally:
             dist.destroy_process_group()
-        queue.put((rank, "ok", result))
+        # Plain pickle copies tensor data: torch's queue would pass shared-memory handles, which die with
+        # this process before the parent reads them.
+        queue.put((rank, "ok", pickle.dumps(result)))
     except BaseException:  # noqa: BLE001 - report anything, including SystemExit, to the parent
         queue.put((rank, "error", traceback.format_exc()))
 
@@ -65,7 +68,7 @@ def run_distributed(fn, world_size: int, args: tuple = (), timeout: float = 120.
         for _ in range(world_size):
             rank, status, payload = queue.get(timeout=timeout)
             if status == "ok":
-                results[rank] = payload
+                results[rank] = pickle.loads(payload)
             else:
                 errors.append(f"rank {rank} failed:\n{payload}")
                 break

@@ -66,7 +66,10 @@ def _solve_alpha(top: torch.Tensor, mu: torch.Tensor, support_sum: torch.Tensor,
     remaining = torch.arange(k, 0, -1, dtype=top.dtype, device=top.device)  # k - t
     alphas = remaining / denominators
     feasible = alphas * gaps <= 1
-    t = feasible.to(torch.int64).argmax(dim=1)  # first feasible t (t = k - 1 always is)
+    # t = k - 1 is always feasible in exact arithmetic; when the support is exactly the top k (a gap of at
+    # least eta below z_[k]) the test there is an equality that rounding may break, so force it.
+    feasible[:, k - 1] = True
+    t = feasible.to(torch.int64).argmax(dim=1)  # first feasible t
     pick = t.unsqueeze(1)
     return t, denominators.gather(1, pick).squeeze(1), alphas.gather(1, pick).squeeze(1)
 

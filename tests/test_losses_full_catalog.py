@@ -1,0 +1,246 @@
+"""Single-process full-catalog losses against brute-force references, closed forms and finite differences."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from bigrank.losses import (
+    ChunkedScores,
+    RankmaxLoss,
+    SoftmaxLoss,
+    SparsemaxLoss,
+    rankmax,
+    rankmax_loss,
+    softmax_loss,
+    sparsemax,
+    sparsemax_loss,
+)
+from tests.reference_losses import rankmax_reference, sparsemax_loss_row, sparsemax_row
+
+
+def make_scores(batch=8, n=40, scale=1.0, seed=0, dtype=torch.float64):
+    generator = torch.Generator().manual_seed(seed)
+    scores = torch.randn(batch, n, generator=generator, dtype=dtype) * scale
+    target = torch.randint(0, n, (batch,), generator=generator)
+    return scores, target
+
+
+def scores_with_all_regimes(k: int, n: int = 30, seed: int = 0):
+    """Rows covering: positive far below the top k, positive inside the top k, positive among the clipped top
+    t (loss 0), widely spread scores (t > 0), and exact ties at the k-th value."""
+    generator = torch.Generator().manual_seed(seed)
+    rows, targets = [], []
+    for scale in (0.3, 1.0, 4.0, 12.0):
+        for placement in ("low", "top", "first"):
+            z = torch.randn(n, generator=generator, dtype=torch.float64) * scale
+            order = torch.argsort(z, descending=True)
+            y = {"low": order[-1], "top": order[min(k, n) - 1], "first": order[0]}[placement]
+            rows.append(z)
+            targets.append(int(y))
+    tied = torch.randn(n, generator=generator, dtype=torch.float64)
+    order = torch.argsort(tied, descending=True)
+    tied[order[k - 1 : k + 2]] = tied[order[k - 1]].item()  # three scores equal at the k-th place
+    rows += [tied, tied.clone()]
+    targets += [int(order[-1]), int(order[0])]
+    return torch.stack(rows), torch.tensor(targets)
+
+
+@pytest.mark.parametrize("k", [1, 2, 5])
+def test_rankmax_matches_bisection_reference(k):
+    scores, target = scores_with_all_regimes(k)
+    expected_projection, expected_loss = rankmax_reference(scores, target, k)
+    projection = rankmax(scores, target, k=k)
+    torch.testing.assert_close(projection, expected_projection, atol=1e-9, rtol=0)
+    torch.testing.assert_close(rankmax_loss(scores, target, k=k, reduction="none"), expected_loss, atol=1e-9, rtol=0)
+
+
+@pytest.mark.parametrize("k", [1, 3, 7])
+def test_rankmax_projection_properties(k):
+    scores, target = make_scores(batch=16, n=60, scale=3.0, seed=k)
+    p = rankmax(scores, target, k=k)
+    torch.testing.assert_close(p.sum(dim=1), torch.full((16,), float(k), dtype=torch.float64))
+    assert p.min() >= 0 and p.max() <= 1
+    assert (p.gather(1, target.unsqueeze(1)) > 0).all(), "the positive must be in the support"
+    # Monotone: a higher score never gets a smaller weight (Proposition 1b).
+    order = torch.argsort(scores, dim=1, descending=True)
+    sorted_p = p.gather(1, order)
+    assert (sorted_p[:, :-1] >= sorted_p[:, 1:] - 1e-12).all()
+
+
+def test_rankmax_k1_is_eq15_and_gradient_is_eq16():
+    scores, target = make_scores(batch=10, n=50, scale=0.7)
+    scores.requires_grad_(True)
+    positive = scores.gather(1, target.unsqueeze(1))
+    hinge = (scores - positive + 1).clamp_min(0)
+    torch.testing.assert_close(rankmax_loss(scores, target, k=1, reduction="none"), torch.log(hinge.sum(dim=1)))
+    torch.testing.assert_close(rankmax(scores, target, k=1), hinge / hinge.sum(dim=1, keepdim=True))
+
+    rankmax_loss(scores, target, k=1, reduction="sum").backward()
+    with torch.no_grad():
+        p_y = 1.0 / hinge.sum(dim=1)  # Rankmax(z, y)_y = alpha_y since mu = z_y - 1
+        support = (scores > positive - 1).sum(dim=1)
+        expected = torch.where(scores > positive - 1, p_y.unsqueeze(1), 0.0)
+        # Eq. 16 with s counting the support without y: the gradient sums to zero across the row.
+        expected.scatter_(1, target.unsqueeze(1), (-(support - 1) * p_y).unsqueeze(1))
+    torch.testing.assert_close(scores.grad, expected)
+    torch.testing.assert_close(scores.grad.sum(dim=1), torch.zeros(10, dtype=torch.float64))
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_rankmax_loss_gradcheck(k):
+    scores, target = scores_with_all_regimes(k, n=12, seed=3)
+    # Finite differences need a margin from the kinks; drop exactly tied rows (checked separately below).
+    scores, target = scores[:-2].clone().requires_grad_(True), target[:-2]
+    assert torch.autograd.gradcheck(lambda s: rankmax_loss(s, target, k=k, reduction="sum"), (scores,))
+    assert torch.autograd.gradcheck(lambda s: rankmax(s, target, k=k), (scores,))
+
+
+def test_rankmax_gradient_at_ties_is_a_symmetric_subgradient():
+    k = 3
+    scores, target = scores_with_all_regimes(k, n=12, seed=3)
+    scores = scores[-1:].clone().requires_grad_(True)  # positive first, three-way tie at the k-th value
+    target = target[-1:]
+    rankmax_loss(scores, target, k=k).backward()
+    tied = scores.detach()[0] == scores.detach()[0].sort(descending=True).values[k - 1]
+    assert tied.sum() == 3
+    grads = scores.grad[0][tied]
+    torch.testing.assert_close(grads, grads[:1].expand(3))  # tied scores share the gradient equally
+    torch.testing.assert_close(scores.grad.sum(), torch.tensor(0.0, dtype=torch.float64))
+
+
+def test_softmax_loss_matches_cross_entropy():
+    scores, target = make_scores(batch=9, n=33)
+    scores.requires_grad_(True)
+    ours = softmax_loss(scores, target, reduction="none")
+    reference = F.cross_entropy(scores, target, reduction="none")
+    torch.testing.assert_close(ours, reference)
+    (grad,) = torch.autograd.grad(ours.sum(), scores)
+    (expected,) = torch.autograd.grad(reference.sum(), scores)
+    torch.testing.assert_close(grad, expected)
+    assert torch.autograd.gradcheck(lambda s: softmax_loss(s, target), (scores,))
+
+
+@pytest.mark.parametrize("support_guess", [1, 4, 64])
+def test_sparsemax_matches_sorting_reference(support_guess):
+    scores, target = make_scores(batch=12, n=40, scale=0.2, seed=5)  # small spread: wide supports, retries
+    expected = torch.tensor([sparsemax_row(row) for row in scores.tolist()], dtype=torch.float64)
+    torch.testing.assert_close(sparsemax(scores, support_guess=support_guess), expected, atol=1e-12, rtol=0)
+    expected_loss = torch.tensor(
+        [sparsemax_loss_row(row, int(y)) for row, y in zip(scores.tolist(), target, strict=True)], dtype=torch.float64
+    )
+    ours = sparsemax_loss(scores, target, reduction="none", support_guess=support_guess)
+    torch.testing.assert_close(ours, expected_loss, atol=1e-12, rtol=0)
+
+
+def test_sparsemax_loss_gradient_is_sparsemax_minus_onehot():
+    scores, target = make_scores(batch=6, n=25, scale=2.0, seed=7)
+    scores.requires_grad_(True)
+    sparsemax_loss(scores, target, reduction="sum", support_guess=2).backward()
+    expected = sparsemax(scores.detach()) - F.one_hot(target, 25).double()
+    torch.testing.assert_close(scores.grad, expected)
+    assert torch.autograd.gradcheck(lambda s: sparsemax_loss(s, target, support_guess=2), (scores,))
+    assert torch.autograd.gradcheck(lambda s: sparsemax(s, support_guess=2), (scores,))
+
+
+@pytest.mark.parametrize(
+    "loss_fn", [lambda s, y: rankmax_loss(s, y, k=4), softmax_loss, lambda s, y: sparsemax_loss(s, y, support_guess=8)]
+)
+def test_chunked_scores_equal_dense(loss_fn):
+    generator = torch.Generator().manual_seed(11)
+    users = torch.randn(7, 5, generator=generator, dtype=torch.float64, requires_grad=True)
+    items = torch.randn(53, 5, generator=generator, dtype=torch.float64, requires_grad=True)
+    target = torch.randint(0, 53, (7,), generator=generator)
+    dense = loss_fn(users @ items.T, target)
+    dense_grads = torch.autograd.grad(dense, (users, items))
+    chunked = loss_fn(ChunkedScores(users, items, chunk_size=10), target)
+    chunked_grads = torch.autograd.grad(chunked, (users, items))
+    torch.testing.assert_close(chunked, dense, atol=1e-12, rtol=0)
+    for ours, expected in zip(chunked_grads, dense_grads, strict=True):
+        torch.testing.assert_close(ours, expected, atol=1e-12, rtol=0)
+
+
+def test_reductions_and_modules():
+    scores, target = make_scores()
+    per_row = rankmax_loss(scores, target, k=2, reduction="none")
+    torch.testing.assert_close(rankmax_loss(scores, target, k=2, reduction="sum"), per_row.sum())
+    torch.testing.assert_close(rankmax_loss(scores, target, k=2), per_row.mean())
+    torch.testing.assert_close(RankmaxLoss(k=2)(scores, target), per_row.mean())
+    torch.testing.assert_close(SoftmaxLoss()(scores, target), softmax_loss(scores, target))
+    torch.testing.assert_close(SparsemaxLoss(reduction="sum")(scores, target), sparsemax_loss(scores, target, "sum"))
+    assert "k=2" in repr(RankmaxLoss(k=2))
+
+
+def test_full_catalog_row_of_849000_items():
+    n = 849_000
+    scores, target = make_scores(batch=2, n=n, scale=0.5, seed=1, dtype=torch.float32)
+    scores.requires_grad_(True)
+    loss = rankmax_loss(scores, target, k=10)
+    loss.backward()
+    assert torch.isfinite(loss) and torch.isfinite(scores.grad).all()
+    torch.testing.assert_close(scores.grad.sum(dim=1), torch.zeros(2), atol=1e-4, rtol=0)
+    positive = scores.detach().gather(1, target.unsqueeze(1))
+    eq15 = torch.log((scores.detach().double() - positive.double() + 1).clamp_min(0).sum(dim=1))
+    torch.testing.assert_close(
+        rankmax_loss(scores.detach(), target, k=1, reduction="none").double(), eq15, rtol=1e-5, atol=1e-5
+    )
+    torch.testing.assert_close(softmax_loss(scores.detach(), target), F.cross_entropy(scores.detach(), target))
+    p = rankmax(scores.detach(), target, k=10)
+    torch.testing.assert_close(p.sum(dim=1), torch.full((2,), 10.0), rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize(
+    ("call", "message"),
+    [
+        (lambda s, y: rankmax_loss(s, y, k=0), "k must be an integer >= 1"),
+        (lambda s, y: rankmax_loss(s, y, k=41), "k must be <= the number of items"),
+        (lambda s, y: rankmax(s, y, k=41), "k must be <= the number of items"),
+        (lambda s, y: rankmax_loss(s, y, margin=0.0), "margin must be a finite number > 0"),
+        (lambda s, y: rankmax_loss(s, y, margin=float("nan")), "margin"),
+        (lambda s, y: rankmax_loss(s, y + 40), "outside \\[0, 40\\)"),
+        (lambda s, y: softmax_loss(s, -y - 1), "outside \\[0, 40\\)"),
+        (lambda s, y: rankmax(s, y + 40), "outside \\[0, 40\\)"),
+        (lambda s, y: rankmax_loss(s, y[:3]), "target must have shape"),
+        (lambda s, y: sparsemax_loss(s[0], y), "shape \\[B, n\\]"),
+        (lambda s, y: rankmax_loss(s, y.double()), "integer item ids"),
+        (lambda s, y: rankmax_loss(s, y, reduction="avg"), "reduction must be one of"),
+        (lambda s, y: rankmax_loss(s.long(), y), "floating point"),
+    ],
+)
+def test_bad_input_raises_value_error(call, message):
+    scores, target = make_scores(n=40)
+    with pytest.raises(ValueError, match=message):
+        call(scores, target)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+@pytest.mark.parametrize("loss_fn", [rankmax_loss, softmax_loss, sparsemax_loss, lambda s, y: rankmax(s, y)])
+def test_non_finite_scores_are_rejected(loss_fn, bad):
+    scores, target = make_scores()
+    scores[3, 7] = bad
+    with pytest.raises(ValueError, match=r"NaN or infinite values .*3"):
+        loss_fn(scores, target)
+
+
+def test_loss_is_zero_when_positive_is_clipped_at_one():
+    # Positive far above everything: Rankmax gives it weight 1, so -log min(1, .) = 0 and no gradient.
+    scores = torch.tensor([[10.0, 0.0, 0.1, -0.2]], dtype=torch.float64, requires_grad=True)
+    loss = rankmax_loss(scores, torch.tensor([0]), k=2)
+    loss.backward()
+    assert loss.item() == 0.0
+    assert (scores.grad == 0).all()
+    assert math.isclose(rankmax(scores.detach(), torch.tensor([0]), k=2)[0, 0].item(), 1.0)
+
+
+def test_rankmax_when_the_support_is_exactly_the_top_k():
+    # A gap of more than the margin below z_[k] with the positive inside the top k: the projection is the
+    # indicator of the top k (any alpha >= 1 / eta works), and the loss is 0.
+    scores = torch.tensor([[3.0, 2.0, 1.5, 0.0, -1.0]], dtype=torch.float64)
+    target = torch.tensor([0])
+    expected_projection, expected_loss = rankmax_reference(scores, target, 3)
+    torch.testing.assert_close(rankmax(scores, target, k=3), expected_projection)
+    torch.testing.assert_close(rankmax_loss(scores, target, k=3, reduction="none"), expected_loss)
+    torch.testing.assert_close(expected_projection, torch.tensor([[1.0, 1.0, 1.0, 0.0, 0.0]], dtype=torch.float64))
