@@ -32,6 +32,7 @@ from torch import nn
 
 from bigrank.distributed.collectives import (
     all_gather_no_grad,
+    all_gather_replicated,
     all_gather_rows,
     all_reduce_sum,
     group_rank,
@@ -171,16 +172,20 @@ def local_positives(values: torch.Tensor, flags: torch.Tensor) -> tuple[torch.Te
     return torch.where(present, picked, picked.new_zeros(())), present
 
 
-def gather_positives(values: torch.Tensor, present: torch.Tensor, group) -> tuple[torch.Tensor, torch.Tensor]:
+def gather_positives(
+    values: torch.Tensor, present: torch.Tensor, group, replicated: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Concatenate every rank's local positives [B, P_r] into [B, sum_r P_r] (rank order).
 
-    Uses ``all_gather_rows``: each rank compares the gathered positives with its own columns (a different local
-    computation per rank), so their gradient is summed over ranks and each rank keeps its own slice.
+    ``replicated=False`` (``all_gather_rows``): each rank compares the gathered positives with its own columns
+    (a different local computation per rank), so their gradient is summed over ranks and each rank keeps its
+    own slice. ``replicated=True`` (``all_gather_replicated``): every rank runs the same computation on them.
     """
     if not is_distributed(group):
         return values, present
+    gather = all_gather_replicated if replicated else all_gather_rows
     packed = torch.stack([values, present.to(values.dtype)], dim=-1).transpose(0, 1)  # [P_r, B, 2]
-    gathered = all_gather_rows(packed.contiguous(), group).transpose(0, 1)  # [B, sum P_r, 2]
+    gathered = gather(packed.contiguous(), group).transpose(0, 1)  # [B, sum P_r, 2]
     return gathered[..., 0], gathered[..., 1].detach() > 0.5
 
 

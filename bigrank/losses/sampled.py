@@ -1,0 +1,122 @@
+"""Sampled softmax with the logQ correction (Bengio & Senecal, "Adaptive importance sampling to accelerate
+training of a neural probabilistic language model", IEEE TNN 2008; Jean et al. ACL 2015; Yi et al.,
+"Sampling-bias-corrected neural modeling for large corpus item recommendations", RecSys 2019, eq. 3).
+
+A row's candidates are its positives and negatives drawn from a proposal Q (uniform, popularity^beta, or the
+other rows' items for in-batch negatives: see ``bigrank.data.samplers``). Softmax over sampled candidates is a
+biased estimate of the full softmax unless each logit is corrected by the log of how often the item is
+drawn: ``z_j = s_j - log q_j``. Columns may be split across ranks (each rank scores the candidates of its own
+item shard); the result equals the single-process loss on the concatenated columns.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from bigrank.distributed.collectives import all_reduce_max, all_reduce_sum
+from bigrank.losses.softrank import (
+    Candidates,
+    check_candidates,
+    finish,
+    gather_positives,
+    local_positives,
+    row_counts,
+)
+from bigrank.losses.validation import check_reduction
+
+__all__ = ["SampledSoftmaxLoss", "sampled_softmax_loss"]
+
+
+def _check_log_q(log_q, scores) -> torch.Tensor | None:
+    if log_q is None:
+        return None
+    if not isinstance(log_q, torch.Tensor) or not log_q.is_floating_point():
+        raise ValueError(f"log_q must be a floating-point tensor [C] or [B, C], got {type(log_q).__name__}")
+    if log_q.shape not in (scores.shape[1:], scores.shape):
+        raise ValueError(
+            f"log_q must have shape [C]={tuple(scores.shape[1:])} or [B, C]={tuple(scores.shape)}, "
+            f"got {tuple(log_q.shape)}"
+        )
+    return log_q.detach().to(scores.dtype).expand_as(scores)
+
+
+def sampled_softmax_loss(
+    scores: torch.Tensor,
+    labels: torch.Tensor,
+    log_q: torch.Tensor | None = None,
+    mask: torch.Tensor | None = None,
+    reduction: str = "mean",
+    *,
+    group=None,
+    return_valid: bool = False,
+):
+    """Sampled softmax cross-entropy with logQ correction, averaged over each row's positives.
+
+    With corrected logits ``z_j = s_j - log_q_j`` and N the row's negative candidates, each positive p costs
+    ``-log(exp(z_p) / (exp(z_p) + sum_{n in N} exp(z_n)))``: other positives are left out of p's denominator
+    (they are not negatives: "accidental hit" removal), so with one positive per row this is the usual
+    cross-entropy over the candidates.
+
+    Args:
+        scores: float[B, C] candidate scores (local columns with a group). labels: bool[B, C] positives.
+        log_q: float[C] or [B, C], log of the expected number of draws of each candidate under the proposal
+            (``bigrank.data.samplers`` returns it); applied to positives and negatives alike, as in Yi et al.
+            Pass 0 where a column should not be corrected; None = no correction.
+        mask: bool[B, C] valid columns. reduction: "mean" | "sum" | "none" over non-degenerate rows.
+        group: process group splitting the columns across ranks.
+        return_valid: also return ``valid: bool[B]`` (False = no positive or no negative: excluded).
+    """
+    clean, valid, positive = check_candidates(scores, labels, mask, reduction)
+    log_q = _check_log_q(log_q, scores)
+    bad_log_q = None if log_q is None else (~torch.isfinite(log_q) & valid).any(dim=1)
+    n_valid, n_positive = row_counts(
+        clean, valid, positive, group, raw_scores=None if mask is None else scores, bad_labels=bad_log_q,
+        labels_problem="log_q must be finite in every valid column (an item never drawn has no column)",
+    )  # fmt: skip
+    cand = Candidates(clean, valid, positive, n_valid, n_positive)
+    logits = cand.scores if log_q is None else cand.scores - torch.where(cand.valid, log_q, log_q.new_zeros(()))
+    negative = cand.valid & ~cand.positive
+    negatives = logits.masked_fill(~negative, float("-inf"))
+    # Log-sum-exp of the negatives across ranks: all-reduced max (a stabilising shift, no gradient needed) and
+    # all-reduced sum of exponentials, as Megatron's vocab-parallel cross-entropy.
+    if negatives.shape[1]:
+        local_max = negatives.detach().max(dim=1).values
+    else:
+        local_max = negatives.new_full((negatives.shape[0],), float("-inf"))
+    shift = all_reduce_max(local_max, group)
+    shift = torch.where(torch.isfinite(shift), shift, shift.new_zeros(()))
+    sum_exp = all_reduce_sum(torch.exp(negatives - shift.unsqueeze(1)).sum(dim=1), group)
+    log_sum_neg = shift + torch.log(sum_exp.clamp_min(torch.finfo(sum_exp.dtype).tiny))
+    # The rest is replicated on every rank (so that each rank's gradient w.r.t. its partial sum is complete):
+    # gather all positives' corrected logits.
+    values, present = gather_positives(*local_positives(logits, cand.positive), group, replicated=True)
+    per_positive = F.softplus(log_sum_neg.unsqueeze(1) - values) * present  # -log sigmoid(z_p - lse_neg)
+    per_row = per_positive.sum(dim=1) / cand.n_positive.clamp_min(1)
+    return finish(per_row, cand.nondegenerate, reduction, return_valid)
+
+
+class SampledSoftmaxLoss(nn.Module):
+    """``sampled_softmax_loss`` as a module; ``last_excluded_rows`` counts the degenerate rows of the last call.
+
+    ``temperature`` divides the scores before the logQ correction (1.0 = plain sampled softmax), so the loss
+    can be annealed by ``LossWarmupWrapper`` like the soft-rank losses.
+    """
+
+    def __init__(self, temperature: float = 1.0, reduction: str = "mean"):
+        super().__init__()
+        check_reduction(reduction)
+        if not temperature > 0:
+            raise ValueError(f"temperature must be > 0, got {temperature!r}")
+        self.temperature, self.reduction = float(temperature), reduction
+        self.last_excluded_rows = 0
+
+    def forward(self, scores, labels, mask=None, *, group=None, log_q=None):
+        if not self.temperature > 0:
+            raise ValueError(f"temperature must be > 0, got {self.temperature!r}")
+        if self.temperature != 1.0:
+            scores = scores / self.temperature  # the logQ correction applies to the tempered logits
+        loss, valid = sampled_softmax_loss(scores, labels, log_q, mask, self.reduction, group=group, return_valid=True)
+        self.last_excluded_rows = int((~valid).sum())
+        return loss
