@@ -1,0 +1,206 @@
+"""ParquetStream: every row exactly once per epoch over all ranks (with a restart in the middle), the same
+steps on every rank, determinism, and read errors naming the file."""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+
+from bigrank.data import manifest as layout
+from bigrank.data.stream import ParquetStream, read_user_items
+from tests.distributed_utils import run_distributed
+
+NUM_USERS, NUM_ITEMS = 97, 1009
+
+
+def make_dataset(root, rows=1237, row_group_size=50, rows_per_file=333):
+    """Uneven files and row groups; every (user, item) pair distinct so rows can be identified."""
+    rng = np.random.default_rng(1)
+    keys = rng.choice(NUM_USERS * NUM_ITEMS, size=rows, replace=False)
+    columns = {"user_id": keys // NUM_ITEMS, "item_id": keys % NUM_ITEMS}
+    files = {
+        "train": layout.write_split_parts(
+            root, "train", columns, rows_per_file=rows_per_file, row_group_size=row_group_size
+        )
+    }
+    layout.write_manifest(
+        root, num_users=NUM_USERS, num_items=NUM_ITEMS, split_files=files, seed=0, source="test", generator={}
+    )
+    return np.sort(keys)
+
+
+def keys_of(batch) -> np.ndarray:
+    return batch["user_id"].numpy() * NUM_ITEMS + batch["item_id"].numpy()
+
+
+def run_epoch(root, world_size, batch_size, restart_after=None, epoch=0, **options):
+    """Per-rank lists of batch keys for one epoch; optionally stop every rank after ``restart_after``
+    batches, rebuild the streams from their state dicts and finish the epoch."""
+    streams = [
+        ParquetStream(root, "train", batch_size, rank=r, world_size=world_size, **options) for r in range(world_size)
+    ]
+    for stream in streams:
+        stream.set_epoch(epoch)
+    out = []
+    for rank, stream in enumerate(streams):
+        batches = []
+        iterator = iter(stream)
+        if restart_after is not None:
+            batches += [keys_of(b) for b in itertools.islice(iterator, restart_after)]
+            iterator.close()
+            state = stream.state_dict()
+            stream = ParquetStream(root, "train", batch_size, rank=rank, world_size=world_size, **options)
+            stream.load_state_dict(state)
+            iterator = iter(stream)
+        batches += [keys_of(b) for b in iterator]
+        assert stream.epoch == epoch + 1  # the state moved on once the last batch was handed out
+        out.append(batches)
+    return out
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3])
+@pytest.mark.parametrize("restart_after", [None, 5])
+@pytest.mark.parametrize("prefetch", [0, 3])
+def test_every_row_exactly_once_per_epoch(tmp_path, world_size, restart_after, prefetch):
+    all_keys = make_dataset(tmp_path)
+    batch_size = 37
+    per_rank = run_epoch(tmp_path, world_size, batch_size, restart_after, shuffle_buffer=120, prefetch=prefetch)
+    steps = {len(batches) for batches in per_rank}
+    expected_steps = math.ceil(math.ceil(len(all_keys) / world_size) / batch_size)
+    assert steps == {expected_steps}  # lock-step: every rank runs the same number of steps
+    seen = np.concatenate([np.concatenate(batches) for batches in per_rank])
+    assert len(seen) == len(all_keys)
+    assert np.array_equal(np.sort(seen), all_keys)
+    for batches in per_rank:
+        assert all(len(b) == batch_size for b in batches[:-1]) and 0 <= len(batches[-1]) <= batch_size
+
+
+def test_restart_gives_the_same_batches_as_an_uninterrupted_run(tmp_path):
+    make_dataset(tmp_path)
+    plain = run_epoch(tmp_path, 3, 29, None, epoch=2, shuffle_buffer=100)
+    resumed = run_epoch(tmp_path, 3, 29, 4, epoch=2, shuffle_buffer=100)
+    for a, b in zip(plain, resumed, strict=True):
+        assert len(a) == len(b) and all(np.array_equal(x, y) for x, y in zip(a, b, strict=True))
+
+
+def test_deterministic_and_reshuffled_each_epoch(tmp_path):
+    make_dataset(tmp_path)
+    first = np.concatenate(run_epoch(tmp_path, 2, 64, epoch=0)[0])
+    again = np.concatenate(run_epoch(tmp_path, 2, 64, epoch=0)[0])
+    other_epoch = np.concatenate(run_epoch(tmp_path, 2, 64, epoch=1)[0])
+    other_seed = np.concatenate(run_epoch(tmp_path, 2, 64, epoch=0, seed=5)[0])
+    assert np.array_equal(first, again)
+    assert not np.array_equal(first, other_epoch) and not np.array_equal(first, other_seed)
+    unshuffled = np.concatenate(run_epoch(tmp_path, 1, 64, shuffle=False)[0])
+    assert not np.array_equal(np.sort(first), first[: len(first)])  # shuffled output is not sorted
+    assert len(unshuffled) == 1237
+
+
+def test_iterating_continues_into_the_next_epoch(tmp_path):
+    make_dataset(tmp_path)
+    stream = ParquetStream(tmp_path, "train", 100, prefetch=0)
+    first = np.concatenate([keys_of(b) for b in stream])
+    second = np.concatenate([keys_of(b) for b in stream])
+    assert stream.epoch == 2 and len(first) == len(second) == 1237
+    assert not np.array_equal(first, second) and np.array_equal(np.sort(first), np.sort(second))
+    stream.set_epoch(1)
+    assert np.array_equal(np.concatenate([keys_of(b) for b in stream]), second)
+
+
+def test_empty_final_batch_keeps_ranks_in_lock_step(tmp_path):
+    # 1237 rows over 2 ranks: shares 618 / 619; with batch 103, 618 = 6 * 103 and rank 0's step 7 is empty.
+    make_dataset(tmp_path)
+    per_rank = run_epoch(tmp_path, 2, 103)
+    assert [len(b) for b in per_rank] == [7, 7]
+    assert len(per_rank[0][-1]) == 0 and len(per_rank[1][-1]) == 1
+
+
+def test_drop_last_gives_full_batches_and_equal_steps(tmp_path):
+    all_keys = make_dataset(tmp_path)
+    per_rank = run_epoch(tmp_path, 3, 50, drop_last=True)
+    assert {len(b) for b in per_rank} == {(1237 // 3) // 50}
+    seen = np.concatenate([np.concatenate(b) for b in per_rank])
+    assert all(len(x) == 50 for b in per_rank for x in b)
+    assert len(np.unique(seen)) == len(seen) == 3 * 8 * 50 and np.isin(seen, all_keys).all()
+
+
+def test_state_from_another_configuration_is_refused(tmp_path):
+    make_dataset(tmp_path)
+    state = ParquetStream(tmp_path, "train", 10, rank=0, world_size=2).state_dict()
+    with pytest.raises(ValueError, match="world_size"):
+        ParquetStream(tmp_path, "train", 10, rank=0, world_size=3).load_state_dict(state)
+
+
+def test_rating_columns_and_missing_columns(tmp_path):
+    make_dataset(tmp_path)
+    with pytest.raises(ValueError, match="rating"):
+        ParquetStream(tmp_path, "train", 10, columns=("user_id", "item_id", "rating"))
+    batch = next(iter(ParquetStream(tmp_path, "train", 10)))
+    assert batch["user_id"].dtype == batch["item_id"].dtype == torch.int64
+
+
+def test_missing_or_corrupt_file_fails_before_training(tmp_path):
+    make_dataset(tmp_path)
+    victim = tmp_path / "train" / "part-00002.parquet"
+    data = victim.read_bytes()
+    victim.write_bytes(data[:-100])
+    with pytest.raises(ValueError, match="part-00002"):
+        ParquetStream(tmp_path, "train", 10)
+    victim.unlink()
+    with pytest.raises(FileNotFoundError, match="part-00002"):
+        ParquetStream(tmp_path, "train", 10)
+
+
+def test_corrupt_row_group_while_streaming_names_the_file(tmp_path):
+    make_dataset(tmp_path)
+    victim = tmp_path / "train" / "part-00001.parquet"
+    data = bytearray(victim.read_bytes())
+    data[4:600] = b"\x07" * 596
+    victim.write_bytes(bytes(data))
+    stream = ParquetStream(tmp_path, "train", 1000, shuffle=False, prefetch=2)  # footer still fine
+    with pytest.raises(ValueError, match="part-00001"):
+        for _ in stream:
+            pass
+
+
+def test_read_user_items_matches_brute_force(tmp_path):
+    all_keys = make_dataset(tmp_path)
+    indptr, items = read_user_items(tmp_path, "train")
+    assert indptr.shape == (NUM_USERS + 1,) and items.dtype == np.int32
+    for user in range(NUM_USERS):
+        expected = np.sort(all_keys[all_keys // NUM_ITEMS == user] % NUM_ITEMS)
+        assert np.array_equal(items[indptr[user] : indptr[user + 1]], expected)
+
+
+def _lock_step_body(rank, world_size, group, root):
+    """Each rank streams its share, sums its rows with an all_reduce every step, restarts midway."""
+    stream = ParquetStream(root, "train", 41, rank=rank, world_size=world_size, shuffle_buffer=90)
+    seen, steps = [], 0
+    for batch in itertools.islice(iter(stream), 3):
+        seen.append(keys_of(batch))
+        dist.all_reduce(torch.tensor([len(batch["user_id"])]), group=group)
+        steps += 1
+    restarted = ParquetStream(root, "train", 41, rank=rank, world_size=world_size, shuffle_buffer=90)
+    restarted.load_state_dict(stream.state_dict())
+    total = 0
+    for batch in restarted:
+        seen.append(keys_of(batch))
+        count = torch.tensor([len(batch["user_id"])])
+        dist.all_reduce(count, group=group)
+        total += int(count)
+        steps += 1
+    return {"steps": steps, "keys": np.concatenate(seen), "len": len(stream)}
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_gloo_ranks_run_in_lock_step_and_cover_the_split(tmp_path, world_size):
+    all_keys = make_dataset(tmp_path)
+    results = run_distributed(_lock_step_body, world_size=world_size, args=(str(tmp_path),), timeout=90)
+    assert {r["steps"] for r in results} == {results[0]["len"]}
+    seen = np.concatenate([r["keys"] for r in results])
+    assert np.array_equal(np.sort(seen), all_keys)
