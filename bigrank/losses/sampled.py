@@ -39,7 +39,7 @@ def _check_log_q(log_q, scores) -> torch.Tensor | None:
             f"log_q must have shape [C]={tuple(scores.shape[1:])} or [B, C]={tuple(scores.shape)}, "
             f"got {tuple(log_q.shape)}"
         )
-    return log_q.detach().to(scores.dtype).expand_as(scores)
+    return log_q.detach().to(scores.dtype)
 
 
 def sampled_softmax_loss(
@@ -70,13 +70,23 @@ def sampled_softmax_loss(
     """
     clean, valid, positive = check_candidates(scores, labels, mask, reduction)
     log_q = _check_log_q(log_q, scores)
-    bad_log_q = None if log_q is None else (~torch.isfinite(log_q) & valid).any(dim=1)
+    bad_log_q = None
+    if log_q is not None:
+        nonfinite = ~torch.isfinite(log_q)
+        if mask is not None:
+            bad_log_q = (nonfinite & valid).any(dim=1)
+        elif nonfinite.dim() == 2:
+            bad_log_q = nonfinite.any(dim=1)
+        else:
+            bad_log_q = nonfinite.any().expand(valid.shape[0])
     n_valid, n_positive = row_counts(
         clean, valid, positive, group, raw_scores=None if mask is None else scores, bad_labels=bad_log_q,
         labels_problem="log_q must be finite in every valid column (an item never drawn has no column)",
     )  # fmt: skip
     cand = Candidates(clean, valid, positive, n_valid, n_positive)
-    logits = cand.scores if log_q is None else cand.scores - torch.where(cand.valid, log_q, log_q.new_zeros(()))
+    if log_q is not None and mask is not None:
+        log_q = torch.where(cand.valid, log_q, log_q.new_zeros(()))  # masked columns may hold +-inf
+    logits = cand.scores if log_q is None else cand.scores - log_q
     negative = cand.valid & ~cand.positive
     negatives = logits.masked_fill(~negative, float("-inf"))
     # Log-sum-exp of the negatives across ranks: all-reduced max (a stabilising shift, no gradient needed) and
