@@ -1,0 +1,142 @@
+"""Step time of the soft-rank and sampled losses as ratios to the softmax step, measured side by side.
+
+A step is: scores = U @ V.T (U: [B, d] user vectors, V: item rows), the loss, and backward to U and V.
+Two settings, both with B rows and d dimensions:
+
+* full catalog: every one of ``--items`` items is a column (one positive per row);
+* sampled: ``--sampled`` candidates per step (the batch's positives + popularity^0.75 negatives shared by all
+  rows, logQ from ``PopularitySampler``).
+
+Each loss is timed ``--repeats`` times after one warm-up call (median reported), in the same process and
+order, so the ratios are comparable on a shared CPU. The softmax reference is ``bigrank.losses.softmax_loss``
+(plain ``torch.nn.functional.cross_entropy`` if that import is unavailable).
+
+    .venv/bin/python benchmarks/bench_softrank.py                  # B=256, d=64, 849,000 items, 8,192 sampled
+    .venv/bin/python benchmarks/bench_softrank.py --items 100000   # quicker
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F
+
+from bigrank.data.samplers import PopularitySampler, candidate_labels
+from bigrank.losses.sampled import sampled_softmax_loss
+from bigrank.losses.softndcg import softrank_ndcg_loss
+from bigrank.losses.softrank import pauc_at_budget_loss, recall_at_quantile_loss, smooth_ap_loss
+
+try:
+    from bigrank.losses import softmax_loss
+
+    REFERENCE = "bigrank.losses.softmax_loss"
+except ImportError:  # the full-catalog losses may not be installed yet
+
+    def softmax_loss(scores, target, reduction="mean"):
+        return F.cross_entropy(scores, target, reduction=reduction)
+
+    REFERENCE = "torch.nn.functional.cross_entropy"
+
+
+def losses(num_candidates_ndcg: int):
+    """name -> fn(scores, target, labels, log_q) returning a scalar loss."""
+    return {
+        "softmax": lambda s, t, lab, lq: softmax_loss(s, t),
+        "sampled_softmax(logQ)": lambda s, t, lab, lq: sampled_softmax_loss(s, lab, lq),
+        "smooth_ap": lambda s, t, lab, lq: smooth_ap_loss(s, lab),
+        "recall@quantile": lambda s, t, lab, lq: recall_at_quantile_loss(s, lab),
+        "pauc@budget": lambda s, t, lab, lq: pauc_at_budget_loss(s, lab),
+        f"softrank_ndcg(N={num_candidates_ndcg})": lambda s, t, lab, lq: softrank_ndcg_loss(
+            s, lab, num_candidates=num_candidates_ndcg
+        ),
+    }
+
+
+def time_step(fn, users, items, target, labels, log_q, repeats: int) -> float:
+    def step():
+        users.grad = items.grad = None
+        scores = users @ items.T
+        fn(scores, target, labels, log_q).backward()
+
+    step()  # warm-up (allocations, lazy init)
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--items", type=int, default=849_000)
+    parser.add_argument("--batch", type=int, default=256)
+    parser.add_argument("--dim", type=int, default=64)
+    parser.add_argument("--sampled", type=int, default=8192)
+    parser.add_argument("--ndcg-candidates", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    if min(args.items, args.batch, args.dim, args.sampled, args.repeats) < 1 or args.sampled <= args.batch:
+        parser.error("sizes must be positive and --sampled larger than --batch")
+
+    gen = torch.Generator().manual_seed(args.seed)
+    users = (torch.randn(args.batch, args.dim, generator=gen) / args.dim**0.5).requires_grad_(True)
+    catalog = (torch.randn(args.items, args.dim, generator=gen) / args.dim**0.5).requires_grad_(True)
+    target = torch.randint(0, args.items, (args.batch,), generator=gen)
+    table = losses(args.ndcg_candidates)
+
+    # Full catalog: one positive per row.
+    full_labels = torch.zeros(args.batch, args.items, dtype=torch.bool)
+    full_labels[torch.arange(args.batch), target] = True
+    full = {}
+    for name, fn in table.items():
+        full[name] = time_step(fn, users, catalog, target, full_labels, None, args.repeats)
+        print(f"  full catalog  {name:<28s} {full[name]:8.3f} s", flush=True)
+    del full_labels
+
+    # Sampled: the batch's positives + shared popularity^0.75 negatives (Zipf-like counts), logQ-corrected.
+    counts = 1.0 / torch.arange(1, args.items + 1, dtype=torch.float64)[torch.randperm(args.items, generator=gen)]
+    sampler = PopularitySampler(counts, beta=0.75)
+    positives = torch.unique(target)
+    drawn = sampler.sample(args.sampled - positives.numel(), generator=gen)
+    candidate_ids = torch.cat([positives, drawn.ids])
+    log_q = torch.cat([torch.zeros(positives.numel(), dtype=torch.float64), drawn.log_q]).float()
+    labels = candidate_labels(target, candidate_ids)
+    local_target = labels.to(torch.int64).argmax(dim=1)  # first column holding the row's positive
+    sampled = {}
+    for name, fn in table.items():
+
+        def step_fn(s, t, lab, lq, fn=fn):
+            return fn(s, local_target, lab, lq)
+
+        sampled[name] = time_step(
+            step_fn, users, catalog[candidate_ids].detach().requires_grad_(True), None, labels, log_q, args.repeats
+        )
+        print(f"  sampled       {name:<28s} {sampled[name]:8.3f} s", flush=True)
+
+    ref_full, ref_sampled = full["softmax"], sampled["softmax"]
+    print()
+    print(
+        f"B={args.batch} d={args.dim} items={args.items:,} sampled={args.sampled:,} threads={torch.get_num_threads()}"
+    )
+    print(f"reference softmax: {REFERENCE}; median of {args.repeats} steps (scores GEMM + loss + backward)")
+    print()
+    header = (
+        f"{'loss':<28s} {'full s':>8s} {'/softmax':>9s} {'sampled s':>10s} {'/softmax_s':>11s} {'/softmax_full':>14s}"
+    )
+    print(header)
+    print("-" * len(header))
+    for name in table:
+        print(
+            f"{name:<28s} {full[name]:8.3f} {full[name] / ref_full:9.2f} {sampled[name]:10.4f} "
+            f"{sampled[name] / ref_sampled:11.2f} {sampled[name] / ref_full:14.4f}"
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
