@@ -60,6 +60,9 @@ def test_user_tower_equals_brute_force_with_history_and_fold_in():
     torch.testing.assert_close(vectors, _reference_vectors(user_w, hist_w, user_ids, history))
     values, lengths = torch.tensor([1, 2, 4, 5, 6, 6, 6, 0]), torch.tensor([2, 0, 3, 2, 1])
     torch.testing.assert_close(tower(tower.features(user_ids, (values, lengths))), vectors)
+    padded = tower(tower.features(user_ids, history, pad_to=8))
+    torch.testing.assert_close(padded[:5], vectors)
+    assert torch.equal(padded[5:], torch.zeros(3, DIM))
 
 
 def test_user_tower_without_history_looks_up_user_rows():
@@ -82,6 +85,8 @@ def test_bad_input_is_rejected_with_a_clear_error():
         tower.features(torch.tensor([1]))
     with pytest.raises(ValueError, match="2 bags for 1 users"):
         user_features(torch.tensor([1]), [[1], [2]])
+    with pytest.raises(ValueError, match="pad_to=1 is smaller than the batch of 2"):
+        user_features(torch.tensor([1, 2]), pad_to=1)
     with pytest.raises(ValueError, match="must be 1-D"):
         user_features(torch.tensor([[1]]))
     with pytest.raises(ValueError, match="integer"):
@@ -126,14 +131,36 @@ def _sharded_steps(rank, world_size, group, checkpoint_root):
     from bigrank.model.sharding import silence_torchrec_step_warnings
 
     silence_torchrec_step_warnings()
-    return {
+    results = {
         optimizer: _sharded_step(optimizer, weight_decay, f"{checkpoint_root}/{optimizer}" if dcp else None)
         for optimizer, weight_decay, dcp in CASES
     }
+    results["padded"] = _padded_uneven_batches(rank)
+    return results
+
+
+def _padded_uneven_batches(rank):
+    """Ranks with batches of 5 and 2 users, both padded to 5: forward and backward work, padding is inert."""
+    from bigrank.model.sharding import full_user_table, shard_row_wise
+
+    tower = UserTower(NUM_USERS, DIM, num_items=NUM_ITEMS, history=True, seed=SEED, device="meta")
+    dmp, _ = shard_row_wise(tower, optimizer="sgd", lr=LR)
+    user_ids, history, weights = _local_batch(rank)
+    if rank == 1:
+        user_ids, history, weights = user_ids[:2], history[:2], weights[:2]
+    vectors = dmp(tower.features(user_ids, history, pad_to=5))
+    (vectors[: len(user_ids)] * weights).sum().backward()
+    return {"vectors": vectors.detach().numpy(), "after": full_user_table(dmp).numpy()}
 
 
 def _sharded_step(optimizer, weight_decay, checkpoint_dir):
-    from bigrank.model.sharding import full_table, load_tower_state, save_tower_state, shard_row_wise
+    from bigrank.model.sharding import (
+        full_table,
+        load_tower_state,
+        save_tower_state,
+        set_fused_learning_rate,
+        shard_row_wise,
+    )
 
     rank = torch.distributed.get_rank()
     tower = UserTower(NUM_USERS, DIM, num_items=NUM_ITEMS, history=True, seed=SEED, device="meta")
@@ -151,6 +178,11 @@ def _sharded_step(optimizer, weight_decay, checkpoint_dir):
         "after": after,
     }
     if checkpoint_dir is None:
+        # A zero learning rate (as a schedule would set it) freezes the tables.
+        set_fused_learning_rate(dmp, 0.0)
+        frozen = dmp(features)
+        (frozen * weights).sum().backward()
+        result["frozen_equal"] = bool(torch.equal(dmp(features), frozen))
         return result
 
     # DCP round trip: a fresh module (other seed) loads the weights and the optimizer state.
@@ -224,6 +256,22 @@ def test_sharded_tower_equals_single_process_tower_and_plain_embedding_step(tmp_
         results = [rank_results[optimizer] for rank_results in all_results]
         _check_case(optimizer, weight_decay, results, str(tmp_path / optimizer) if dcp else None)
 
+    # Uneven local batches padded to a common size: real rows as unpadded, padded rows 0, SGD step exact.
+    user_w = torch.nn.Parameter(deterministic_rows(SEED, USER_TABLE, NUM_USERS, DIM, 0, NUM_USERS, DIM**-0.5))
+    hist_w = deterministic_rows(SEED, HISTORY_TABLE, NUM_ITEMS, DIM, 0, NUM_ITEMS, DIM**-0.5)
+    loss = 0.0
+    for rank, sizes in enumerate((5, 2)):
+        user_ids, history, weights = _local_batch(rank)
+        reference = _reference_vectors(user_w, hist_w, user_ids[:sizes], history[:sizes])
+        padded = all_results[rank]["padded"]["vectors"]
+        np.testing.assert_allclose(padded[:sizes], reference.detach().numpy(), rtol=1e-5, atol=1e-6)
+        np.testing.assert_array_equal(padded[sizes:], 0.0)
+        loss = loss + (reference * weights[:sizes]).sum()
+    loss.backward()
+    expected = (user_w - LR * user_w.grad).detach().numpy()
+    for rank_results in all_results:
+        np.testing.assert_allclose(rank_results["padded"]["after"], expected, rtol=1e-5, atol=1e-6)
+
 
 def _check_case(optimizer, weight_decay, results, checkpoint_dir):
     ref_vectors, ref_after = _reference_step(optimizer, weight_decay)
@@ -247,6 +295,7 @@ def _check_case(optimizer, weight_decay, results, checkpoint_dir):
                 result["after"][table], ref_after[table], rtol=1e-5, atol=1e-6, err_msg=f"{optimizer} {table}"
             )
     if checkpoint_dir is None:
+        assert all(result["frozen_equal"] for result in results)
         return
 
     for result in results:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -386,6 +387,23 @@ def restore_tower_checkpoint_state(module: nn.Module, state: dict[str, Any]) -> 
     fused = getattr(module, "fused_optimizer", None)
     if fused is not None and "optimizer" in state:
         fused.load_state_dict(state["optimizer"])
+        fused.step()  # pushes the restored param-group lr into the fbgemm kernels (step() does only that)
+
+
+def set_fused_learning_rate(module: nn.Module, lr: float) -> None:
+    """Set the learning rate of the fused optimizer of a sharded module (for schedules and warm-up).
+
+    The fbgemm kernels read the rate from the param groups only when ``fused_optimizer.step()`` is called
+    (it applies nothing else: updates happen inside backward), so this sets both.
+    """
+    if not lr >= 0:
+        raise ValueError(f"learning rate must be >= 0, got {lr}")
+    fused = getattr(module, "fused_optimizer", None)
+    if fused is None:
+        raise ValueError(f"{type(module).__name__} has no fused optimizer (is it sharded with shard_row_wise?)")
+    for group in fused.param_groups:
+        group["lr"] = float(lr)
+    fused.step()
 
 
 def save_tower_state(module: nn.Module, path: str | os.PathLike) -> None:
@@ -401,9 +419,13 @@ def save_tower_state(module: nn.Module, path: str | os.PathLike) -> None:
     if os.path.exists(path):
         raise FileExistsError(f"checkpoint directory {path} already exists")
     partial = path + ".partial"
+    distributed = dist.is_initialized()
+    if os.path.exists(partial) and (not distributed or dist.get_rank() == 0):
+        shutil.rmtree(partial)  # left by a crash mid-save; may hold files of another world size
+    if distributed:
+        dist.barrier()
     with quiet_torchrec():
         dcp.save(tower_checkpoint_state(module), checkpoint_id=partial)
-    distributed = dist.is_initialized()
     if distributed:
         dist.barrier()
     if not distributed or dist.get_rank() == 0:

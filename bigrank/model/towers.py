@@ -149,6 +149,8 @@ class UserTower(nn.Module):
         self,
         user_ids: torch.Tensor,
         history: Sequence[Sequence[int] | torch.Tensor] | tuple[torch.Tensor, torch.Tensor] | None = None,
+        *,
+        pad_to: int | None = None,
     ):
         """Validated input of :meth:`forward` for one local batch; see :func:`user_features`.
 
@@ -162,7 +164,7 @@ class UserTower(nn.Module):
             raise ValueError("this tower has a history table: pass history for every user (may be empty)")
         if not self.history and history is not None:
             raise ValueError("history given, but the tower was built with history=False")
-        kjt = user_features(user_ids, history)
+        kjt = user_features(user_ids, history, pad_to=pad_to)
         if self.history:
             values = kjt[HISTORY_FEATURE].values()
             if values.numel() and (int(values.min()) < 0 or int(values.max()) >= self.num_items):
@@ -205,6 +207,8 @@ def history_lists_to_jagged(
 def user_features(
     user_ids: torch.Tensor,
     history: Sequence[Sequence[int] | torch.Tensor] | tuple[torch.Tensor, torch.Tensor] | None = None,
+    *,
+    pad_to: int | None = None,
 ):
     """``KeyedJaggedTensor`` input of :class:`UserTower` for a local batch of B users.
 
@@ -213,17 +217,25 @@ def user_features(
             so the vector comes from the history bag alone (fold-in at serving time).
         history: optional per-user train items, either a list of B item lists/tensors or a
             ``(values int64[total], lengths int64[B])`` pair (lengths may be 0: the mean of an empty bag is 0).
+        pad_to: append empty entries up to this batch size. The row-wise sharded tower needs the same batch
+            size on every rank (torchrec's backward all-gathers equal-sized blocks; gloo rejects uneven ones),
+            so pad a short last batch and keep the first B output rows: padded rows are 0 and get no update.
 
     Returns:
-        ``KeyedJaggedTensor`` with key ``"user_id"`` (and ``"history"``), stride B.
+        ``KeyedJaggedTensor`` with key ``"user_id"`` (and ``"history"``), stride B (or ``pad_to``).
     """
     from torchrec import KeyedJaggedTensor
 
     user_ids = _as_ids(user_ids, "user_ids")
+    batch = user_ids.numel()
+    if pad_to is not None and pad_to < batch:
+        raise ValueError(f"pad_to={pad_to} is smaller than the batch of {batch} users")
+    padding = 0 if pad_to is None else pad_to - batch
     known = user_ids >= 0
     keys = [USER_FEATURE]
+    empty = torch.zeros(padding, dtype=torch.int64)
     values = [user_ids[known]]
-    lengths = [known.to(torch.int64)]
+    lengths = [known.to(torch.int64), empty]
     if history is not None:
         if isinstance(history, tuple) and len(history) == 2 and isinstance(history[0], torch.Tensor):
             hist_values, hist_lengths = (torch.as_tensor(t, dtype=torch.int64) for t in history)
@@ -237,5 +249,5 @@ def user_features(
             )
         keys.append(HISTORY_FEATURE)
         values.append(hist_values)
-        lengths.append(hist_lengths)
+        lengths += [hist_lengths, empty]
     return KeyedJaggedTensor.from_lengths_sync(keys=keys, values=torch.cat(values), lengths=torch.cat(lengths))
