@@ -10,8 +10,11 @@ NUM_USERS, DIM, STEPS = 64, 8, 6
 
 
 def test_torchrec_and_fbgemm_import_and_run_an_fbgemm_cpu_op():
-    import fbgemm_gpu  # noqa: F401 - registers torch.ops.fbgemm
-    import torchrec
+    from bigrank.model.sharding import quiet_torchrec
+
+    with quiet_torchrec():  # fbgemm prints deprecation notices for modules it does not ship on CPU
+        import fbgemm_gpu  # noqa: F401 - registers torch.ops.fbgemm
+        import torchrec
 
     assert torchrec.__version__.startswith("1.8")
     lengths = torch.tensor([2, 0, 3], dtype=torch.int64)

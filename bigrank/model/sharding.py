@@ -77,8 +77,9 @@ def fused_params(
     Raises ValueError for an unknown optimizer, ``adam`` on CPU, lr ≤ 0, weight_decay < 0 or weight decay
     with an optimizer/device that would ignore it.
     """
-    from fbgemm_gpu.split_embedding_configs import EmbOptimType
-    from fbgemm_gpu.split_table_batched_embeddings_ops_training import WeightDecayMode
+    with quiet_torchrec():
+        from fbgemm_gpu.split_embedding_configs import EmbOptimType
+        from fbgemm_gpu.split_table_batched_embeddings_ops_training import WeightDecayMode
 
     if optimizer not in FUSED_OPTIMIZERS:
         raise ValueError(f"unknown fused optimizer {optimizer!r}; choose one of {', '.join(FUSED_OPTIMIZERS)}")
@@ -139,14 +140,16 @@ def embedding_table_dims(module: nn.Module) -> dict[str, int]:
 
 @contextmanager
 def quiet_torchrec() -> Iterator[None]:
-    """Silence torchrec's planner/topology advice and deprecation warnings that do not apply here."""
+    """Silence torchrec's planner/topology advice, fbgemm's import-time deprecation notices and DCP's
+    single-process notice, none of which apply here."""
     logger = logging.getLogger("torchrec")
     level = logger.level
     logger.setLevel(logging.ERROR)
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", FutureWarning)
-            warnings.simplefilter("ignore", DeprecationWarning)
+            warnings.simplefilter("ignore", DeprecationWarning)  # fbgemm's import-time notices
+            warnings.filterwarnings("ignore", message=r"torch.distributed is disabled.*single process")
             yield
     finally:
         logger.setLevel(level)

@@ -88,7 +88,10 @@ class UserTower(nn.Module):
         device: str | torch.device | None = None,
     ) -> None:
         super().__init__()
-        from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, PoolingType
+        from bigrank.model.sharding import quiet_torchrec
+
+        with quiet_torchrec():  # the first torchrec import prints fbgemm deprecation notices
+            from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, PoolingType
 
         if num_users < 1:
             raise ValueError(f"num_users must be >= 1, got {num_users}")
