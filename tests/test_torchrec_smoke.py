@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import torch
 from distributed_utils import run_distributed
@@ -22,14 +24,16 @@ def test_torchrec_and_fbgemm_import_and_run_an_fbgemm_cpu_op():
     assert offsets.tolist() == [0, 2, 2, 5]
 
 
-def _train_row_wise(rank, world_size, group):
+def _train_row_wise(rank, world_size, group, plan_dir):
     from torchrec import EmbeddingCollection, EmbeddingConfig
 
     from bigrank.model.sharding import (
+        format_plan,
         local_user_rows,
         plan_to_dict,
         shard_row_wise,
         silence_torchrec_step_warnings,
+        write_plan,
     )
     from bigrank.model.towers import UserTower
 
@@ -61,8 +65,10 @@ def _train_row_wise(rank, world_size, group):
     out = out.wait() if hasattr(out, "wait") else out
     seq_rows = out["f"].values().detach()
     seq_weight = seq_dmp.state_dict()["embeddings.seq_table.weight"]
+    write_plan(plan, f"{plan_dir}/plan-{rank}.json")
     return {
         "losses": losses,
+        "plan_text": format_plan(plan),
         "plan": plan_to_dict(plan),
         "seq_plan": plan_to_dict(seq_plan),
         "rows": (row_start, row_stop, rows.shape[0]),
@@ -75,8 +81,8 @@ def _train_row_wise(rank, world_size, group):
     }
 
 
-def test_row_wise_sharded_table_trains_under_two_gloo_processes():
-    results = run_distributed(_train_row_wise, world_size=2, timeout=120)
+def test_row_wise_sharded_table_trains_under_two_gloo_processes(tmp_path):
+    results = run_distributed(_train_row_wise, world_size=2, args=(str(tmp_path),), timeout=120)
     for result in results:
         losses = result["losses"]
         assert losses[-1] < 0.5 * losses[0], losses
@@ -85,6 +91,15 @@ def test_row_wise_sharded_table_trains_under_two_gloo_processes():
             assert entry["sharding_type"] == "row_wise"
             assert entry["ranks"] == [0, 1]
     assert [r["rows"] for r in results] == [(0, 32, 32), (32, 64, 32)]
+    # The plan printed at start-up and saved with the run: the same on every rank, one line per shard.
+    assert results[0]["plan_text"] == results[1]["plan_text"]
+    lines = results[0]["plan_text"].splitlines()[1:]
+    assert lines == [
+        f"{'tables.user_table':<28} {'row_wise':<10} {'fused':<8} {'[0, 32)':<22} {'[0, 8)':<10} rank:0/cpu",
+        f"{'tables.user_table':<28} {'row_wise':<10} {'fused':<8} {'[32, 64)':<22} {'[0, 8)':<10} rank:1/cpu",
+    ]
+    for rank, result in enumerate(results):
+        assert json.loads((tmp_path / f"plan-{rank}.json").read_text()) == result["plan"]
 
     # EmbeddingCollection: every looked-up row equals the owner's stored row (before the unused update).
     table = np.zeros((10, 4), dtype=np.float32)

@@ -178,7 +178,11 @@ class UserTower(nn.Module):
         return kjt
 
     def forward(self, features) -> torch.Tensor:
-        """User vectors float32[B, dim] for the ``KeyedJaggedTensor`` of :meth:`features`."""
+        """User vectors float32[B, dim] for the ``KeyedJaggedTensor`` of :meth:`features`.
+
+        Sharded: collective (every rank calls it with the same batch size, see ``pad_to``), and evaluate
+        under ``torch.no_grad()``, not ``torch.inference_mode()`` (fbgemm's CPU lookup has no kernel there).
+        """
         pooled = self.tables(features)
         if hasattr(pooled, "wait"):  # the sharded collection returns an awaitable KeyedTensor
             pooled = pooled.wait()
