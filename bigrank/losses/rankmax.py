@@ -28,6 +28,7 @@ import math
 
 import torch
 
+from bigrank.losses.kernels import masked_scale, support_sum_count
 from bigrank.losses.scores import (
     Layout,
     catalog_loss_rows,
@@ -125,8 +126,7 @@ class _RankmaxImpl:
         weight = grad_rows * active
         denominator, mu = state["denominator"], state["mu"]
         inv_gap = 1.0 / (layout.positive - mu)
-        in_middle = (block > mu.to(block.dtype).unsqueeze(1)) & (block < state["upper"].to(block.dtype).unsqueeze(1))
-        grad = in_middle.to(block.dtype) * (weight / denominator).to(block.dtype).unsqueeze(1)
+        grad = masked_scale(block, mu, state["upper"], weight / denominator)
         via_mu = weight * (inv_gap - (state["support_size"] - state["t"]) / denominator)
         y_carries = state["y_carries_mu"]
         layout.add_at_target(grad, start, torch.where(y_carries, via_mu, 0.0) - weight * inv_gap)
@@ -141,9 +141,9 @@ class _RankmaxImpl:
 
 def _accumulate_support(block: torch.Tensor, mu: torch.Tensor, sums: torch.Tensor) -> None:
     """sums[:, 0] += sum_i (z_i - mu)_+ and sums[:, 1] += |{i : z_i > mu}| over this block of columns."""
-    shifted = (block - mu.to(block.dtype).unsqueeze(1)).clamp_min_(0)
-    sums[:, 0] += shifted.sum(dim=1, dtype=torch.float64)
-    sums[:, 1] += torch.count_nonzero(shifted, dim=1)
+    support_sum, support_size = support_sum_count(block, mu)
+    sums[:, 0] += support_sum
+    sums[:, 1] += support_size
 
 
 def rankmax_loss(

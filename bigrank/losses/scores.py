@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from bigrank.distributed.collectives import all_gather_no_grad, group_size, is_distributed
+from bigrank.losses.kernels import topk_values
 from bigrank.losses.validation import check_target, first_nonfinite_row
 
 __all__ = ["ChunkedScores", "DenseScores", "Layout", "as_score_source", "catalog_loss_rows"]
@@ -274,7 +275,7 @@ def local_topk(source, k: int, rows: torch.Tensor | None = None) -> torch.Tensor
     for _, block in source.blocks(rows):
         if block.shape[1] == 0:
             continue
-        top = block.topk(min(k, block.shape[1]), dim=1, sorted=False).values.to(torch.float64)
+        top = topk_values(block, k).to(torch.float64)
         best = torch.cat([best, top], dim=1).topk(k, dim=1).values
     return best
 

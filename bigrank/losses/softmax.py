@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from bigrank.losses.kernels import exp_grad, max_and_sum_exp
 from bigrank.losses.scores import Layout, catalog_loss_rows, gather_row_stats
 from bigrank.losses.validation import check_reduction, check_scores, reduce_rows
 
@@ -22,12 +23,10 @@ class _SoftmaxImpl:
         for _, block in source.blocks():
             if block.shape[1] == 0:
                 continue
-            block_max = block.max(dim=1).values.to(torch.float64)
+            block_max, block_sum = max_and_sum_exp(block)
             new_max = torch.maximum(row_max, block_max)
             # Online log-sum-exp: rescale what was summed under the old max (Milakov & Gimelshein, 2018).
-            sum_exp = sum_exp * torch.exp(row_max - new_max) + torch.exp(
-                block - new_max.to(block.dtype).unsqueeze(1)
-            ).sum(dim=1, dtype=torch.float64)
+            sum_exp = sum_exp * torch.exp(row_max - new_max) + block_sum * torch.exp(block_max - new_max)
             row_max = new_max
         stats = gather_row_stats(torch.stack([row_max, sum_exp], dim=1), group)  # [W, B, 2]
         row_max = stats[..., 0].max(dim=0).values
@@ -37,8 +36,7 @@ class _SoftmaxImpl:
         return log_normalizer - layout.positive, dict(log_normalizer=log_normalizer)
 
     def grad_block(self, block, start, state, layout: Layout, grad_rows):
-        shift = state["log_normalizer"].to(block.dtype).unsqueeze(1)
-        grad = torch.exp(block - shift).mul_(grad_rows.to(block.dtype).unsqueeze(1))
+        grad = exp_grad(block, state["log_normalizer"], grad_rows)
         layout.add_at_target(grad, start, -grad_rows)
         return grad
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import torch
 
+from bigrank.losses.kernels import relu_grad, relu_square_sum
 from bigrank.losses.scores import (
     DenseScores,
     Layout,
@@ -73,14 +74,12 @@ class _SparsemaxImpl:
         tau = _sparsemax_threshold(source, layout.num_items, group, self.support_guess)
         squares = torch.zeros(source.batch, dtype=torch.float64, device=source.device)
         for _, block in source.blocks():
-            shifted = (block - tau.to(block.dtype).unsqueeze(1)).clamp_min_(0)
-            squares += shifted.square_().sum(dim=1, dtype=torch.float64)
+            squares += relu_square_sum(block, tau)
         squares = sum_row_stats(squares, group)
         return -layout.positive + 0.5 * squares + tau + 0.5, dict(tau=tau)
 
     def grad_block(self, block, start, state, layout: Layout, grad_rows):
-        grad = (block - state["tau"].to(block.dtype).unsqueeze(1)).clamp_min_(0)
-        grad.mul_(grad_rows.to(block.dtype).unsqueeze(1))
+        grad = relu_grad(block, state["tau"], grad_rows)
         layout.add_at_target(grad, start, -grad_rows)
         return grad
 

@@ -1,0 +1,134 @@
+"""Row-wise passes over large score blocks, fused when it pays.
+
+A full-catalog loss touches the [B, n] score matrix a few times per step (top-k, a thresholded sum, the
+gradient). In eager PyTorch each pass allocates B x n temporaries and makes several trips through memory
+(e.g. ``(z - mu).clamp_min(0)``, ``.sum``, ``count_nonzero``); at B = 256, n = 849K these cost more than the
+GEMMs themselves. For blocks of at least ``COMPILE_MIN_ELEMENTS`` entries the same functions are compiled with
+``torch.compile`` (inductor: one fused loop per pass, float64 accumulators in registers); small blocks, and any
+machine where compilation fails, use the eager versions, which compute the same values.
+
+Set ``BIGRANK_COMPILE=0`` to force eager, ``BIGRANK_COMPILE=1`` to compile whatever the size (tests).
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+
+import torch
+
+__all__ = [
+    "COMPILE_MIN_ELEMENTS",
+    "exp_grad",
+    "masked_scale",
+    "max_and_sum_exp",
+    "relu_grad",
+    "relu_square_sum",
+    "support_sum_count",
+    "topk_values",
+]
+
+COMPILE_MIN_ELEMENTS = 1 << 22
+_compiled: dict[str, object] = {}
+_compile_failed = False
+
+
+def _mode() -> str:
+    return os.environ.get("BIGRANK_COMPILE", "auto").strip().lower()
+
+
+def _run(name: str, eager, *args):
+    """Run ``eager(*args)``, or its compiled twin when the first argument is large enough."""
+    global _compile_failed
+    mode = _mode()
+    big = args[0].numel() >= COMPILE_MIN_ELEMENTS
+    if _compile_failed or mode in ("0", "false", "off", "eager") or (mode == "auto" and not big):
+        return eager(*args)
+    function = _compiled.get(name)
+    if function is None:
+        function = _compiled[name] = torch.compile(eager, dynamic=True)
+    try:
+        return function(*args)
+    except Exception as error:  # noqa: BLE001 - no compiler, unsupported backend: fall back, keep training
+        _compile_failed = True
+        warnings.warn(f"bigrank: torch.compile of loss kernels failed ({error!r}); using eager kernels", stacklevel=2)
+        return eager(*args)
+
+
+def _support_sum_count(block: torch.Tensor, mu: torch.Tensor):
+    shifted = block - mu.unsqueeze(1)
+    return shifted.clamp_min(0).to(torch.float64).sum(dim=1), (shifted > 0).to(torch.float64).sum(dim=1)
+
+
+def support_sum_count(block: torch.Tensor, mu: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(sum_i (z_i - mu)_+, |{i : z_i > mu}|)`` per row: float64 [R], float64 [R] for ``block`` [R, c]."""
+    return _run("support_sum_count", _support_sum_count, block, mu.to(block.dtype))
+
+
+def _masked_scale(block, lower, upper, scale):
+    inside = (block > lower.unsqueeze(1)) & (block < upper.unsqueeze(1))
+    return inside.to(block.dtype) * scale.unsqueeze(1)
+
+
+def masked_scale(block: torch.Tensor, lower: torch.Tensor, upper: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """``scale_r * [lower_r < z_ri < upper_r]`` for ``block`` [R, c]: the Rankmax gradient's bulk."""
+    dtype = block.dtype
+    return _run("masked_scale", _masked_scale, block, lower.to(dtype), upper.to(dtype), scale.to(dtype))
+
+
+def _max_and_sum_exp(block):
+    row_max = block.amax(dim=1)
+    return row_max.to(torch.float64), torch.exp(block - row_max.unsqueeze(1)).to(torch.float64).sum(dim=1)
+
+
+def max_and_sum_exp(block: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(max_i z_i, sum_i exp(z_i - max))`` per row of ``block`` [R, c] (c >= 1), float64."""
+    return _run("max_and_sum_exp", _max_and_sum_exp, block)
+
+
+def _exp_grad(block, shift, scale):
+    return torch.exp(block - shift.unsqueeze(1)) * scale.unsqueeze(1)
+
+
+def exp_grad(block: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """``scale_r * exp(z_ri - shift_r)``: softmax's gradient with ``shift`` = log-sum-exp."""
+    return _run("exp_grad", _exp_grad, block, shift.to(block.dtype), scale.to(block.dtype))
+
+
+def _relu_square_sum(block, tau):
+    return (block - tau.unsqueeze(1)).clamp_min(0).to(torch.float64).square().sum(dim=1)
+
+
+def relu_square_sum(block: torch.Tensor, tau: torch.Tensor) -> torch.Tensor:
+    """``sum_i (z_i - tau)_+^2`` per row, float64 [R]."""
+    return _run("relu_square_sum", _relu_square_sum, block, tau.to(block.dtype))
+
+
+def _relu_grad(block, tau, scale):
+    return (block - tau.unsqueeze(1)).clamp_min(0) * scale.unsqueeze(1)
+
+
+def relu_grad(block: torch.Tensor, tau: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """``scale_r * (z_ri - tau_r)_+``: sparsemax's gradient."""
+    return _run("relu_grad", _relu_grad, block, tau.to(block.dtype), scale.to(block.dtype))
+
+
+def topk_values(block: torch.Tensor, k: int) -> torch.Tensor:
+    """The ``k`` largest values of each row of ``block`` [R, c] (descending), O(c) for c >> k.
+
+    Two stages: the maxima of column groups of size g, then an exact top-k among the k groups with the largest
+    maxima (they hold every top-k value: a value outside them has at least k larger group maxima above it).
+    """
+    rows, width = block.shape
+    k = min(k, width)
+    if k == 1:
+        return block.amax(dim=1, keepdim=True)
+    group = max(64, int((width / k) ** 0.5))
+    groups = width // group
+    if groups <= 2 * k:
+        return block.topk(k, dim=1).values
+    head = block[:, : groups * group].reshape(rows, groups, group)
+    best_groups = head.amax(dim=2).topk(k, dim=1).indices
+    candidates = head.gather(1, best_groups.unsqueeze(2).expand(rows, k, group)).reshape(rows, k * group)
+    candidates = torch.cat([candidates, block[:, groups * group :]], dim=1)
+    return candidates.topk(k, dim=1).values
