@@ -67,22 +67,21 @@ class _RankBinomial(torch.autograd.Function):
         nonzero = step.ne(0).flatten(0, 2).any(dim=0).nonzero()
         last = int(nonzero.max()) + 1 if nonzero.numel() else 0  # ranks past the last non-zero step add 0
         target = p.unsqueeze(1)  # [B, 1, j, N]
+        tiny = torch.finfo(pi.dtype).tiny
         keep = 1.0 - pi
-        # Division by (1 - pi) amplifies rounding by pi / (1 - pi) <= 1 when pi <= 1/2: stable.
-        low = torch.zeros_like(pi)
-        divisor = keep.clamp_min(torch.finfo(pi.dtype).tiny)
-        q = torch.zeros_like(pi)
+        # q(r) = (p(r) - pi q(r - 1)) / (1 - pi): rounding is amplified by pi / (1 - pi) <= 1 when pi <= 1/2.
+        scale, ratio = keep.clamp_min(tiny).reciprocal(), pi / keep.clamp_min(tiny)
+        low, q = torch.zeros_like(pi), torch.zeros_like(pi)
         for r in range(last):
-            q = (target[..., r] - pi * q) / divisor
-            low += q * step[..., r]
-        # Division by pi from the top rank down amplifies rounding by (1 - pi) / pi < 1 when pi > 1/2.
-        high = torch.zeros_like(pi)
-        divisor = pi.clamp_min(torch.finfo(pi.dtype).tiny)
-        q = torch.zeros_like(pi)
+            q.mul_(ratio).neg_().addcmul_(target[..., r], scale)
+            low.addcmul_(q, step[..., r])
+        # q(r - 1) = (p(r) - (1 - pi) q(r)) / pi from the top rank down: amplification (1 - pi) / pi < 1.
+        scale, ratio = pi.clamp_min(tiny).reciprocal(), keep / pi.clamp_min(tiny)
+        high, q = torch.zeros_like(pi), torch.zeros_like(pi)
         for r in range(size - 1, 0, -1):
-            q = (target[..., r] - keep * q) / divisor  # q(r - 1)
+            q.mul_(ratio).neg_().addcmul_(target[..., r], scale)  # now q(r - 1)
             if r - 1 < last:
-                high += q * step[..., r - 1]
+                high.addcmul_(q, step[..., r - 1])
         return torch.where(pi <= 0.5, low, high)
 
 
