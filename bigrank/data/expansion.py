@@ -212,12 +212,15 @@ def expand_ratings(
     source: str = "seed",
     generator: dict | None = None,
     target_ratings: float | None = None,
+    max_blocks: int | None = None,
 ) -> dict:
     """Expand the seed pairs (``users``, ``items``; unique, 0-based) ``multiplier`` times into ``out``.
 
     See the module docstring for the algorithm and the resumable block layout. ``generator`` is recorded
     in the manifest (with the expansion parameters added). ``target_ratings`` rescales the keep
-    probabilities (``scale_to_target``). Returns the manifest.
+    probabilities (``scale_to_target``). Returns the manifest; with ``max_blocks``, at most that many new
+    blocks are written and, when blocks remain, a progress dict ``{"complete": False, "blocks_done",
+    "num_blocks", "rows_written"}`` is returned instead (the run stays resumable: benchmarks time a subset).
     """
     out = Path(out)
     users = np.ascontiguousarray(users, dtype=np.int32)
@@ -271,11 +274,12 @@ def expand_ratings(
     )
     started = time.perf_counter()
     written_rows = 0
+    todo = [b for b in range(num_blocks) if b not in done]
+    if max_blocks is not None:
+        todo = todo[:max_blocks]
     with ThreadPoolExecutor(max_workers=1) as writer:
         pending = None
-        for block in range(num_blocks):
-            if block in done:
-                continue
+        for block in todo:
             i, j = divmod(block, cols)
             pairs = _block_pairs(users, items, num_users, num_items, block, multiplier, reduced[i, j], seed)
             if pending is not None:
@@ -289,6 +293,13 @@ def expand_ratings(
             written_rows += pending.result()
             bar.update(1)
     bar.close()
+    if len(done) + len(todo) < num_blocks:
+        return {
+            "complete": False,
+            "blocks_done": len(done) + len(todo),
+            "num_blocks": num_blocks,
+            "rows_written": written_rows,
+        }
     return _finish(out, num_users, num_items, multiplier, seed, source, base, reduced, expected, started)
 
 
