@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import hashlib
+import subprocess
+import sys
+import time
 
 import numpy as np
 import pyarrow.parquet as pq
@@ -146,3 +149,32 @@ def test_parse_multiplier():
     for bad in ("16", "0x3", "ax2", "2x3x4"):
         with pytest.raises(ValueError, match="ROWSxCOLS"):
             expansion.parse_multiplier(bad)
+
+
+def test_sigkilled_cli_run_resumes_to_identical_files(tmp_path):
+    """A real `bigrank generate` process killed with SIGKILL mid-expansion resumes with --resume."""
+    from bigrank.cli import main
+    from bigrank.data.synthetic import generate
+
+    seed_root = tmp_path / "seed"
+    generate("demo", seed_root, progress=False)
+    args = ["generate", "--seed-ratings", str(seed_root), "--expand", "16x16", "--no-progress"]
+    killed = tmp_path / "killed"
+    process = subprocess.Popen(
+        [sys.executable, "-m", "bigrank.cli", *args, "--out", str(killed)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    markers = killed / expansion.WORK_DIR / "blocks"
+    while process.poll() is None and len(list(markers.glob("block-*.json"))) < 3:
+        time.sleep(0.005)
+    process.kill()
+    process.wait()
+    if not (killed / layout.MANIFEST_NAME).exists():  # killed mid-run (the usual case)
+        assert (killed / expansion.WORK_DIR).is_dir()
+        with pytest.raises(FileNotFoundError, match="did not finish"):
+            layout.load_manifest(killed)
+    assert main([*args, "--out", str(killed), "--resume"]) == 0
+    assert main([*args, "--out", str(tmp_path / "reference")]) == 0
+    assert digest(killed) == digest(tmp_path / "reference")
+    assert not list(killed.rglob(".*.tmp-*")) and not (killed / expansion.WORK_DIR).exists()
