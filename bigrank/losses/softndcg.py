@@ -67,22 +67,25 @@ class _RankBinomial(torch.autograd.Function):
         nonzero = step.ne(0).flatten(0, 2).any(dim=0).nonzero()
         last = int(nonzero.max()) + 1 if nonzero.numel() else 0  # ranks past the last non-zero step add 0
         target = p.unsqueeze(1)  # [B, 1, j, N]
-        tiny = torch.finfo(pi.dtype).tiny
         keep = 1.0 - pi
+        forward = pi <= 0.5  # which division is stable for each pair; the other one is skipped (zero factors)
+        zero = pi.new_zeros(())
         # q(r) = (p(r) - pi q(r - 1)) / (1 - pi): rounding is amplified by pi / (1 - pi) <= 1 when pi <= 1/2.
-        scale, ratio = keep.clamp_min(tiny).reciprocal(), pi / keep.clamp_min(tiny)
-        low, q = torch.zeros_like(pi), torch.zeros_like(pi)
+        scale = torch.where(forward, keep.reciprocal(), zero)
+        ratio = torch.where(forward, pi * scale, zero)
+        grad_pi, q = torch.zeros_like(pi), torch.zeros_like(pi)
         for r in range(last):
             q.mul_(ratio).neg_().addcmul_(target[..., r], scale)
-            low.addcmul_(q, step[..., r])
+            grad_pi.addcmul_(q, step[..., r])
         # q(r - 1) = (p(r) - (1 - pi) q(r)) / pi from the top rank down: amplification (1 - pi) / pi < 1.
-        scale, ratio = pi.clamp_min(tiny).reciprocal(), keep / pi.clamp_min(tiny)
-        high, q = torch.zeros_like(pi), torch.zeros_like(pi)
+        scale = torch.where(forward, zero, pi.reciprocal())
+        ratio = torch.where(forward, zero, keep * scale)
+        q = torch.zeros_like(pi)
         for r in range(size - 1, 0, -1):
             q.mul_(ratio).neg_().addcmul_(target[..., r], scale)  # now q(r - 1)
             if r - 1 < last:
-                high.addcmul_(q, step[..., r - 1])
-        return torch.where(pi <= 0.5, low, high)
+                grad_pi.addcmul_(q, step[..., r - 1])
+        return grad_pi
 
 
 def rank_distributions(scores: torch.Tensor, valid: torch.Tensor | None = None, sigma: float = 0.1) -> torch.Tensor:
