@@ -7,9 +7,9 @@ Two settings, both with B rows and d dimensions:
 * sampled: ``--sampled`` candidates per step (the batch's positives + popularity^0.75 negatives shared by all
   rows, logQ from ``PopularitySampler``).
 
-Each loss is timed ``--repeats`` times after one warm-up call (median reported), in the same process and
-order, so the ratios are comparable on a shared CPU. The softmax reference is ``bigrank.losses.softmax_loss``
-(plain ``torch.nn.functional.cross_entropy`` if that import is unavailable).
+Each loss is timed ``--repeats`` times after one warm-up call (median reported), in rounds over all losses
+in the same process, so the ratios are comparable on a shared CPU. The softmax reference is
+``bigrank.losses.softmax_loss`` (plain ``torch.nn.functional.cross_entropy`` if that import is unavailable).
 
     .venv/bin/python benchmarks/bench_softrank.py                  # B=256, d=64, 849,000 items, 8,192 sampled
     .venv/bin/python benchmarks/bench_softrank.py --items 100000   # quicker
@@ -55,19 +55,28 @@ def losses(num_candidates_ndcg: int):
     }
 
 
-def time_step(fn, users, items, target, labels, log_q, repeats: int) -> float:
+def make_step(fn, users, items, target, labels, log_q):
     def step():
         users.grad = items.grad = None
         scores = users @ items.T
         fn(scores, target, labels, log_q).backward()
 
-    step()  # warm-up (allocations, lazy init)
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return step
+
+
+def time_round_robin(steps: dict, repeats: int, label: str) -> dict:
+    """Median time of each step; the repeats run in rounds over all steps, so a change of load on the shared
+    CPU during the run affects every loss alike (ratios stay comparable)."""
+    for step in steps.values():
+        step()  # warm-up (allocations, lazy init)
+    times = {name: [] for name in steps}
+    for round_index in range(repeats):
+        for name, step in steps.items():
+            start = time.perf_counter()
+            step()
+            times[name].append(time.perf_counter() - start)
+            print(f"  {label:<13s} round {round_index + 1}  {name:<28s} {times[name][-1]:8.3f} s", flush=True)
+    return {name: statistics.median(values) for name, values in times.items()}
 
 
 def main(argv=None) -> int:
@@ -92,11 +101,9 @@ def main(argv=None) -> int:
     # Full catalog: one positive per row.
     full_labels = torch.zeros(args.batch, args.items, dtype=torch.bool)
     full_labels[torch.arange(args.batch), target] = True
-    full = {}
-    for name, fn in table.items():
-        full[name] = time_step(fn, users, catalog, target, full_labels, None, args.repeats)
-        print(f"  full catalog  {name:<28s} {full[name]:8.3f} s", flush=True)
-    del full_labels
+    steps = {name: make_step(fn, users, catalog, target, full_labels, None) for name, fn in table.items()}
+    full = time_round_robin(steps, args.repeats, "full catalog")
+    del steps, full_labels  # the closures hold the [B, items] labels
 
     # Sampled: the batch's positives + shared popularity^0.75 negatives (Zipf-like counts), logQ-corrected.
     counts = 1.0 / torch.arange(1, args.items + 1, dtype=torch.float64)[torch.randperm(args.items, generator=gen)]
@@ -107,16 +114,15 @@ def main(argv=None) -> int:
     log_q = torch.cat([torch.zeros(positives.numel(), dtype=torch.float64), drawn.log_q]).float()
     labels = candidate_labels(target, candidate_ids)
     local_target = labels.to(torch.int64).argmax(dim=1)  # first column holding the row's positive
-    sampled = {}
+    candidate_rows = catalog[candidate_ids].detach().requires_grad_(True)
+    steps = {}
     for name, fn in table.items():
 
-        def step_fn(s, t, lab, lq, fn=fn):
+        def sampled_fn(s, t, lab, lq, fn=fn):
             return fn(s, local_target, lab, lq)
 
-        sampled[name] = time_step(
-            step_fn, users, catalog[candidate_ids].detach().requires_grad_(True), None, labels, log_q, args.repeats
-        )
-        print(f"  sampled       {name:<28s} {sampled[name]:8.3f} s", flush=True)
+        steps[name] = make_step(sampled_fn, users, candidate_rows, None, labels, log_q)
+    sampled = time_round_robin(steps, args.repeats, "sampled")
 
     ref_full, ref_sampled = full["softmax"], sampled["softmax"]
     print()
