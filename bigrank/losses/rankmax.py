@@ -32,8 +32,9 @@ from bigrank.losses.kernels import masked_scale, support_sum_count
 from bigrank.losses.scores import (
     Layout,
     catalog_loss_rows,
+    empty_topk,
     gather_row_stats,
-    local_topk,
+    merge_topk,
     sum_row_stats,
 )
 from bigrank.losses.validation import (
@@ -88,9 +89,10 @@ class _RankmaxImpl:
         positive = layout.positive
         # Pass 1: local top-k, and the support sums for the common case mu = z_y - eta (y not in the top k).
         guess = positive - margin
-        top = local_topk(source, k)
+        top = empty_topk(source.batch, k, source.device)
         sums = torch.zeros((source.batch, 2), dtype=torch.float64, device=source.device)
-        for _, block in source.blocks():
+        for _, block in source.blocks():  # one pass: chunked scores are computed once in forward
+            top = merge_topk(top, block)
             _accumulate_support(block, guess, sums)
         gathered = gather_row_stats(torch.cat([top, sums], dim=1), group)  # [W, B, k + 2]
         top = gathered[..., :k].permute(1, 0, 2).reshape(source.batch, -1).topk(k, dim=1).values

@@ -267,16 +267,25 @@ def sum_row_stats(stats: torch.Tensor, group) -> torch.Tensor:
     return stats
 
 
+def merge_topk(best: torch.Tensor, block: torch.Tensor) -> torch.Tensor:
+    """The k largest of ``best`` [R, k] (float64, descending) and of the columns of ``block`` [R, c]."""
+    if block.shape[1] == 0:
+        return best
+    k = best.shape[1]
+    return torch.cat([best, topk_values(block, k).to(torch.float64)], dim=1).topk(k, dim=1).values
+
+
+def empty_topk(rows: int, k: int, device) -> torch.Tensor:
+    """A running top-k [rows, k] with nothing in it yet (-inf, so shards narrower than k pad with -inf)."""
+    return torch.full((rows, k), float("-inf"), dtype=torch.float64, device=device)
+
+
 def local_topk(source, k: int, rows: torch.Tensor | None = None) -> torch.Tensor:
     """The ``k`` largest scores of each row in this rank's columns, float64 [R, k], descending, padded with
-    -inf when the shard has fewer than ``k`` columns. O(n log k) per row (``torch.topk``), never a full sort."""
-    batch = source.batch if rows is None else rows.numel()
-    best = torch.full((batch, k), float("-inf"), dtype=torch.float64, device=source.device)
+    -inf when the shard has fewer than ``k`` columns. O(n) per row for n >> k (``kernels.topk_values``)."""
+    best = empty_topk(source.batch if rows is None else rows.numel(), k, source.device)
     for _, block in source.blocks(rows):
-        if block.shape[1] == 0:
-            continue
-        top = topk_values(block, k).to(torch.float64)
-        best = torch.cat([best, top], dim=1).topk(k, dim=1).values
+        best = merge_topk(best, block)
     return best
 
 

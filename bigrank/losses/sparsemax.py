@@ -17,14 +17,13 @@ from __future__ import annotations
 
 import torch
 
-from bigrank.losses.kernels import relu_grad, relu_square_sum
+from bigrank.losses.kernels import relu_grad
 from bigrank.losses.scores import (
     DenseScores,
     Layout,
     catalog_loss_rows,
     gather_row_stats,
     local_topk,
-    sum_row_stats,
 )
 from bigrank.losses.validation import (
     check_reduction,
@@ -49,9 +48,14 @@ def _threshold_from_top(top: torch.Tensor):
     return tau, support_size
 
 
-def _sparsemax_threshold(source, num_items: int, group, support_guess: int) -> torch.Tensor:
-    """tau [B] (float64), exact: grows the gathered top-m until every row's support is strictly inside it."""
+def _sparsemax_threshold(source, num_items: int, group, support_guess: int):
+    """tau [B] and sum_j (z_j - tau)_+^2 [B] (float64), exact.
+
+    Grows the gathered top-m until every row's support lies strictly inside it (K < m, or m = n); the support
+    is then among the gathered values, so the sum of squares needs no further pass over the scores.
+    """
     tau = torch.empty(source.batch, dtype=torch.float64, device=source.device)
+    squares = torch.empty_like(tau)
     rows = torch.arange(source.batch, device=source.device)
     m = min(max(int(support_guess), 1), num_items)
     while rows.numel():
@@ -61,9 +65,11 @@ def _sparsemax_threshold(source, num_items: int, group, support_guess: int) -> t
         row_tau, support_size = _threshold_from_top(top)
         done = (support_size < m) | (m == num_items)
         tau[rows[done]] = row_tau[done]
+        inside = (top - row_tau.unsqueeze(1)).clamp_min(0)
+        squares[rows[done]] = inside[done].square().sum(dim=1)
         rows = rows[~done]  # replicated on every rank, so every rank retries together
         m = min(2 * m, num_items)
-    return tau
+    return tau, squares
 
 
 class _SparsemaxImpl:
@@ -71,11 +77,7 @@ class _SparsemaxImpl:
         self.support_guess = support_guess
 
     def forward(self, source, layout: Layout, group):
-        tau = _sparsemax_threshold(source, layout.num_items, group, self.support_guess)
-        squares = torch.zeros(source.batch, dtype=torch.float64, device=source.device)
-        for _, block in source.blocks():
-            squares += relu_square_sum(block, tau)
-        squares = sum_row_stats(squares, group)
+        tau, squares = _sparsemax_threshold(source, layout.num_items, group, self.support_guess)
         return -layout.positive + 0.5 * squares + tau + 0.5, dict(tau=tau)
 
     def grad_block(self, block, start, state, layout: Layout, grad_rows):
@@ -94,7 +96,7 @@ def sparsemax(scores: torch.Tensor, support_guess: int = DEFAULT_SUPPORT_GUESS) 
     raise_if_nonfinite(first_nonfinite_row(scores))
     n = scores.shape[1]
     with torch.no_grad():
-        tau = _sparsemax_threshold(DenseScores(scores.detach()), n, None, support_guess)
+        tau, _ = _sparsemax_threshold(DenseScores(scores.detach()), n, None, support_guess)
         support_size = (scores.detach() > tau.to(scores.dtype).unsqueeze(1)).sum(dim=1)
     m = int(support_size.max()) if n else 0
     top = scores.topk(m, dim=1).values
