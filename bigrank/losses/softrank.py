@@ -289,7 +289,9 @@ def smooth_ap_loss(
         loss        = 1 - mean_{k in P} rank_pos(k) / rank_all(k)
 
     As tau -> 0 this is 1 - AP (hard average precision). Cost O(P * C) per row (positives against all
-    columns), never O(C^2); memory O(B * P * chunk) (see ``PAIRWISE_BLOCK_ELEMENTS``).
+    columns), never O(C^2); memory O(B * P * chunk) (see ``PAIRWISE_BLOCK_ELEMENTS``), with P the largest
+    positive count of a row in the batch (rows are padded to it). With a group, the positives' scores are
+    all-gathered (B x P per rank) and the per-positive sums all-reduced.
 
     Args:
         scores: float[B, C] local columns. labels: bool[B, C] positives. mask: bool[B, C] valid columns.
@@ -326,7 +328,8 @@ def recall_at_quantile_loss(
 
     theta = the k-th largest valid score of the row with k = ceil(quantile * n_valid) (the (1 - q) quantile,
     "higher" interpolation), under stop-gradient; ``loss = 1 - mean_{i in P} sigmoid((s_i - theta) / tau)``.
-    Gradients reach the positives only. With a group theta is exact: each shard sends its top k values.
+    Gradients reach the positives only. With a group theta is exact: each shard sends its top k values
+    (B x max_b k_b per rank, so meant for small quantiles: 0.005 of 849K columns is 4,245 values per row).
 
     Args: as ``smooth_ap_loss``, plus ``quantile`` in (0, 1) (fraction of candidates treated as retrieved).
     """
