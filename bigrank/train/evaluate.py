@@ -1,0 +1,295 @@
+"""Full-catalog evaluation over the item-parallel catalog: Recall@K, AP@K and Accuracy (Rankmax paper, Section 4).
+
+For each evaluated user, every item of the catalog is scored, the user's items of ``exclude_splits`` (the train
+items by default) are left out, the top ``max(ks)`` items are found with ``distributed_topk`` (each rank ranks its
+own rows; only per-row top-K values and ids are exchanged, never the B x n scores), and the list is compared with
+the user's items of the held-out ``split`` (definitions and AP@K normalisation in ``bigrank.train.metrics``).
+
+Every rank runs the same user batches: the users to evaluate are derived from the dataset files alone (identical
+on all ranks), so the collective ``user_vectors_fn`` (e.g. a row-wise sharded torchrec tower) and the top-K
+all-gathers stay in lock-step. The metrics are computed from the replicated top-K lists, so the result is
+replicated too.
+
+Memory: the held-out and excluded items are streamed row group by row group and only those of the evaluated users
+are kept (for exclusion, only the items of this rank's shard), so sampling users bounds the memory; the score
+block ``[b, n_local]`` of one batch is capped by ``max_score_elements``.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from bigrank.data import manifest as layout
+from bigrank.data.stream import iter_row_groups
+from bigrank.distributed.catalog import CatalogShard, distributed_topk
+from bigrank.distributed.collectives import group_size
+from bigrank.train.metrics import combine, metric_names, ranking_metrics
+
+__all__ = ["evaluate_model", "ranked_batches", "evaluation_users", "write_eval_json", "format_eval_table", "EVAL_NAME"]
+
+EVAL_NAME = "eval.json"
+DEFAULT_KS = (10, 100, 1000)
+MAX_SCORE_ELEMENTS = 1 << 25  # 128 MiB of float32 scores per batch and rank
+
+
+def evaluation_users(data_root: str | Path, split: str, sample_users: int | None = None, seed: int = 0) -> np.ndarray:
+    """Sorted int64 ids of the users with at least one item in ``split``, or a uniform sample of ``sample_users``
+    of them drawn with ``numpy.random.default_rng(seed)`` (deterministic: the same on every rank and run)."""
+    return _sample(_users_with_items(data_root, split), sample_users, seed)
+
+
+def _users_with_items(data_root: str | Path, split: str) -> np.ndarray:
+    manifest = layout.load_manifest(data_root)
+    layout.split_info(manifest, split)
+    num_users = int(manifest["num_users"])
+    counts = np.zeros(num_users, dtype=np.int64)
+    for group in iter_row_groups(data_root, split, columns=("user_id",)):
+        counts += np.bincount(group["user_id"], minlength=num_users)
+    return np.flatnonzero(counts).astype(np.int64)
+
+
+def _sample(users: np.ndarray, sample_users: int | None, seed: int) -> np.ndarray:
+    if sample_users is None:
+        return users
+    if int(sample_users) < 1:
+        raise ValueError(f"sample_users must be a positive number of users, got {sample_users}")
+    if sample_users >= len(users):
+        return users
+    return np.sort(np.random.default_rng(seed).choice(users, size=int(sample_users), replace=False))
+
+
+def _items_of_users(
+    data_root: str | Path, splits: Sequence[str], users: np.ndarray, num_users: int, item_range=None
+) -> tuple[np.ndarray, np.ndarray]:
+    """CSR ``(indptr int64[len(users) + 1], items int64)`` of the items of ``users`` (row i = ``users[i]``) in
+    ``splits``, restricted to ``item_range = (start, stop)`` when given; items sorted and distinct per row."""
+    position = np.full(num_users, -1, dtype=np.int64)
+    position[users] = np.arange(len(users), dtype=np.int64)
+    num_items = int(layout.load_manifest(data_root)["num_items"])
+    keys = []
+    for split in splits:
+        for group in iter_row_groups(data_root, split):
+            rows = position[group["user_id"]]
+            items = group["item_id"].astype(np.int64)
+            keep = rows >= 0
+            if item_range is not None:
+                keep &= (items >= item_range[0]) & (items < item_range[1])
+            keys.append(rows[keep] * num_items + items[keep])
+    keys = np.unique(np.concatenate(keys)) if keys else np.empty(0, dtype=np.int64)
+    rows = keys // num_items
+    indptr = np.zeros(len(users) + 1, dtype=np.int64)
+    np.cumsum(np.bincount(rows, minlength=len(users)), out=indptr[1:])
+    return indptr, keys - rows * num_items
+
+
+def evaluate_model(
+    user_vectors_fn: Callable[[torch.Tensor], torch.Tensor],
+    shard: CatalogShard,
+    data_root: str | Path,
+    split: str,
+    ks: Sequence[int] = DEFAULT_KS,
+    *,
+    group: dist.ProcessGroup | None = None,
+    sample_users: int | None = None,
+    seed: int = 0,
+    batch_size: int = 1024,
+    exclude_splits: Sequence[str] = ("train",),
+    max_score_elements: int = MAX_SCORE_ELEMENTS,
+) -> dict:
+    """Recall@K, AP@K and Accuracy of ranking the full catalog for the users of ``split``; collective.
+
+    Call it on every rank of ``group`` with the same arguments.
+
+    Args:
+        user_vectors_fn: ``user_ids int64[b] -> float[b, d]``; called on every rank with the same ``b`` (and the
+            same ids), so it may run collectives (a sharded tower). Runs under ``torch.no_grad``.
+        shard: this rank's rows ``[start, stop)`` of the item matrix (``weight [n_local, d]``).
+        data_root: dataset directory (``bigrank.data.manifest`` layout).
+        split: held-out split whose items are the relevant ones (``"valid"`` or ``"test"``).
+        ks: cut-offs K of Recall@K and AP@K; the top ``max(ks)`` items are ranked.
+        group: process group the catalog is split over (None: one process holds all items).
+        sample_users: evaluate a deterministic sample (``seed``) of this many users instead of all users with an
+            item in ``split``.
+        batch_size: users per batch (lowered when ``b x ceil(n / W)`` scores would exceed ``max_score_elements``).
+        exclude_splits: splits whose items of the user are never recommended (its train items by default).
+
+    Returns ``{"accuracy", "recall@K", "ap@K" (for each K), "users", "skipped_users", "split", "num_items",
+    "candidate_users", "sampled"}``, the same on every rank: ``users`` counts the users scored,
+    ``candidate_users`` the users with an item in ``split``. The splits of a bigrank dataset hold
+    distinct (user, item) pairs, so no relevant item is excluded.
+    """
+    ks = sorted({int(k) for k in ks})
+    if not ks or ks[0] < 1:
+        raise ValueError(f"ks must be positive cut-offs, got {ks}")
+    manifest = layout.load_manifest(data_root)
+    num_users = int(manifest["num_users"])
+    candidates = _users_with_items(data_root, split)
+    users = _sample(candidates, sample_users, seed)
+    if len(users) == 0:
+        raise ValueError(f"split {split!r} of {data_root} has no users to evaluate")
+    relevant_indptr, relevant_items = _items_of_users(data_root, [split], users, num_users)
+    results = []
+    batches = ranked_batches(
+        user_vectors_fn,
+        shard,
+        data_root,
+        users,
+        max(ks),
+        group=group,
+        batch_size=batch_size,
+        exclude_splits=exclude_splits,
+        max_score_elements=max_score_elements,
+    )
+    for first, last, top_ids in batches:
+        relevant = (
+            relevant_indptr[first : last + 1] - relevant_indptr[first],
+            relevant_items[relevant_indptr[first] : relevant_indptr[last]],
+        )
+        results.append(ranking_metrics(top_ids.cpu().numpy(), relevant, ks))
+    total = combine(results)
+    summary = {name: total[name] for name in metric_names(ks)}
+    summary.update(
+        users=total["users"],
+        skipped_users=total["skipped_users"],
+        split=split,
+        num_items=shard.num_items,
+        candidate_users=len(candidates),
+        sampled=len(users) < len(candidates),
+    )
+    return summary
+
+
+def ranked_batches(
+    user_vectors_fn: Callable[[torch.Tensor], torch.Tensor],
+    shard: CatalogShard,
+    data_root: str | Path,
+    users: np.ndarray,
+    k: int,
+    *,
+    group: dist.ProcessGroup | None = None,
+    batch_size: int = 1024,
+    exclude_splits: Sequence[str] = ("train",),
+    max_score_elements: int = MAX_SCORE_ELEMENTS,
+) -> Iterator[tuple[int, int, torch.Tensor]]:
+    """Rank the full catalog for ``users`` batch by batch; collective (same arguments on every rank).
+
+    Yields ``(first, last, top_ids)``: ``top_ids`` int64[last - first, min(k, n)] holds the global ids of the best
+    items of ``users[first:last]``, best first, without the user's items of ``exclude_splits`` (``-1`` pads rows
+    with fewer eligible items), replicated on every rank. Scores are ``user_vectors_fn(ids) @ shard.weight.T``
+    on the local rows and the ranking is ``distributed_topk`` (ties: lower id first), all under ``no_grad``.
+    The number of users per batch, ``min(batch_size, max_score_elements // ceil(n / W))``, depends only on
+    figures every rank shares, so all ranks run the same batches.
+    """
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be positive, got {batch_size}")
+    if k < 1:
+        raise ValueError(f"k must be positive, got {k}")
+    manifest = layout.load_manifest(data_root)
+    num_users, num_items = int(manifest["num_users"]), int(manifest["num_items"])
+    if shard.num_items != num_items:
+        raise ValueError(f"the catalog has {shard.num_items} items but dataset {data_root} has {num_items}")
+    for name in exclude_splits:
+        layout.split_info(manifest, name)
+    users = np.asarray(users, dtype=np.int64)
+    if len(users) and (users.min() < 0 or users.max() >= num_users):
+        raise ValueError(f"user ids must lie in [0, {num_users}) for dataset {data_root}")
+    excluded_indptr, excluded_items = _items_of_users(
+        data_root, list(exclude_splits), users, num_users, item_range=(shard.start, shard.stop)
+    )
+    widest_shard = math.ceil(num_items / group_size(group))
+    rows_per_batch = max(1, min(int(batch_size), int(max_score_elements) // max(widest_shard, 1)))
+    weight = shard.weight.detach()
+    with torch.no_grad():
+        for first in range(0, len(users), rows_per_batch):
+            last = min(first + rows_per_batch, len(users))
+            vectors = user_vectors_fn(torch.from_numpy(users[first:last]))
+            if vectors.dim() != 2 or tuple(vectors.shape) != (last - first, shard.dim):
+                raise ValueError(
+                    f"user_vectors_fn returned shape {tuple(vectors.shape)} for {last - first} users; "
+                    f"expected ({last - first}, {shard.dim})"
+                )
+            scores = vectors.detach().to(device=weight.device, dtype=weight.dtype) @ weight.T
+            exclude = _exclusion_mask(excluded_indptr, excluded_items, first, last, shard, scores.device)
+            _, top_ids = distributed_topk(scores, k, group=group, offset=shard.start, exclude=exclude)
+            yield first, last, top_ids
+
+
+def _exclusion_mask(indptr, items, first: int, last: int, shard: CatalogShard, device) -> torch.Tensor:
+    """bool[b, n_local]: True at the local columns of the excluded items of users ``first..last-1``."""
+    mask = torch.zeros((last - first, shard.num_local), dtype=torch.bool, device=device)
+    lo, hi = indptr[first], indptr[last]
+    if hi > lo:
+        rows = np.repeat(np.arange(last - first, dtype=np.int64), np.diff(indptr[first : last + 1]))
+        columns = items[lo:hi] - shard.start
+        mask[torch.from_numpy(rows).to(device), torch.from_numpy(columns).to(device)] = True
+    return mask
+
+
+def write_eval_json(run_dir: str | Path, results_by_split: Mapping[str, Mapping]) -> Path:
+    """Write ``RUN_DIR/eval.json`` atomically (temp file + ``os.replace``) with one section per split.
+
+    ``results_by_split`` maps a split name (``"valid"``, ``"test"``) to its ``evaluate_model`` result (extra keys
+    such as ``epoch``/``step`` are kept). Sections already in the file for other splits are kept, so valid and
+    test may be written at different times; NaN values are written as ``null``. Returns the path.
+    """
+    import json
+
+    run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        raise FileNotFoundError(f"run directory does not exist: {run_dir}")
+    path = run_dir / EVAL_NAME
+    sections = {}
+    if path.is_file():
+        try:
+            sections = json.loads(path.read_text())
+        except json.JSONDecodeError as error:
+            raise ValueError(f"{path} is not valid JSON: {error}") from error
+        if not isinstance(sections, dict):
+            raise ValueError(f"{path} does not hold a JSON object")
+    for split, result in results_by_split.items():
+        sections[split] = {key: _json_value(value) for key, value in result.items()}
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.write_text(json.dumps(sections, indent=1) + "\n")
+    os.replace(tmp, path)
+    return path
+
+
+def _json_value(value):
+    if isinstance(value, (np.floating, np.integer)):
+        value = value.item()
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    return value
+
+
+def format_eval_table(results_by_split: Mapping[str, Mapping]) -> str:
+    """A plain-text table: one row per split, one column per metric (``accuracy, recall@K..., ap@K...``) + users."""
+    splits = list(results_by_split)
+    if not splits:
+        return "(no evaluation results)"
+    keys = [k for k in results_by_split[splits[0]] if k == "accuracy" or "@" in k]
+    ks = sorted({int(k.split("@")[1]) for k in keys if "@" in k})
+    columns = [name for name in metric_names(ks) if any(name in r for r in results_by_split.values())]
+    header = ["split"] + columns + ["users"]
+    rows = [header]
+    for split in splits:
+        result = results_by_split[split]
+        cells = [split]
+        for name in columns:
+            value = result.get(name)
+            cells.append("-" if value is None or (isinstance(value, float) and math.isnan(value)) else f"{value:.4f}")
+        cells.append(f"{int(result['users']):,}" if result.get("users") is not None else "-")
+        rows.append(cells)
+    widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
+    lines = []
+    for row in rows:
+        cells = [row[0].ljust(widths[0])] + [cell.rjust(width) for cell, width in zip(row[1:], widths[1:], strict=True)]
+        lines.append("  ".join(cells))
+    return "\n".join(lines)

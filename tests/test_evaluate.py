@@ -1,0 +1,233 @@
+"""Distributed full-catalog evaluation equals a brute-force numpy ranking (real Parquet files, real gloo ranks)."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+
+from bigrank.data import manifest as layout
+from bigrank.distributed.catalog import CatalogShard
+from bigrank.train.evaluate import (
+    evaluate_model,
+    evaluation_users,
+    format_eval_table,
+    ranked_batches,
+    write_eval_json,
+)
+from tests.distributed_utils import run_distributed
+
+NUM_USERS, NUM_ITEMS, DIM = 60, 37, 6
+KS = (1, 5, 40)  # 40 > NUM_ITEMS: the lists are shorter than K and padded after the excluded items
+
+
+def write_tiny_dataset(root, seed: int = 0) -> dict:
+    """60 users x 37 items, 80/10/10 random split of distinct pairs, several files and row groups per split."""
+    rng = np.random.default_rng(seed)
+    users, items = [], []
+    for user in range(NUM_USERS):
+        chosen = rng.choice(NUM_ITEMS, size=int(rng.integers(3, 20)), replace=False)
+        users += [user] * len(chosen)
+        items += list(chosen)
+    users, items = np.array(users, dtype=np.int32), np.array(items, dtype=np.int32)
+    labels = layout.random_split_labels(rng, len(users))
+    split_files = {}
+    for label, split in enumerate(layout.SPLITS):
+        mask = labels == label
+        columns = {"user_id": users[mask], "item_id": items[mask]}
+        split_files[split] = layout.write_split_parts(root, split, columns, rows_per_file=150, row_group_size=40)
+    return layout.write_manifest(
+        root,
+        num_users=NUM_USERS,
+        num_items=NUM_ITEMS,
+        split_files=split_files,
+        seed=seed,
+        source="test",
+        generator={"test": "tiny"},
+    )
+
+
+def read_pairs(root, split) -> dict[int, set[int]]:
+    import pyarrow.parquet as pq
+
+    manifest = layout.load_manifest(root)
+    pairs: dict[int, set[int]] = {}
+    for name in manifest["splits"][split]["files"]:
+        table = pq.read_table(root / name)
+        for user, item in zip(table["user_id"].to_pylist(), table["item_id"].to_pylist(), strict=True):
+            pairs.setdefault(user, set()).add(item)
+    return pairs
+
+
+def brute_force_metrics(root, split, user_table, item_table, ks, users=None) -> dict:
+    """Full scores, train items removed, sort by (score desc, id asc), then the metric definitions per user."""
+    train, held_out = read_pairs(root, "train"), read_pairs(root, split)
+    users = sorted(held_out) if users is None else [int(u) for u in users]
+    sums = dict.fromkeys(["accuracy"] + [f"{m}@{k}" for k in ks for m in ("recall", "ap")], 0.0)
+    for user in users:
+        scores = item_table @ user_table[user]
+        eligible = [i for i in range(NUM_ITEMS) if i not in train.get(user, set())]
+        ranking = sorted(eligible, key=lambda i: (-scores[i], i))
+        relevant = held_out[user]
+        sums["accuracy"] += ranking[0] in relevant
+        for k in ks:
+            hits = [1 if i < len(ranking) and ranking[i] in relevant else 0 for i in range(k)]
+            sums[f"recall@{k}"] += sum(hits) / len(relevant)
+            sums[f"ap@{k}"] += sum(sum(hits[: i + 1]) / (i + 1) * hits[i] for i in range(k)) / min(k, len(relevant))
+    return {name: value / len(users) for name, value in sums.items()} | {"users": len(users)}
+
+
+def tables(seed: int = 1):
+    generator = torch.Generator().manual_seed(seed)
+    user_table = torch.randn(NUM_USERS, DIM, generator=generator, dtype=torch.float64)
+    item_table = torch.randn(NUM_ITEMS, DIM, generator=generator, dtype=torch.float64)
+    return user_table, item_table
+
+
+def make_shard(item_table, group) -> CatalogShard:
+    shard = CatalogShard(NUM_ITEMS, DIM, group, dtype=torch.float64)
+    with torch.no_grad():
+        shard.weight.copy_(item_table[shard.start : shard.stop])
+    return shard
+
+
+def embedding_fn(user_table, group, calls: list):
+    """A plain nn.Embedding user tower that, like a sharded tower, runs a collective on every call: the batch
+    sizes of all ranks must agree, or the all-reduce pairs calls up wrongly and the check fails (or hangs)."""
+    embedding = torch.nn.Embedding.from_pretrained(user_table)
+
+    def user_vectors(user_ids: torch.Tensor) -> torch.Tensor:
+        assert user_ids.dtype == torch.int64 and not torch.is_grad_enabled()
+        if group is not None:
+            largest = torch.tensor([len(user_ids)])
+            dist.all_reduce(largest, op=dist.ReduceOp.MAX, group=group)
+            assert int(largest) == len(user_ids)
+        calls.append(len(user_ids))
+        return embedding(user_ids)
+
+    return user_vectors
+
+
+def _evaluate_body(rank, world_size, group, root, user_table, item_table, sample):
+    shard = make_shard(item_table, group)
+    calls: list[int] = []
+    fn = embedding_fn(user_table, group, calls)
+    results = {
+        "valid": evaluate_model(fn, shard, root, "valid", KS, group=group, batch_size=7),
+        "test": evaluate_model(fn, shard, root, "test", KS, group=group, batch_size=1000, max_score_elements=100),
+        "sample": evaluate_model(fn, shard, root, "valid", KS, group=group, sample_users=sample, seed=3),
+    }
+    users = evaluation_users(root, "valid")
+    ranked = [top.numpy() for _, _, top in ranked_batches(fn, shard, root, users, NUM_ITEMS, group=group)]
+    return {"results": results, "ranked": np.concatenate(ranked), "users": users, "calls": calls}
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    root = tmp_path_factory.mktemp("tiny")
+    write_tiny_dataset(root)
+    return root
+
+
+def test_two_ranks_equal_brute_force(tiny):
+    user_table, item_table = tables()
+    sample = 13
+    outputs = run_distributed(_evaluate_body, 2, args=(tiny, user_table, item_table, sample))
+    assert outputs[0]["results"] == outputs[1]["results"], "results must be replicated on every rank"
+    results = outputs[0]["results"]
+    users, items = user_table.numpy(), item_table.numpy()
+    sampled_users = evaluation_users(tiny, "valid", sample, seed=3)
+    expected = {
+        "valid": brute_force_metrics(tiny, "valid", users, items, KS),
+        "test": brute_force_metrics(tiny, "test", users, items, KS),
+        "sample": brute_force_metrics(tiny, "valid", users, items, KS, users=sampled_users),
+    }
+    for part, reference in expected.items():
+        assert results[part]["users"] == reference["users"], part
+        for name, value in reference.items():
+            assert results[part][name] == pytest.approx(value, rel=1e-9, abs=1e-12), (part, name)
+    assert results["sample"]["sampled"] and not results["valid"]["sampled"]
+    assert results["sample"]["users"] == sample < results["valid"]["users"]
+
+    # Batches: valid in 7s; test capped at 100 scores per rank -> 100 // ceil(37 / 2) = 5 users; the sample and the
+    # ranking in one batch each. Both ranks made the same calls (the all-reduce inside the tower checked it).
+    def chunks(total, size):
+        return [size] * (total // size) + ([total % size] if total % size else [])
+
+    n_valid, n_test = results["valid"]["users"], results["test"]["users"]
+    assert outputs[0]["calls"] == chunks(n_valid, 7) + chunks(n_test, 5) + [sample, n_valid]
+    assert outputs[1]["calls"] == outputs[0]["calls"]
+
+    # Exclusion: no train item is ever ranked, and every other item is (k = the whole catalog).
+    train = read_pairs(tiny, "train")
+    ranked, ranked_users = outputs[0]["ranked"], outputs[0]["users"]
+    assert (outputs[1]["ranked"] == ranked).all()
+    for row, user in zip(ranked, ranked_users, strict=True):
+        listed = set(row[row >= 0].tolist())
+        assert not listed & train.get(int(user), set())
+        assert listed | train.get(int(user), set()) == set(range(NUM_ITEMS))
+
+
+def test_exclusion_changes_the_answer_when_train_items_score_highest(tiny):
+    # One-hot items and users pointing at their own train items: without exclusion the train items (score ~10)
+    # fill the top of every list; the small random part orders the other items.
+    generator = torch.Generator().manual_seed(2)
+    item_table = torch.eye(NUM_ITEMS, dtype=torch.float64)
+    user_table = torch.rand(NUM_USERS, NUM_ITEMS, generator=generator, dtype=torch.float64)
+    train = read_pairs(tiny, "train")
+    for user, items in train.items():
+        user_table[user, sorted(items)] += 10.0
+    shard = CatalogShard(NUM_ITEMS, NUM_ITEMS, dtype=torch.float64)
+    with torch.no_grad():
+        shard.weight.copy_(item_table)
+    fn = embedding_fn(user_table, None, [])
+    excluded = evaluate_model(fn, shard, tiny, "valid", KS)
+    reference = brute_force_metrics(tiny, "valid", user_table.numpy(), item_table.numpy(), KS)
+    for name in ("accuracy", "recall@5", "ap@5"):
+        assert excluded[name] == pytest.approx(reference[name], rel=1e-9, abs=1e-12)
+    included = evaluate_model(fn, shard, tiny, "valid", KS, exclude_splits=())
+    assert included["recall@5"] < excluded["recall@5"]
+    users = evaluation_users(tiny, "valid")
+    top = np.concatenate([t.numpy() for *_, t in ranked_batches(fn, shard, tiny, users, 1, exclude_splits=())])
+    with_train = [(int(t), int(u)) for t, u in zip(top[:, 0], users, strict=True) if int(u) in train]
+    assert len(with_train) > 20 and all(t in train[u] for t, u in with_train)
+
+
+def test_bad_inputs(tiny):
+    user_table, item_table = tables()
+    fn = embedding_fn(user_table, None, [])
+    shard = make_shard(item_table, None)
+    with pytest.raises(ValueError, match="no split 'dev'"):
+        evaluate_model(fn, shard, tiny, "dev", KS)
+    with pytest.raises(ValueError, match="no split 'extra'"):
+        evaluate_model(fn, shard, tiny, "valid", KS, exclude_splits=("extra",))
+    with pytest.raises(ValueError, match="catalog has 40 items"):
+        evaluate_model(fn, CatalogShard(40, DIM), tiny, "valid", KS)
+    with pytest.raises(ValueError, match="returned shape"):
+        evaluate_model(lambda ids: torch.zeros(len(ids), DIM + 1), shard, tiny, "valid", KS)
+    with pytest.raises(ValueError, match="sample_users"):
+        evaluate_model(fn, shard, tiny, "valid", KS, sample_users=0)
+    with pytest.raises(FileNotFoundError):
+        evaluate_model(fn, shard, tiny / "missing", "valid", KS)
+
+
+def test_eval_json_and_table(tmp_path):
+    valid = {"accuracy": 0.25, "recall@10": 0.5, "ap@10": 0.125, "users": 1200, "split": "valid"}
+    path = write_eval_json(tmp_path, {"valid": valid})
+    assert json.loads(path.read_text()) == {"valid": valid}
+    test = {"accuracy": float("nan"), "recall@10": np.float64(0.75), "ap@10": 0.5, "users": np.int64(3)}
+    write_eval_json(tmp_path, {"test": test})
+    written = json.loads(path.read_text())
+    assert written["valid"] == valid  # kept
+    assert written["test"] == {"accuracy": None, "recall@10": 0.75, "ap@10": 0.5, "users": 3}
+    assert [p.name for p in tmp_path.iterdir()] == ["eval.json"]  # no temporary left behind
+    table = format_eval_table(written)
+    lines = table.splitlines()
+    assert lines[0].split() == ["split", "accuracy", "recall@10", "ap@10", "users"]
+    assert lines[1].split() == ["valid", "0.2500", "0.5000", "0.1250", "1,200"]
+    assert lines[2].split() == ["test", "-", "0.7500", "0.5000", "3"]
+    with pytest.raises(FileNotFoundError):
+        write_eval_json(tmp_path / "nope", {"valid": valid})
