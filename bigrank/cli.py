@@ -14,6 +14,7 @@ import sys
 
 COMMAND_MODULES = [
     "bigrank.data.commands",
+    "bigrank.train.plot",
 ]
 
 
