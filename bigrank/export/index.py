@@ -1,0 +1,212 @@
+"""Maximum-inner-product item indexes (FAISS): exact ``IndexFlatIP`` by default, IVF and HNSW as options.
+
+The score of a user vector ``u`` and an item vector ``v`` is ``<u, v>`` (the trained model's score), so the
+indexes search by inner product (``faiss.METRIC_INNER_PRODUCT``). The position of an item in an index is its
+dense item id (an export's parts tile ``[0, num_items)`` in order).
+
+* ``exact`` — ``IndexFlatIP``: brute force, exact top-k; O(n·d) per query.
+* ``ivf`` — ``IndexIVFFlat`` (Jégou et al., 2011, inverted file): k-means on a sample splits the catalog into
+  ``nlist`` cells; a query scans the ``nprobe`` cells whose centroids score highest. Approximate.
+* ``hnsw`` — ``IndexHNSWFlat`` (Malkov & Yashunin, 2018, hierarchical navigable small-world graph) with
+  ``M`` links per node, ``efConstruction`` / ``efSearch`` candidate lists. Approximate.
+
+Approximate indexes are reported with their recall@k against the exact top-k (``recall_at_k``), measured
+when they are built into an export and recorded in its manifest.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from pathlib import Path
+
+import numpy as np
+
+INDEX_KINDS = ("exact", "ivf", "hnsw")
+RECALL_K = 10
+RECALL_QUERIES = 1000
+
+
+def index_file(kind: str) -> str:
+    """Relative path of the ``kind`` index in an export: ``items/index-<kind>.faiss``."""
+    if kind not in INDEX_KINDS:
+        raise ValueError(f"unknown index kind {kind!r}; choose one of {INDEX_KINDS}")
+    return f"items/index-{kind}.faiss"
+
+
+def default_params(kind: str, num_items: int) -> dict:
+    """Default build/search parameters of ``kind`` for a catalog of ``num_items`` rows.
+
+    IVF: ``nlist ≈ sqrt(n)`` cells (k-means on ``64 · nlist`` sampled rows keeps training to seconds on a
+    CPU), ``nprobe = nlist / 16`` (at least 8). HNSW: ``M = 16``, ``efConstruction = 40`` (FAISS's default),
+    ``efSearch = 128``.
+    """
+    if kind == "exact":
+        return {}
+    if kind == "ivf":
+        nlist = max(1, min(int(round(math.sqrt(num_items))), num_items // 39 or 1))
+        return {"nlist": nlist, "nprobe": min(nlist, max(8, nlist // 16)), "train_rows": min(num_items, 64 * nlist)}
+    if kind == "hnsw":
+        return {"M": 16, "efConstruction": 40, "efSearch": 128}
+    raise ValueError(f"unknown index kind {kind!r}; choose one of {INDEX_KINDS}")
+
+
+def build_index(vectors: np.ndarray, kind: str = "exact", params: dict | None = None, seed: int = 0):
+    """Build a FAISS inner-product index over the rows of ``vectors`` (float32[n, d]).
+
+    ``params`` overrides ``default_params(kind, n)``. Returns the index; position ``i`` is row ``i``.
+    """
+    import faiss
+
+    vectors = np.ascontiguousarray(vectors, dtype=np.float32)
+    if vectors.ndim != 2 or vectors.shape[0] == 0:
+        raise ValueError(f"cannot index an empty or non-2-D matrix of shape {vectors.shape}")
+    n, d = vectors.shape
+    settings = {**default_params(kind, n), **(params or {})}
+    if kind == "exact":
+        index = faiss.IndexFlatIP(d)
+    elif kind == "ivf":
+        quantizer = faiss.IndexFlatIP(d)
+        index = faiss.IndexIVFFlat(quantizer, d, int(settings["nlist"]), faiss.METRIC_INNER_PRODUCT)
+        rng = np.random.default_rng(seed)
+        sample = vectors[np.sort(rng.choice(n, size=min(n, int(settings["train_rows"])), replace=False))]
+        index.cp.seed = seed
+        index.train(sample)
+        index.nprobe = int(settings["nprobe"])
+    elif kind == "hnsw":
+        index = faiss.IndexHNSWFlat(d, int(settings["M"]), faiss.METRIC_INNER_PRODUCT)
+        index.hnsw.efConstruction = int(settings["efConstruction"])
+        index.hnsw.efSearch = int(settings["efSearch"])
+    else:
+        raise ValueError(f"unknown index kind {kind!r}; choose one of {INDEX_KINDS}")
+    index.add(vectors)
+    return index
+
+
+def set_search_params(index, params: dict) -> None:
+    """Apply search-time parameters (``nprobe`` for IVF, ``efSearch`` for HNSW) to a loaded index."""
+    import faiss
+
+    if "nprobe" in params and hasattr(index, "nprobe"):
+        index.nprobe = int(params["nprobe"])
+    if "efSearch" in params:
+        hnsw = faiss.downcast_index(index)
+        if hasattr(hnsw, "hnsw"):
+            hnsw.hnsw.efSearch = int(params["efSearch"])
+
+
+def search(index, queries: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """Top-``k`` items of each query: ``(scores float32[q, k], ids int64[q, k])``, best first.
+
+    ``k`` is capped at the index size; missing results (possible with approximate indexes) have id -1.
+    """
+    queries = np.ascontiguousarray(np.atleast_2d(queries), dtype=np.float32)
+    k = min(int(k), index.ntotal)
+    if k < 1:
+        raise ValueError(f"k must be >= 1, got {k}")
+    return index.search(queries, k)
+
+
+def brute_force_top_k(
+    items: np.ndarray, queries: np.ndarray, k: int, chunk_elements: int = 1 << 25
+) -> tuple[np.ndarray, np.ndarray]:
+    """Reference top-``k`` by inner product in numpy: ``(scores float32[q, k], ids int64[q, k])``, best first.
+
+    Ties are broken by the smaller item id. ``items``: float32[n, d], ``queries``: float32[q, d]. Queries
+    are scored in chunks so at most ``chunk_elements`` scores exist at once.
+    """
+    items = np.asarray(items, dtype=np.float32)
+    queries = np.atleast_2d(np.asarray(queries, dtype=np.float32))
+    k = min(int(k), items.shape[0])
+    if k < 1:
+        raise ValueError(f"k must be >= 1, got {k}")
+    out_scores = np.empty((len(queries), k), dtype=np.float32)
+    out_ids = np.empty((len(queries), k), dtype=np.int64)
+    step = max(1, chunk_elements // max(1, items.shape[0]))
+    for lo in range(0, len(queries), step):
+        scores = queries[lo : lo + step] @ items.T
+        part = np.argpartition(-scores, k - 1, axis=1)[:, :k]
+        for row in range(scores.shape[0]):
+            cand = part[row]
+            order = cand[np.lexsort((cand, -scores[row, cand]))]
+            out_ids[lo + row] = order
+            out_scores[lo + row] = scores[row, order]
+    return out_scores, out_ids
+
+
+def recall_at_k(approx_ids: np.ndarray, exact_ids: np.ndarray) -> float:
+    """Mean over queries of ``|approx top-k ∩ exact top-k| / k`` (both int[q, k])."""
+    approx_ids, exact_ids = np.atleast_2d(approx_ids), np.atleast_2d(exact_ids)
+    k = exact_ids.shape[1]
+    hits = sum(len(np.intersect1d(a[a >= 0], e)) for a, e in zip(approx_ids, exact_ids, strict=True))
+    return hits / (k * exact_ids.shape[0])
+
+
+def write_index_atomic(index, path: str | Path) -> Path:
+    """Save ``index`` to ``path`` via a temporary file and ``os.replace``."""
+    import faiss
+
+    from bigrank.data.manifest import temporary_path
+
+    path = Path(path)
+    tmp = temporary_path(path)
+    faiss.write_index(index, str(tmp))
+    os.replace(tmp, path)
+    return path
+
+
+def read_index(path: str | Path):
+    """Load a FAISS index written by ``write_index_atomic``."""
+    import faiss
+
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"index file is missing: {path}")
+    return faiss.read_index(str(path))
+
+
+def build_export_index(
+    export_dir: str | Path, kind: str = "exact", params: dict | None = None, num_queries: int = RECALL_QUERIES
+) -> dict:
+    """Build the ``kind`` index of an export's items, save it beside the parts and record it in the manifest.
+
+    For approximate kinds the recall@10 against the exact top-k is measured on ``num_queries`` user
+    vectors of the export (items when it has no users) and recorded with the build parameters and time.
+    The index file is written atomically before the manifest (rewritten atomically) names it. Returns the
+    manifest entry of the index.
+    """
+    from bigrank.data.manifest import write_json_atomic
+    from bigrank.export.recommend import load_export, read_table
+    from bigrank.export.writer import MANIFEST_NAME, sha256_file
+
+    export_dir = Path(export_dir)
+    manifest = load_export(export_dir)
+    items = read_table(export_dir, manifest, "items")["embedding"]
+    settings = {**default_params(kind, len(items)), **(params or {})}
+    started = time.perf_counter()
+    index = build_index(items, kind, settings)
+    build_seconds = time.perf_counter() - started
+    entry = {"file": index_file(kind), "params": settings, "build_seconds": round(build_seconds, 3)}
+    if kind != "exact":
+        queries = _recall_queries(export_dir, manifest, items, num_queries)
+        _, exact = brute_force_top_k(items, queries, RECALL_K)
+        _, approx = search(index, queries, RECALL_K)
+        entry[f"recall_at_{RECALL_K}_vs_exact"] = round(recall_at_k(approx, exact), 4)
+        entry["recall_queries"] = len(queries)
+    path = write_index_atomic(index, export_dir / entry["file"])
+    entry.update(bytes=path.stat().st_size, sha256=sha256_file(path))
+    manifest = json.loads((export_dir / MANIFEST_NAME).read_text())
+    manifest.setdefault("indexes", {})[kind] = entry
+    write_json_atomic(export_dir / MANIFEST_NAME, manifest)
+    return entry
+
+
+def _recall_queries(export_dir: Path, manifest: dict, items: np.ndarray, num_queries: int) -> np.ndarray:
+    from bigrank.export.recommend import read_table
+
+    users = read_table(export_dir, manifest, "users")["embedding"] if manifest["num_users"] else items
+    rng = np.random.default_rng(0)
+    rows = np.sort(rng.choice(len(users), size=min(num_queries, len(users)), replace=False))
+    return users[rows]

@@ -1,0 +1,385 @@
+"""Write trained embeddings as an export directory: per-rank Parquet parts, then a checksummed manifest.
+
+Layout of an export ``DIR``::
+
+    DIR/manifest.json                          written last: its presence means the export is complete
+    DIR/items/part-rNNNNN.parquet              item_id: int32, [original_id: int64, title: string],
+                                               embedding: fixed_size_list<float32>[d]
+    DIR/users/part-rNNNNN.parquet              user_id: int32, [original_id: int64], embedding
+    DIR/history/part-rNNNNN.parquet            (models with a history tower) the history table, item-indexed
+    DIR/<table>_float16/…, DIR/<table>_int8/…  optional quantised copies (int8 adds ``scale: float32``)
+    DIR/items/index-<kind>.faiss               optional FAISS indexes (see ``bigrank.export.index``)
+
+Every rank writes the rows it owns (no gather of the catalog or the user table through one process); the
+part of rank ``r`` is ``part-r{r:05d}.parquet``. Row ``i`` of a table is the dense id ``i`` and the parts
+cover ``[0, rows)`` contiguously, so the concatenation of the parts in ``row_start`` order is the table and
+a position in a FAISS index built from it is the item id. The score of user ``u`` and item ``i`` is the
+inner product ``<users[u], items[i]>``. Each part is written to a temporary name and renamed into place; the
+manifest records each part's row range, byte size and sha256, so a truncated or replaced file is detected
+when the export is loaded (``bigrank.export.recommend.load_export``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+import numpy as np
+
+from bigrank.data import manifest as layout
+
+EXPORT_KIND = "bigrank-embeddings"
+EXPORT_FORMAT_VERSION = 1
+MANIFEST_NAME = "manifest.json"
+SCORE_FUNCTION = "inner_product"
+ROW_GROUP_ROWS = 65536
+QUANTIZATIONS = ("float16", "int8")
+TABLE_ID_COLUMNS = {"items": "item_id", "users": "user_id", "history": "item_id"}
+INT8_MAX = 127
+
+
+def part_file(table: str, rank: int) -> str:
+    """Relative path of the part of ``rank`` in ``table``: ``<table>/part-r{rank:05d}.parquet``."""
+    return f"{table}/part-r{rank:05d}.parquet"
+
+
+def sha256_file(path: str | Path, block_bytes: int = 1 << 22) -> str:
+    """Hex sha256 of the file at ``path`` (read in blocks of ``block_bytes``)."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        while block := handle.read(block_bytes):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def quantize_int8(vectors: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Per-row symmetric int8 quantisation: ``vectors[r] ≈ scale[r] * q[r]``.
+
+    ``vectors``: float32[n, d]. Returns ``q``: int8[n, d] in ``[-127, 127]`` and ``scale``: float32[n]
+    (``max_j |vectors[r, j]| / 127``; 1 for an all-zero row). The error per entry is at most ``scale / 2``.
+    """
+    vectors = np.asarray(vectors, dtype=np.float32)
+    scale = np.abs(vectors).max(axis=1, initial=0.0) / INT8_MAX
+    scale = np.where(scale > 0, scale, 1.0).astype(np.float32)
+    q = np.clip(np.rint(vectors / scale[:, None]), -INT8_MAX, INT8_MAX).astype(np.int8)
+    return q, scale
+
+
+def embedding_array(vectors: np.ndarray):
+    """``pyarrow.FixedSizeListArray`` of the rows of ``vectors`` ([n, d], any numeric dtype), no copy."""
+    import pyarrow as pa
+
+    vectors = np.ascontiguousarray(vectors)
+    return pa.FixedSizeListArray.from_arrays(pa.array(vectors.reshape(-1)), vectors.shape[1])
+
+
+def write_part(path: Path, columns: Mapping[str, object]) -> dict:
+    """Write one part atomically (temp + ``os.replace``); returns ``{bytes, sha256}`` of the final file.
+
+    ``columns`` maps names to numpy arrays or pyarrow arrays of equal length.
+    """
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    names = list(columns)
+    arrays = [value if isinstance(value, pa.Array) else pa.array(value) for value in columns.values()]
+    table = pa.Table.from_arrays(arrays, names=names)
+    tmp = layout.temporary_path(path)
+    # Embeddings are incompressible floats: compressing them costs time and saves nothing.
+    pq.write_table(table, tmp, row_group_size=ROW_GROUP_ROWS, compression="none")
+    checksum = sha256_file(tmp)
+    size = tmp.stat().st_size
+    os.replace(tmp, path)
+    return {"bytes": int(size), "sha256": checksum}
+
+
+def _rows_as_numpy(name: str, rows) -> tuple[int, int, np.ndarray]:
+    """Check a ``(row_start, row_stop, tensor[rows, d])`` triple; returns it with a float32 numpy matrix."""
+    if not isinstance(rows, tuple | list) or len(rows) != 3:
+        raise ValueError(f"{name} must be (row_start, row_stop, tensor[rows, d]), got {type(rows).__name__}")
+    start, stop, values = rows
+    start, stop = int(start), int(stop)
+    if hasattr(values, "detach"):
+        values = values.detach().to("cpu").float().contiguous().numpy()
+    values = np.ascontiguousarray(values, dtype=np.float32)
+    if values.ndim != 2:
+        raise ValueError(f"{name}: the embedding rows must be 2-D [rows, d], got shape {values.shape}")
+    if not 0 <= start <= stop or values.shape[0] != stop - start:
+        raise ValueError(f"{name}: row range [{start}, {stop}) does not match {values.shape[0]} rows")
+    if not np.isfinite(values).all():
+        raise ValueError(f"{name}: rows [{start}, {stop}) hold NaN or infinite values")
+    return start, stop, values
+
+
+def read_id_mapping(dataset_root: str | Path | None, table: str) -> dict[str, np.ndarray] | None:
+    """Dense id -> original id (and titles) of ``table`` ("items" or "users") from an ingested dataset.
+
+    Reads ``<root>/items.parquet`` (``item_id, original_id[, title]``) or ``<root>/users.parquet``
+    (``user_id, original_id``) written by ``bigrank.data.movielens.ingest``. Returns None when the dataset
+    has no such file (synthetic datasets), else ``{"original_id": int64[n], "title": object[n]?}`` indexed
+    by dense id. Raises ValueError when the dense ids are not ``0 … n-1``.
+    """
+    if dataset_root is None:
+        return None
+    import pyarrow.parquet as pq
+
+    path = Path(dataset_root) / f"{table}.parquet"
+    if not path.is_file():
+        return None
+    id_column = TABLE_ID_COLUMNS[table]
+    data = pq.read_table(path)
+    if id_column not in data.column_names or "original_id" not in data.column_names:
+        raise ValueError(f"{path} lacks the columns {id_column!r} and 'original_id'")
+    dense = data.column(id_column).to_numpy()
+    order = np.argsort(dense, kind="stable")
+    if not np.array_equal(dense[order], np.arange(len(dense))):
+        raise ValueError(f"{path}: {id_column} is not a permutation of 0 … {len(dense) - 1}")
+    mapping = {"original_id": data.column("original_id").to_numpy().astype(np.int64)[order]}
+    if table == "items" and "title" in data.column_names:
+        mapping["title"] = np.asarray(data.column("title").to_pylist(), dtype=object)[order]
+    return mapping
+
+
+def _dataset_summary(dataset_root) -> dict | None:
+    if dataset_root is None:
+        return None
+    manifest = layout.load_manifest(dataset_root)
+    return {
+        "root": str(Path(dataset_root).resolve()),
+        "source": manifest["source"],
+        "num_users": int(manifest["num_users"]),
+        "num_items": int(manifest["num_items"]),
+        "original_ids": (Path(dataset_root) / "items.parquet").is_file(),
+    }
+
+
+def _write_rank_parts(
+    out_dir: Path, rank: int, tables: Mapping[str, tuple[int, int, np.ndarray]], dataset_root, quantize
+) -> dict:
+    """Write this rank's parts of every table (and quantised copies); returns their descriptions."""
+    written: dict[str, dict] = {}
+    for table, (start, stop, values) in tables.items():
+        id_column = TABLE_ID_COLUMNS[table]
+        base = {id_column: np.arange(start, stop, dtype=np.int32)}
+        mapping = read_id_mapping(dataset_root, "users" if table == "users" else "items")
+        if mapping is not None:
+            if stop > len(mapping["original_id"]):
+                raise ValueError(
+                    f"{table}: rows [{start}, {stop}) exceed the {len(mapping['original_id'])} ids of the dataset "
+                    f"{dataset_root}: the model does not match this dataset"
+                )
+            base["original_id"] = mapping["original_id"][start:stop]
+            if table == "items" and "title" in mapping:
+                import pyarrow as pa
+
+                base["title"] = pa.array(mapping["title"][start:stop].tolist(), type=pa.string())
+        copies = {table: {"embedding": embedding_array(values)}}
+        if "float16" in quantize:
+            copies[f"{table}_float16"] = {"embedding": embedding_array(values.astype(np.float16))}
+        if "int8" in quantize:
+            q, scale = quantize_int8(values)
+            copies[f"{table}_int8"] = {"embedding": embedding_array(q), "scale": scale}
+        for name, extra in copies.items():
+            relative = part_file(name, rank)
+            info = write_part(out_dir / relative, {**base, **extra})
+            written[name] = {"file": relative, "row_start": start, "row_stop": stop, "rows": stop - start, **info}
+    return written
+
+
+def _all_gather(obj, world_size: int, group) -> list:
+    if group is None:
+        return [obj]
+    import torch.distributed as dist
+
+    gathered = [None] * world_size
+    dist.all_gather_object(gathered, obj, group=group)
+    return gathered
+
+
+def _raise_failures(statuses: Sequence[dict], what: str) -> None:
+    failures = [f"rank {r}: {s['error']}" for r, s in enumerate(statuses) if s.get("error")]
+    if failures:
+        raise ValueError(f"export failed while {what}: " + "; ".join(failures))
+
+
+def _is_export_dir(out_dir: Path) -> bool:
+    """True when ``out_dir`` may be (over)written: absent, empty, a finished export, or only our entries."""
+    if not out_dir.exists():
+        return True
+    if not out_dir.is_dir():
+        return False
+    manifest = out_dir / MANIFEST_NAME
+    if manifest.is_file():
+        try:
+            return json.loads(manifest.read_text()).get("kind") == EXPORT_KIND
+        except (json.JSONDecodeError, AttributeError):
+            return False
+    ours = set(TABLE_ID_COLUMNS) | {f"{t}_{q}" for t in TABLE_ID_COLUMNS for q in QUANTIZATIONS}
+    return all(entry.name in ours or entry.name.startswith(f".{MANIFEST_NAME}.tmp-") for entry in out_dir.iterdir())
+
+
+def _prepare_directory(out_dir: Path) -> None:
+    """Rank 0: mark ``out_dir`` incomplete (drop the manifest) and remove the parts of an earlier export."""
+    if not _is_export_dir(out_dir):
+        raise ValueError(f"{out_dir} is not empty and is not a bigrank export: choose a new or empty --out directory")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / MANIFEST_NAME).unlink(missing_ok=True)  # first: from here on the directory is incomplete
+    for table in TABLE_ID_COLUMNS:
+        for name in (table, *(f"{table}_{q}" for q in QUANTIZATIONS)):
+            shutil.rmtree(out_dir / name, ignore_errors=True)
+    layout.remove_stale_temporaries(out_dir)
+
+
+def _table_entry(name: str, parts: list[dict], dim: int) -> dict:
+    """Manifest entry of one table from the parts of all ranks; checks they tile ``[0, rows)``."""
+    parts = sorted((p for p in parts if p is not None), key=lambda p: (p["row_start"], p["row_stop"]))
+    position = 0
+    for part in parts:
+        if part["rows"] == 0:
+            continue  # a rank that owns no rows of this table wrote an empty part
+        if part["row_start"] != position:
+            raise ValueError(
+                f"table {name!r}: the ranks' rows do not tile the table: {part['file']} starts at row "
+                f"{part['row_start']}, expected {position} (overlapping or missing rows)"
+            )
+        position = part["row_stop"]
+    base = name.split("_")[0]
+    dtype = name.split("_")[1] if "_" in name else "float32"
+    return {
+        "id_column": TABLE_ID_COLUMNS[base],
+        "rows": position,
+        "dim": dim,
+        "dtype": dtype,
+        "parts": parts,
+    }
+
+
+def export_embeddings(
+    out_dir,
+    *,
+    rank: int,
+    world_size: int,
+    group,
+    item_rows,
+    user_rows,
+    dataset_root=None,
+    model_info: dict,
+    quantize=(),
+    history_rows=None,
+    index=(),
+) -> dict | None:
+    """Collective export of the embeddings that each rank holds; returns the manifest on rank 0, else None.
+
+    Args:
+        out_dir: export directory (new, empty, or an earlier export, which is replaced).
+        rank, world_size, group: this process in the ``torch.distributed`` group ``group`` (None: a single
+            process, ``rank=0, world_size=1``). Every rank of the group must call this function.
+        item_rows: ``(row_start, row_stop, tensor float32[row_stop - row_start, d])``: the catalog rows
+            this rank owns (its ``CatalogShard``); the ranks' ranges must tile ``[0, num_items)``.
+        user_rows: the same for the user vectors (the rows the model scores items with); a rank may own an
+            empty range.
+        dataset_root: the training dataset; its ``items.parquet`` / ``users.parquet`` (ingested MovieLens)
+            give the original ids and titles written beside the dense ids.
+        model_info: JSON-able description of the model, e.g. ``{"loss", "dim", "run_dir", "has_history"}``.
+        quantize: any of ``"float16"``, ``"int8"``: also write quantised copies of every table.
+        history_rows: rows of the history table (item-indexed) for models with a history tower; enables
+            fold-in of users given as item lists.
+        index: FAISS index kinds (``"exact"``, ``"ivf"``, ``"hnsw"``) that rank 0 builds after the manifest
+            (see ``bigrank.export.index.build_export_index``).
+
+    Each rank writes its parts atomically; the ranks then exchange the parts' row ranges, sizes and sha256
+    checksums (``all_gather_object``; no embedding leaves its rank) and rank 0 writes ``manifest.json``
+    last, atomically. A failure on any rank raises ValueError on every rank instead of hanging the others.
+    """
+    if group is None and (rank != 0 or world_size != 1):
+        raise ValueError(f"group=None means a single process, got rank={rank}, world_size={world_size}")
+    out_dir = Path(out_dir)
+    quantize = tuple(quantize or ())
+    unknown = [q for q in quantize if q not in QUANTIZATIONS]
+    if unknown:
+        raise ValueError(f"unknown quantisation {unknown}; choose from {QUANTIZATIONS}")
+    started = time.perf_counter()
+
+    status: dict = {}
+    if rank == 0:
+        try:
+            _prepare_directory(out_dir)
+        except (OSError, ValueError) as error:
+            status["error"] = str(error)
+    _raise_failures(_all_gather(status, world_size, group), "preparing the directory")
+
+    status = {}
+    try:
+        tables = {"items": _rows_as_numpy("item_rows", item_rows), "users": _rows_as_numpy("user_rows", user_rows)}
+        if history_rows is not None:
+            tables["history"] = _rows_as_numpy("history_rows", history_rows)
+        dims = {name: rows[2].shape[1] for name, rows in tables.items()}
+        if len(set(dims.values())) != 1:
+            raise ValueError(f"the tables have different dimensions: {dims}")
+        status["dim"] = dims["items"]
+        status["parts"] = _write_rank_parts(out_dir, rank, tables, dataset_root, quantize)
+    except (OSError, ValueError) as error:
+        status = {"error": str(error)}
+    statuses = _all_gather(status, world_size, group)
+    _raise_failures(statuses, "writing the parts")
+
+    manifest = None
+    status = {}
+    if rank == 0:
+        try:
+            manifest = _write_manifest(out_dir, statuses, dataset_root, model_info, quantize, started)
+            if index:
+                from bigrank.export.index import build_export_index
+
+                for kind in index:
+                    build_export_index(out_dir, kind)
+                manifest = json.loads((out_dir / MANIFEST_NAME).read_text())
+        except (OSError, ValueError, RuntimeError) as error:
+            status["error"] = str(error)
+    # Every rank returns only once the export is complete (or has failed everywhere).
+    _raise_failures(_all_gather(status, world_size, group), "writing the manifest")
+    return manifest
+
+
+def _write_manifest(out_dir: Path, statuses, dataset_root, model_info, quantize, started: float) -> dict:
+    dims = {s["dim"] for s in statuses}
+    if len(dims) != 1:
+        raise ValueError(f"the ranks hold embeddings of different dimensions: {sorted(dims)}")
+    (dim,) = dims
+    if model_info.get("dim") is not None and int(model_info["dim"]) != dim:
+        raise ValueError(f"model_info says dim={model_info['dim']} but the embeddings have d={dim}")
+    names = list(statuses[0]["parts"])
+    tables = {name: _table_entry(name, [s["parts"].get(name) for s in statuses], dim) for name in names}
+    dataset = _dataset_summary(dataset_root)
+    if dataset is not None:
+        for name, expected in (("items", dataset["num_items"]), ("users", dataset["num_users"])):
+            if tables[name]["rows"] != expected:
+                raise ValueError(
+                    f"the export has {tables[name]['rows']} {name} but the dataset {dataset_root} has {expected}"
+                )
+    manifest = {
+        "kind": EXPORT_KIND,
+        "format_version": EXPORT_FORMAT_VERSION,
+        "score": SCORE_FUNCTION,
+        "dim": dim,
+        "num_items": tables["items"]["rows"],
+        "num_users": tables["users"]["rows"],
+        "has_history": "history" in tables,
+        "quantized": list(quantize),
+        "quantization": {"int8": "per-row symmetric: embedding ≈ scale * q"} if "int8" in quantize else {},
+        "model": json.loads(json.dumps(dict(model_info), default=str)),
+        "dataset": dataset,
+        "world_size": len(statuses),
+        "tables": tables,
+        "indexes": {},
+        "created_unix": time.time(),
+        "export_seconds": round(time.perf_counter() - started, 3),
+    }
+    layout.write_json_atomic(out_dir / MANIFEST_NAME, manifest)
+    return manifest

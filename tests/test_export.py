@@ -1,0 +1,372 @@
+"""Embeddings export: per-rank Parquet parts + manifest, verified loading, FAISS indexes, recommend."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+from bigrank.cli import main as cli_main
+from bigrank.data import manifest as layout
+from bigrank.data.synthetic import generate
+from bigrank.export.index import brute_force_top_k, build_export_index, build_index, search
+from bigrank.export.recommend import Recommender, SeenItems, load_export, read_table
+from bigrank.export.writer import export_embeddings, quantize_int8
+from tests.distributed_utils import run_distributed
+
+DIM = 8
+NUM_ITEMS = 301
+NUM_USERS = 157
+
+
+def random_tables(seed: int = 0) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return {
+        "items": torch.randn(NUM_ITEMS, DIM, generator=gen),
+        "users": torch.randn(NUM_USERS, DIM, generator=gen),
+        "history": torch.randn(NUM_ITEMS, DIM, generator=gen),
+    }
+
+
+def write_ingested_dataset(root) -> dict:
+    """A tiny dataset in the layout of an ingested MovieLens set (original ids + titles), 3 ratings each."""
+    rng = np.random.default_rng(1)
+    users = np.repeat(np.arange(NUM_USERS, dtype=np.int32), 3)
+    items = rng.integers(0, NUM_ITEMS, size=len(users)).astype(np.int32)
+    files = {split: layout.write_split_parts(root, split, {"user_id": users, "item_id": items}) for split in ("train",)}
+    layout.write_parquet_atomic(
+        root / "users.parquet",
+        {"user_id": np.arange(NUM_USERS, dtype=np.int32), "original_id": 10 * np.arange(NUM_USERS) + 7},
+    )
+    layout.write_parquet_atomic(
+        root / "items.parquet",
+        {
+            "item_id": np.arange(NUM_ITEMS, dtype=np.int32),
+            "original_id": 1000 + 3 * np.arange(NUM_ITEMS),
+            "title": np.asarray([f"Movie {i} (1999)" for i in range(NUM_ITEMS)], dtype=object),
+        },
+    )
+    return layout.write_manifest(
+        root, num_users=NUM_USERS, num_items=NUM_ITEMS, split_files=files, seed=0, source="test", generator={}
+    )
+
+
+def _export_rank(rank, world_size, group, out_dir, dataset_root, tables, ranges):
+    """Each rank exports only its row ranges of the known tables."""
+    rows = {}
+    for name, table in tables.items():
+        start, stop = ranges[name][rank]
+        rows[name] = (start, stop, table[start:stop].clone())
+    return export_embeddings(
+        out_dir,
+        rank=rank,
+        world_size=world_size,
+        group=group,
+        item_rows=rows["items"],
+        user_rows=rows["users"],
+        history_rows=rows["history"],
+        dataset_root=dataset_root,
+        model_info={"loss": "softmax", "dim": DIM, "has_history": True},
+        quantize=("float16", "int8"),
+    )
+
+
+def test_two_rank_export_equals_the_full_tables(tmp_path):
+    dataset = tmp_path / "data"
+    write_ingested_dataset(dataset)
+    tables = random_tables()
+    # Uneven shards, and rank 1 owns no user rows at all.
+    ranges = {
+        "items": [(0, 120), (120, NUM_ITEMS)],
+        "users": [(0, NUM_USERS), (NUM_USERS, NUM_USERS)],
+        "history": [(0, 200), (200, NUM_ITEMS)],
+    }
+    out = tmp_path / "export"
+    results = run_distributed(_export_rank, 2, args=(str(out), str(dataset), tables, ranges), timeout=90)
+    assert results[1] is None and results[0]["num_items"] == NUM_ITEMS
+
+    manifest = load_export(out, verify=True)
+    assert manifest == json.loads((out / "manifest.json").read_text())
+    assert manifest["score"] == "inner_product" and manifest["dim"] == DIM and manifest["world_size"] == 2
+    assert [p["file"] for p in manifest["tables"]["items"]["parts"]] == [
+        "items/part-r00000.parquet",
+        "items/part-r00001.parquet",
+    ]
+    for name in ("items", "users", "history"):
+        back = read_table(out, manifest, name)
+        np.testing.assert_array_equal(back["embedding"], tables[name].numpy())
+        np.testing.assert_array_equal(back["ids"], np.arange(len(tables[name])))
+        half = read_table(out, manifest, f"{name}_float16")["embedding"]
+        np.testing.assert_array_equal(half, tables[name].numpy().astype(np.float16))
+        int8 = read_table(out, manifest, f"{name}_int8")
+        error = np.abs(int8["embedding"] * int8["scale"][:, None] - tables[name].numpy())
+        assert (error <= int8["scale"][:, None] / 2 + 1e-6).all()
+    items = read_table(out, manifest, "items")
+    np.testing.assert_array_equal(items["original_id"], 1000 + 3 * np.arange(NUM_ITEMS))
+    assert items["title"][5] == "Movie 5 (1999)"
+    np.testing.assert_array_equal(read_table(out, manifest, "users")["original_id"], 10 * np.arange(NUM_USERS) + 7)
+
+    schema = pq.read_schema(out / "items/part-r00001.parquet")
+    assert str(schema.field("item_id").type) == "int32"
+    assert str(schema.field("embedding").type) == f"fixed_size_list<element: float>[{DIM}]"
+    assert str(schema.field("original_id").type) == "int64"
+
+
+def _failing_rank(rank, world_size, group, out_dir):
+    values = torch.zeros(5, DIM)
+    if rank == 1:
+        values[2, 3] = float("nan")
+    try:
+        export_embeddings(
+            out_dir,
+            rank=rank,
+            world_size=world_size,
+            group=group,
+            item_rows=(5 * rank, 5 * rank + 5, values),
+            user_rows=(5 * rank, 5 * rank + 5, values),
+            model_info={"dim": DIM},
+        )
+    except ValueError as error:
+        return str(error)
+    return "no error"
+
+
+def test_a_bad_rank_fails_every_rank_without_a_manifest(tmp_path):
+    out = tmp_path / "export"
+    messages = run_distributed(_failing_rank, 2, args=(str(out),), timeout=90)
+    assert all("rank 1" in m and "NaN" in m for m in messages), messages
+    assert not (out / "manifest.json").exists()
+
+
+def export_single(out, tables=None, dataset_root=None, history=True, **kwargs):
+    tables = tables or random_tables()
+    return export_embeddings(
+        out,
+        rank=0,
+        world_size=1,
+        group=None,
+        item_rows=(0, len(tables["items"]), tables["items"]),
+        user_rows=(0, len(tables["users"]), tables["users"]),
+        history_rows=(0, len(tables["history"]), tables["history"]) if history else None,
+        dataset_root=dataset_root,
+        model_info={"loss": "softmax", "dim": tables["items"].shape[1], "has_history": history},
+        **kwargs,
+    )
+
+
+def test_shards_that_do_not_tile_the_table_are_rejected(tmp_path):
+    tables = random_tables()
+    with pytest.raises(ValueError, match="do not tile"):
+        export_embeddings(
+            tmp_path / "export",
+            rank=0,
+            world_size=1,
+            group=None,
+            item_rows=(10, NUM_ITEMS, tables["items"][10:]),
+            user_rows=(0, NUM_USERS, tables["users"]),
+            model_info={},
+        )
+    with pytest.raises(ValueError, match="different dimensions"):
+        export_single(tmp_path / "export2", tables={**tables, "items": tables["items"][:, :4]})
+    with pytest.raises(ValueError, match=r"row range \[0, 10\) does not match 20 rows"):
+        export_embeddings(
+            tmp_path / "export3",
+            rank=0,
+            world_size=1,
+            group=None,
+            item_rows=(0, 10, tables["items"][:20]),
+            user_rows=(0, NUM_USERS, tables["users"]),
+            model_info={},
+        )
+
+
+def test_export_refuses_a_foreign_directory_and_replaces_an_old_export(tmp_path):
+    foreign = tmp_path / "home"
+    foreign.mkdir()
+    (foreign / "notes.txt").write_text("keep me")
+    with pytest.raises(ValueError, match="not a bigrank export"):
+        export_single(foreign)
+    assert (foreign / "notes.txt").read_text() == "keep me"
+
+    out = tmp_path / "export"
+    export_single(out, quantize=("int8",))
+    assert (out / "items_int8").is_dir()
+    second = random_tables(seed=5)
+    export_single(out, tables=second)
+    assert not (out / "items_int8").exists()
+    np.testing.assert_array_equal(read_table(out, load_export(out), "items")["embedding"], second["items"].numpy())
+
+
+def test_truncated_or_corrupt_export_is_detected_by_name(tmp_path, capsys):
+    out = tmp_path / "export"
+    export_single(out)
+    part = out / "items/part-r00000.parquet"
+    data = part.read_bytes()
+    part.write_bytes(data[: len(data) // 2])
+    with pytest.raises(ValueError, match=r"truncated.*items/part-r00000\.parquet"):
+        load_export(out)
+    with pytest.raises(ValueError, match=r"items/part-r00000\.parquet"):
+        Recommender(out)
+    assert cli_main(["recommend", str(out), "--user", "1"]) == 2
+    assert "part-r00000.parquet" in capsys.readouterr().err
+
+    flipped = bytearray(data)
+    flipped[len(data) // 3] ^= 0xFF  # same size, different content: only the checksum can tell
+    part.write_bytes(bytes(flipped))
+    with pytest.raises(ValueError, match=r"items/part-r00000\.parquet does not match its sha256"):
+        load_export(out)
+
+    part.unlink()
+    with pytest.raises(FileNotFoundError, match=r"missing.*part-r00000\.parquet"):
+        load_export(out, verify=False)
+    (out / "manifest.json").unlink()
+    with pytest.raises(FileNotFoundError, match="did not finish"):
+        load_export(out)
+
+
+def test_brute_force_reference_matches_a_full_sort():
+    rng = np.random.default_rng(3)
+    items, queries = rng.standard_normal((500, 6)), rng.standard_normal((7, 6))
+    scores, ids = brute_force_top_k(items, queries, 10, chunk_elements=1000)
+    full = queries @ items.T
+    np.testing.assert_array_equal(ids, np.argsort(-full, axis=1, kind="stable")[:, :10])
+    np.testing.assert_allclose(scores, np.sort(full, axis=1)[:, ::-1][:, :10], rtol=1e-5)
+
+
+def test_exact_index_top_k_equals_numpy_brute_force(tmp_path):
+    rng = np.random.default_rng(0)
+    items = rng.standard_normal((3000, 16)).astype(np.float32)
+    queries = rng.standard_normal((40, 16)).astype(np.float32)
+    scores, ids = search(build_index(items, "exact"), queries, 25)
+    ref_scores, ref_ids = brute_force_top_k(items, queries, 25)
+    np.testing.assert_array_equal(ids, ref_ids)
+    np.testing.assert_allclose(scores, ref_scores, rtol=1e-5, atol=1e-5)
+
+    # The same through an export and the Recommender (saved exact index).
+    tables = random_tables()
+    out = tmp_path / "export"
+    export_single(out, tables=tables, index=("exact",))
+    rec = Recommender(out, index="exact")
+    users, catalog = tables["users"].numpy(), tables["items"].numpy()
+    for user in (0, 17, NUM_USERS - 1):
+        got = rec.recommend(user, 10)
+        _, ref = brute_force_top_k(catalog, users[user], 10)
+        assert [row["item_id"] for row in got] == ref[0].tolist()
+        np.testing.assert_allclose([row["score"] for row in got], catalog[ref[0]] @ users[user], rtol=1e-5)
+
+
+def test_approximate_indexes_record_recall_and_exhaustive_ivf_is_exact(tmp_path):
+    out = tmp_path / "export"
+    export_single(out)
+    entry = build_export_index(out, "ivf", {"nlist": 8, "nprobe": 8}, num_queries=100)
+    assert entry["recall_at_10_vs_exact"] == 1.0  # probing every cell is a full scan
+    hnsw = build_export_index(out, "hnsw", num_queries=100)
+    assert 0.0 <= hnsw["recall_at_10_vs_exact"] <= 1.0 and hnsw["recall_queries"] == 100
+    manifest = load_export(out)
+    assert set(manifest["indexes"]) == {"ivf", "hnsw"}
+    ivf = [row["item_id"] for row in Recommender(out, index="ivf").recommend(4, 10)]
+    exact = [row["item_id"] for row in Recommender(out, index="exact").recommend(4, 10)]
+    assert ivf == exact
+
+
+def _export_without_indexes(tmp_path):
+    out = tmp_path / "plain"
+    export_single(out)
+    return out
+
+
+def test_missing_approximate_index_is_a_clear_error(tmp_path):
+    out = _export_without_indexes(tmp_path)
+    with pytest.raises(ValueError, match="bigrank build-index"):
+        Recommender(out, index="hnsw")
+
+
+def popularity_export(tmp_path):
+    """Demo dataset; every user vector is e0 and item i's first coordinate is its rating count."""
+    data = tmp_path / "demo"
+    dataset = generate("demo", data, progress=False)
+    seen = SeenItems(data)
+    counts = np.diff(seen._indptr)  # ratings per user
+    popularity = np.zeros(dataset["num_items"], dtype=np.float32)
+    for split in layout.SPLITS:
+        for name in layout.split_info(dataset, split)["files"]:
+            items = pq.read_table(data / name, columns=["item_id"]).column("item_id").to_numpy()
+            popularity += np.bincount(items, minlength=dataset["num_items"])
+    rng = np.random.default_rng(0)
+    items = torch.tensor(rng.standard_normal((dataset["num_items"], 4)).astype(np.float32) * 1e-3)
+    items[:, 0] = torch.from_numpy(popularity)
+    users = torch.zeros(dataset["num_users"], 4)
+    users[:, 0] = 1.0
+    out = tmp_path / "export"
+    tables = {"items": items, "users": users, "history": items}
+    export_single(out, tables=tables, dataset_root=data, history=False)
+    return out, data, seen, int(np.argmax(counts)), items.numpy()
+
+
+def test_recommend_excludes_seen_items(tmp_path, capsys):
+    out, data, seen, heavy_user, items = popularity_export(tmp_path)
+    rec = Recommender(out)
+    rated = seen.items_of(heavy_user)
+    plain = [row["item_id"] for row in rec.recommend(heavy_user, 20)]
+    assert set(plain) & set(rated.tolist()), "test premise: the popular items include some the user rated"
+    filtered = [row["item_id"] for row in rec.recommend(heavy_user, 20, exclude_item_ids=rated)]
+    assert not set(filtered) & set(rated.tolist())
+    scores = items @ np.eye(4, dtype=np.float32)[0]
+    scores[rated] = -np.inf
+    assert filtered == np.argsort(-scores, kind="stable")[:20].tolist()
+
+    assert (
+        cli_main(["recommend", str(out), "--user", str(heavy_user), "-k", "20", "--exclude-seen", str(data), "--json"])
+        == 0
+    )
+    rows = json.loads(capsys.readouterr().out)
+    assert [row["item_id"] for row in rows] == filtered and all("score" in row for row in rows)
+    assert cli_main(["recommend", str(out), "--user", str(heavy_user), "-k", "3"]) == 0
+    table = capsys.readouterr().out
+    assert "item_id" in table and "score" in table and str(plain[0]) in table
+
+
+def test_recommend_prints_original_ids_and_titles(tmp_path, capsys):
+    dataset = tmp_path / "data"
+    write_ingested_dataset(dataset)
+    out = tmp_path / "export"
+    tables = random_tables()
+    export_single(out, tables=tables, dataset_root=dataset)
+    assert cli_main(["recommend", str(out), "--user", "17", "--original-ids", "-k", "4"]) == 0  # user 17 = dense 1
+    text = capsys.readouterr().out
+    _, ref = brute_force_top_k(tables["items"].numpy(), tables["users"].numpy()[1], 4)
+    top = int(ref[0, 0])
+    assert f"Movie {top} (1999)" in text and str(1000 + 3 * top) in text
+    assert cli_main(["recommend", str(out), "--user", "18", "--original-ids"]) == 2
+
+
+def test_fold_in_uses_the_mean_history_row(tmp_path):
+    tables = random_tables()
+    out = tmp_path / "export"
+    export_single(out, tables=tables)
+    rec = Recommender(out)
+    given = [3, 50, 299]
+    got = rec.recommend_items_history(given, 10)
+    query = tables["history"].numpy()[given].mean(axis=0)
+    scores = tables["items"].numpy() @ query
+    scores[given] = -np.inf
+    assert [row["item_id"] for row in got] == np.argsort(-scores, kind="stable")[:10].tolist()
+    with pytest.raises(ValueError, match="outside"):
+        rec.recommend_items_history([NUM_ITEMS], 10)
+
+    plain = tmp_path / "no-history"
+    export_single(plain, tables=tables, history=False)
+    with pytest.raises(ValueError, match="no history table"):
+        Recommender(plain).recommend_items_history(given, 10)
+
+
+def test_int8_quantisation_error_bound():
+    rng = np.random.default_rng(2)
+    values = rng.standard_normal((50, 9)).astype(np.float32)
+    values[3] = 0.0
+    q, scale = quantize_int8(values)
+    assert q.dtype == np.int8 and np.abs(q).max() <= 127
+    assert (np.abs(q * scale[:, None] - values) <= scale[:, None] / 2 + 1e-7).all()

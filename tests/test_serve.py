@@ -1,0 +1,127 @@
+"""The HTTP endpoint answers real requests on loopback (threaded server, urllib client)."""
+
+from __future__ import annotations
+
+import json
+import threading
+import urllib.error
+import urllib.request
+
+import numpy as np
+import pytest
+import torch
+
+from bigrank.data.synthetic import generate
+from bigrank.export.recommend import Recommender, SeenItems
+from bigrank.export.serve import make_server
+from bigrank.export.writer import export_embeddings
+
+DIM = 8
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    """A demo dataset, an export with a history table, and a running server (stopped after the module)."""
+    root = tmp_path_factory.mktemp("serve")
+    dataset = generate("demo", root / "demo", progress=False)
+    gen = torch.Generator().manual_seed(0)
+    items = torch.randn(dataset["num_items"], DIM, generator=gen)
+    users = torch.randn(dataset["num_users"], DIM, generator=gen)
+    history = torch.randn(dataset["num_items"], DIM, generator=gen)
+    export_embeddings(
+        root / "export",
+        rank=0,
+        world_size=1,
+        group=None,
+        item_rows=(0, len(items), items),
+        user_rows=(0, len(users), users),
+        history_rows=(0, len(history), history),
+        dataset_root=root / "demo",
+        model_info={"dim": DIM, "has_history": True},
+    )
+    recommender = Recommender(root / "export")
+    seen = SeenItems(root / "demo")
+    server = make_server(recommender, "127.0.0.1", 0, seen=seen, quiet=True)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    host, port = server.server_address[:2]
+    yield {"url": f"http://{host}:{port}", "rec": recommender, "seen": seen, "items": items.numpy()}
+    server.shutdown()
+    server.server_close()
+    thread.join(timeout=5)
+
+
+def get(url: str) -> tuple[int, dict]:
+    try:
+        with urllib.request.urlopen(url, timeout=10) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as error:
+        return error.code, json.loads(error.read())
+
+
+def test_health(served):
+    status, body = get(served["url"] + "/health")
+    assert status == 200
+    assert body["status"] == "ok" and body["num_items"] == served["rec"].num_items and body["dim"] == DIM
+
+
+def test_recommend_answers_with_the_exact_top_k(served):
+    status, body = get(served["url"] + "/recommend?user=5&k=7")
+    assert status == 200 and body["user"] == 5 and body["k"] == 7
+    scores = served["items"] @ served["rec"].user_vectors[5]
+    assert [row["item_id"] for row in body["items"]] == np.argsort(-scores, kind="stable")[:7].tolist()
+    np.testing.assert_allclose([row["score"] for row in body["items"]], np.sort(scores)[::-1][:7], rtol=1e-5)
+
+
+def test_recommend_excludes_seen_items_over_http(served):
+    k = 50
+    rec, seen = served["rec"], served["seen"]
+    # A user whose unfiltered top-k holds rated items, so the exclusion has something to remove.
+    user = next(u for u in range(rec.num_users) if set(seen.items_of(u).tolist()) & _top_ids(rec, u, k))
+    rated = set(seen.items_of(user).tolist())
+    status, body = get(served["url"] + f"/recommend?user={user}&k={k}&exclude_seen=1")
+    assert status == 200 and len(body["items"]) == k
+    got = [row["item_id"] for row in body["items"]]
+    assert not set(got) & rated
+    scores = served["items"] @ served["rec"].user_vectors[user]
+    scores[list(rated)] = -np.inf
+    assert got == np.argsort(-scores, kind="stable")[:k].tolist()
+
+
+def _top_ids(rec, user, k):
+    return {row["item_id"] for row in rec.recommend(user, k)}
+
+
+def test_fold_in_over_http(served):
+    status, body = get(served["url"] + "/recommend?items=1,2,3&k=4")
+    assert status == 200
+    assert body["items"] == served["rec"].recommend_items_history([1, 2, 3], 4)
+    assert not {1, 2, 3} & {row["item_id"] for row in body["items"]}
+
+
+@pytest.mark.parametrize(
+    "query, message",
+    [
+        ("user=abc", "user must be an integer"),
+        ("user=1&k=0", "k must lie in"),
+        ("user=1&k=many", "k must be an integer"),
+        ("user=999999", "outside"),
+        ("user=-1", "outside"),
+        ("k=3", "exactly one of user"),
+        ("user=1&items=2", "exactly one of user"),
+        ("user=1&colour=red", "unknown parameters"),
+        ("user=1&user=2", "more than once"),
+        ("user=1&exclude_seen=maybe", "exclude_seen must be 0 or 1"),
+        ("items=1,x", "items must be an integer"),
+        ("items=5000000", "outside"),
+    ],
+)
+def test_bad_parameters_answer_400_with_a_message(served, query, message):
+    status, body = get(served["url"] + "/recommend?" + query)
+    assert status == 400
+    assert message in body["error"]
+
+
+def test_unknown_path_is_404(served):
+    status, body = get(served["url"] + "/nothing")
+    assert status == 404 and "unknown path" in body["error"]
