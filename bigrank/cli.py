@@ -14,8 +14,8 @@ import sys
 
 COMMAND_MODULES = [
     "bigrank.data.commands",
+    "bigrank.train.commands",
     "bigrank.train.plot",
-    "bigrank.export.commands",
 ]
 
 

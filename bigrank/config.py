@@ -1,0 +1,430 @@
+"""Typed run configuration: YAML files in ``configs/`` loaded into dataclasses, with ``--set a.b=v`` overrides.
+
+Every key is checked: an unknown key is an error naming its full dotted path (``train.batchsize`` →
+"unknown key 'train.batchsize'"), a value of the wrong type or out of range is an error naming the key.
+Override values are parsed as YAML scalars (``--set train.max_steps=50``, ``--set eval.sample_users=null``,
+``--set eval.ks=[10,100]``). The resolved configuration (defaults filled in, ``data.root`` and ``run_dir``
+made absolute) is what the trainer saves as ``RUN_DIR/config.yaml``; loading that file gives the same config.
+
+Loss parameters are checked per loss (``LOSS_PARAMS``): ``loss.params`` may only hold the named loss's
+parameters; their values are checked again when the loss is built (``bigrank.train.losses``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+# Full-catalog losses score every item (rows of the item-parallel catalog); candidate losses take
+# (scores [B, C], labels bool [B, C], mask) over candidate columns: the whole local shard or sampled items.
+FULL_CATALOG_LOSSES = ("rankmax", "softmax", "sparsemax")
+CANDIDATE_LOSSES = ("smooth_ap", "recall_at_quantile", "pauc_at_budget", "softrank_ndcg", "sampled_softmax")
+# Each loss's parameters with their defaults (the defaults of the loss functions in bigrank.losses).
+LOSS_PARAMS: dict[str, dict[str, Any]] = {
+    "rankmax": {"k": 1, "margin": 1.0},
+    "softmax": {},
+    "sparsemax": {"support_guess": 64},
+    "smooth_ap": {"temperature": 0.01},
+    "recall_at_quantile": {"quantile": 0.005, "temperature": 0.01},
+    "pauc_at_budget": {
+        "alpha": 0.0,
+        "beta": 0.005,
+        "temperature": 0.1,
+        "tau_scale": "iqr",
+        "n_knots": 2,
+        "scale_sample_size": 8192,
+    },
+    "softrank_ndcg": {"sigma": 0.1, "k": None, "num_candidates": 64},
+    "sampled_softmax": {"temperature": 1.0},
+}
+# Parameters whose value may be null (None) although the default is not, or the reverse.
+_NULLABLE_PARAMS = {("softrank_ndcg", "k"), ("softrank_ndcg", "num_candidates")}
+_INT_PARAMS = {("softrank_ndcg", "k"), ("softrank_ndcg", "num_candidates")}
+
+
+# Numbers in exponent notation without a dot ("1e-3"), which YAML 1.1 (PyYAML) leaves as strings.
+_EXPONENT_NUMBER = re.compile(r"[-+]?[0-9]+(\.[0-9]*)?[eE][-+]?[0-9]+")
+
+
+class ConfigError(ValueError):
+    """A configuration problem; the message names the dotted key."""
+
+
+def _choices(*values: str, doc: str = "") -> dict:
+    return {"choices": values, "doc": doc}
+
+
+@dataclass
+class DataConfig:
+    root: str = ""  # dataset directory (bigrank Parquet layout with manifest.json)
+    shuffle_buffer: int = 1 << 20  # rows shuffled together by the stream
+    prefetch: int = 4  # batches read ahead by the stream's thread
+
+
+@dataclass
+class ModelConfig:
+    dim: int = 32  # embedding dimension (multiple of 4: fbgemm's tables)
+    history: bool = False  # add the mean-pooled bag of the user's train items to the user vector
+    init_std: float | None = None  # user rows N(0, init_std^2); null: 1/sqrt(dim)
+    item_init_std: float = 0.1  # catalog rows N(0, item_init_std^2)
+
+
+@dataclass
+class WarmupConfig:
+    loss: str = field(default="sampled_softmax", metadata={"doc": "the warm-up loss (a candidate loss)"})
+    params: dict[str, Any] = field(default_factory=dict)
+    steps: int = 0
+    blend_steps: int = 0
+    temp_start: float = 0.5
+    temp_end: float = 0.01
+    temp_decay_steps: int = 10_000
+
+
+@dataclass
+class LossConfig:
+    name: str = field(default="softmax", metadata=_choices(*FULL_CATALOG_LOSSES, *CANDIDATE_LOSSES))
+    params: dict[str, Any] = field(default_factory=dict)
+    # Candidate losses only: the whole local catalog shard, or sampled negatives plus each row's positive
+    # (null: sampled for sampled_softmax, catalog otherwise).
+    candidates: str | None = field(default=None, metadata=_choices("catalog", "sampled"))
+    sampler: str = field(default="uniform", metadata=_choices("uniform", "popularity"))
+    num_negatives: int = 1024  # sampled negatives per step over the whole catalog (split over ranks)
+    beta: float = 0.75  # popularity sampler exponent: q ∝ (count + 1)^beta
+    warmup: WarmupConfig | None = None
+
+
+@dataclass
+class OptimConfig:
+    user_optimizer: str = field(default="rowwise_adagrad", metadata=_choices("sgd", "adagrad", "rowwise_adagrad"))
+    user_lr: float = 0.05
+    item_optimizer: str = field(default="adagrad", metadata=_choices("sgd", "adagrad", "adam"))
+    item_lr: float = 0.05
+    weight_decay: float = 0.0  # items only (the fused user tables have none on CPU)
+
+
+@dataclass
+class TrainConfig:
+    batch_size: int = 1024  # GLOBAL batch (rows per step over all workers); divisible by the worker count
+    epochs: int = 1
+    max_steps: int | None = None  # stop after this many steps (null: epochs * steps per epoch)
+    drop_last: bool = False  # skip the incomplete last batch of each epoch
+    log_every: int = 10  # steps between metrics.jsonl / TensorBoard records
+    checkpoint_every: int | None = None  # steps between checkpoints (null: only at epoch ends and the end)
+    keep_checkpoints: int = 2  # complete checkpoints kept (oldest removed first)
+    chunk_size: int | None = None  # items scored at once by full-catalog losses (null: the whole shard)
+    progress: bool = True  # tqdm bar on rank 0
+
+
+@dataclass
+class EvalConfig:
+    every_epochs: int | None = 1  # evaluate on splits[0] every N epochs while training (null/0: never)
+    ks: list[int] = field(default_factory=lambda: [10, 100, 1000])
+    splits: list[str] = field(default_factory=lambda: ["valid", "test"])
+    sample_users: int | None = None  # evaluate a random sample of users (null: all users)
+    batch_size: int = 256  # users scored at once per rank
+    at_end: bool = True  # evaluate every split after training and write eval.json
+
+
+@dataclass
+class RayConfig:
+    address: str | None = None  # null: start an embedded local Ray; "auto" or ray://host:port otherwise
+    cpus_per_worker: float = 1.0
+    gpus_per_worker: float = 0.0
+    max_failures: int = 0  # worker-group restarts from the last checkpoint
+    storage_path: str | None = None
+
+
+@dataclass
+class DebugConfig:
+    fail_at_step: int | None = None  # rank `fail_rank` exits (os._exit) when starting this step, once per run dir
+    fail_rank: int = 1
+    nan_at_step: int | None = None  # the loss of this step is made NaN (tests of the NaN guard)
+
+
+@dataclass
+class Config:
+    data: DataConfig = field(default_factory=DataConfig)
+    run_dir: str = ""
+    seed: int = 0
+    workers: int = 2  # processes of the local launcher / Ray workers
+    model: ModelConfig = field(default_factory=ModelConfig)
+    loss: LossConfig = field(default_factory=LossConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    ray: RayConfig = field(default_factory=RayConfig)
+    debug: DebugConfig = field(default_factory=DebugConfig)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain nested dict (YAML/JSON-ready; what ``config.yaml`` holds)."""
+        return dataclasses.asdict(self)
+
+
+# ------------------------------------------------------------------------------------------------- parsing
+def _type_name(tp) -> str:
+    return getattr(tp, "__name__", str(tp)).replace("NoneType", "null")
+
+
+def _convert(value: Any, tp, key: str) -> Any:
+    """``value`` checked against the annotation ``tp`` (nested dataclasses recurse); raises ConfigError."""
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        options = typing.get_args(tp)
+        if value is None:
+            if type(None) in options:
+                return None
+            raise ConfigError(f"{key} must not be null")
+        last_error = None
+        for option in options:
+            if option is type(None):
+                continue
+            try:
+                return _convert(value, option, key)
+            except ConfigError as error:
+                last_error = error
+        raise last_error  # type: ignore[misc]
+    if dataclasses.is_dataclass(tp):
+        if value is None:
+            value = {}
+        if not isinstance(value, dict):
+            raise ConfigError(f"{key} must be a mapping of keys, got {type(value).__name__} {value!r}")
+        return _build(tp, value, key)
+    if origin is list:
+        (item_type,) = typing.get_args(tp)
+        if not isinstance(value, list):
+            raise ConfigError(f"{key} must be a list, got {value!r}")
+        return [_convert(v, item_type, f"{key}[{i}]") for i, v in enumerate(value)]
+    if origin is dict:
+        if value is None:
+            return {}
+        if not isinstance(value, dict):
+            raise ConfigError(f"{key} must be a mapping, got {value!r}")
+        return dict(value)
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{key} must be true or false, got {value!r}")
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{key} must be an integer, got {value!r}")
+        return value
+    if tp is float:
+        if isinstance(value, str) and _EXPONENT_NUMBER.fullmatch(value.strip()):
+            value = float(value)  # YAML 1.1 reads 1e-3 (no dot) as a string
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise ConfigError(f"{key} must be a number, got {value!r}")
+        return float(value)
+    if tp is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"{key} must be a string, got {value!r}")
+        return value
+    if tp is Any:
+        return value
+    raise ConfigError(f"{key}: unsupported type {_type_name(tp)}")  # a bug in the schema, not in the file
+
+
+def _build(cls, raw: dict, prefix: str):
+    hints = typing.get_type_hints(cls)
+    names = {f.name: f for f in dataclasses.fields(cls)}
+    for key in raw:
+        if key not in names:
+            where = f"{prefix}.{key}" if prefix else str(key)
+            raise ConfigError(f"unknown key {where!r}; {prefix or 'the top level'} accepts: {', '.join(names)}")
+    values = {}
+    for name, spec in names.items():
+        if name not in raw:
+            continue
+        key = f"{prefix}.{name}" if prefix else name
+        value = _convert(raw[name], hints[name], key)
+        choices = spec.metadata.get("choices")
+        if choices and value is not None and value not in choices:
+            raise ConfigError(f"{key} must be one of {', '.join(choices)}; got {value!r}")
+        values[name] = value
+    return cls(**values)
+
+
+# ------------------------------------------------------------------------------------------------ checks
+def _check(condition: bool, key: str, message: str) -> None:
+    if not condition:
+        raise ConfigError(f"{key} {message}")
+
+
+def check_loss_params(name: str, params: dict, key: str) -> dict[str, Any]:
+    """``params`` of loss ``name`` merged over its defaults; unknown parameters and wrong types are errors."""
+    defaults = LOSS_PARAMS[name]
+    for param in params:
+        if param not in defaults:
+            accepted = ", ".join(defaults) or "no parameters"
+            raise ConfigError(f"unknown key '{key}.{param}': loss {name!r} accepts {accepted}")
+    merged = dict(defaults)
+    for param, value in params.items():
+        where = f"{key}.{param}"
+        default = defaults[param]
+        if value is None:
+            _check((name, param) in _NULLABLE_PARAMS, where, "must not be null")
+        elif (name, param) in _INT_PARAMS or (isinstance(default, int) and not isinstance(default, bool)):
+            _check(isinstance(value, int) and not isinstance(value, bool), where, f"must be an integer, got {value!r}")
+        elif isinstance(default, float):
+            if isinstance(value, str) and _EXPONENT_NUMBER.fullmatch(value.strip()):
+                value = float(value)
+            ok = isinstance(value, int | float) and not isinstance(value, bool)
+            _check(ok, where, f"must be a number, got {value!r}")
+            value = float(value)
+        elif isinstance(default, str):
+            _check(isinstance(value, str), where, f"must be a string, got {value!r}")
+        merged[param] = value
+    return merged
+
+
+def validate(config: Config) -> Config:
+    """Cross-field and range checks; raises ConfigError naming the key. Returns ``config``."""
+    _check(bool(config.data.root), "data.root", "must be set (a dataset directory)")
+    _check(bool(config.run_dir), "run_dir", "must be set (where checkpoints and metrics go)")
+    _check(config.workers >= 1, "workers", f"must be >= 1, got {config.workers}")
+    _check(config.data.shuffle_buffer >= 1, "data.shuffle_buffer", "must be >= 1")
+    model = config.model
+    _check(model.dim >= 4 and model.dim % 4 == 0, "model.dim", f"must be a positive multiple of 4, got {model.dim}")
+    _check(model.init_std is None or model.init_std > 0, "model.init_std", "must be > 0 or null")
+    _check(model.item_init_std > 0, "model.item_init_std", "must be > 0")
+    loss = config.loss
+    config.loss.params = check_loss_params(loss.name, loss.params, "loss.params")
+    if loss.name in FULL_CATALOG_LOSSES:
+        _check(loss.candidates in (None, "catalog"), "loss.candidates", f"must be catalog for {loss.name!r}")
+        _check(loss.warmup is None, "loss.warmup", f"is for candidate losses, not {loss.name!r}")
+    if loss.candidates is None:  # resolved: sampled softmax samples, the other losses see the whole catalog
+        loss.candidates = "sampled" if loss.name == "sampled_softmax" else "catalog"
+    _check(loss.num_negatives >= 1, "loss.num_negatives", "must be >= 1")
+    _check(loss.beta >= 0, "loss.beta", "must be >= 0")
+    if loss.warmup is not None:
+        warm = loss.warmup
+        _check(warm.loss in CANDIDATE_LOSSES, "loss.warmup.loss", f"must be one of {', '.join(CANDIDATE_LOSSES)}")
+        _check(loss.name in CANDIDATE_LOSSES, "loss.warmup", "needs a candidate main loss")
+        warm.params = check_loss_params(warm.loss, warm.params, "loss.warmup.params")
+        for name in ("steps", "blend_steps"):
+            _check(getattr(warm, name) >= 0, f"loss.warmup.{name}", "must be >= 0")
+        _check(warm.temp_decay_steps >= 1, "loss.warmup.temp_decay_steps", "must be >= 1")
+        _check(warm.temp_start > 0, "loss.warmup.temp_start", "must be > 0")
+        _check(warm.temp_end > 0, "loss.warmup.temp_end", "must be > 0")
+    optim = config.optim
+    _check(optim.user_lr > 0, "optim.user_lr", f"must be > 0, got {optim.user_lr}")
+    _check(optim.item_lr > 0, "optim.item_lr", f"must be > 0, got {optim.item_lr}")
+    _check(optim.weight_decay >= 0, "optim.weight_decay", "must be >= 0")
+    train = config.train
+    _check(train.batch_size >= 1, "train.batch_size", "must be >= 1")
+    _check(
+        train.batch_size % config.workers == 0,
+        "train.batch_size",
+        f"({train.batch_size}) is the global batch: it must be divisible by workers ({config.workers})",
+    )
+    _check(train.epochs >= 1, "train.epochs", "must be >= 1")
+    _check(train.max_steps is None or train.max_steps >= 1, "train.max_steps", "must be >= 1 or null")
+    _check(train.log_every >= 1, "train.log_every", "must be >= 1")
+    _check(train.checkpoint_every is None or train.checkpoint_every >= 1, "train.checkpoint_every", "must be >= 1")
+    _check(train.keep_checkpoints >= 1, "train.keep_checkpoints", "must be >= 1")
+    _check(train.chunk_size is None or train.chunk_size >= 1, "train.chunk_size", "must be >= 1 or null")
+    ev = config.eval
+    _check(ev.every_epochs is None or ev.every_epochs >= 0, "eval.every_epochs", "must be >= 0 or null")
+    _check(bool(ev.ks) and all(k >= 1 for k in ev.ks), "eval.ks", f"must be a non-empty list of K >= 1, got {ev.ks}")
+    _check(bool(ev.splits), "eval.splits", "must name at least one split")
+    for i, split in enumerate(ev.splits):
+        _check(split in ("train", "valid", "test"), f"eval.splits[{i}]", f"must be train, valid or test: {split!r}")
+    _check(ev.sample_users is None or ev.sample_users >= 1, "eval.sample_users", "must be >= 1 or null")
+    _check(ev.batch_size >= 1, "eval.batch_size", "must be >= 1")
+    _check(config.ray.cpus_per_worker > 0, "ray.cpus_per_worker", "must be > 0")
+    _check(config.ray.gpus_per_worker >= 0, "ray.gpus_per_worker", "must be >= 0")
+    _check(config.ray.max_failures >= -1, "ray.max_failures", "must be >= -1 (-1: unlimited)")
+    debug = config.debug
+    _check(debug.fail_at_step is None or debug.fail_at_step >= 1, "debug.fail_at_step", "must be >= 1 or null")
+    _check(0 <= debug.fail_rank, "debug.fail_rank", "must be >= 0")
+    _check(debug.nan_at_step is None or debug.nan_at_step >= 1, "debug.nan_at_step", "must be >= 1 or null")
+    return config
+
+
+# ----------------------------------------------------------------------------------------------- loading
+def parse_override(text: str) -> tuple[list[str], Any]:
+    """``"a.b=v"`` → (["a", "b"], v parsed as a YAML scalar/flow value). Raises ConfigError when malformed."""
+    key, sep, raw = text.partition("=")
+    key = key.strip()
+    if not sep or not key or any(not part for part in key.split(".")):
+        raise ConfigError(f"override {text!r} must look like section.key=value")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError as error:
+        raise ConfigError(f"override {key}: cannot parse value {raw!r}: {error}") from None
+    if isinstance(value, str) and _EXPONENT_NUMBER.fullmatch(value.strip()):
+        value = float(value)
+    return key.split("."), value
+
+
+def apply_overrides(raw: dict, overrides: list[str] | tuple[str, ...]) -> dict:
+    """Set each ``a.b=v`` of ``overrides`` in the nested dict ``raw`` (in place; returns it)."""
+    for text in overrides:
+        path, value = parse_override(text)
+        node = raw
+        for depth, part in enumerate(path[:-1]):
+            child = node.get(part)
+            if child is None:
+                child = node[part] = {}
+            elif not isinstance(child, dict):
+                raise ConfigError(f"override {text!r}: {'.'.join(path[: depth + 1])} is not a section")
+            node = child
+        node[path[-1]] = value
+    return raw
+
+
+def _absolute(path: str, base: Path) -> str:
+    expanded = Path(os.path.expanduser(path))
+    return str(expanded if expanded.is_absolute() else (base / expanded).resolve())
+
+
+def config_from_dict(raw: dict, *, base_dir: str | os.PathLike | None = None) -> Config:
+    """Build and validate a Config from a nested dict; relative paths are resolved against ``base_dir``
+    (default: the current directory)."""
+    if not isinstance(raw, dict):
+        raise ConfigError(f"a config must be a mapping of sections, got {type(raw).__name__}")
+    config = validate(_build(Config, raw, ""))
+    base = Path(base_dir) if base_dir is not None else Path.cwd()
+    config.data.root = _absolute(config.data.root, base)
+    config.run_dir = _absolute(config.run_dir, base)
+    if config.ray.storage_path:
+        config.ray.storage_path = _absolute(config.ray.storage_path, base)
+    return config
+
+
+def load_config(path: str | os.PathLike, overrides: list[str] | tuple[str, ...] = ()) -> Config:
+    """Read a YAML config, apply ``--set`` overrides, check everything (ConfigError names the key).
+
+    Relative ``data.root`` / ``run_dir`` are taken relative to the current directory (run commands from the
+    repository root, as the configs in ``configs/`` assume).
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"config file not found: {path}")
+    try:
+        raw = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as error:
+        raise ConfigError(f"{path} is not valid YAML: {error}") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path} must hold a mapping of sections, got {type(raw).__name__}")
+    return config_from_dict(apply_overrides(raw, overrides))
+
+
+def dump_config(config: Config) -> str:
+    """The resolved config as YAML text (``load_config`` of it gives an equal Config)."""
+    return yaml.safe_dump(config.to_dict(), sort_keys=False, default_flow_style=None)
+
+
+def save_config(config: Config, path: str | os.PathLike) -> None:
+    """Write :func:`dump_config` to ``path`` atomically (temp file + os.replace)."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp.{os.getpid()}")
+    tmp.write_text(dump_config(config))
+    os.replace(tmp, path)

@@ -1,0 +1,137 @@
+"""Local multi-process launcher: N gloo processes on 127.0.0.1 running one worker function.
+
+``launch_local(fn, world_size, args)`` spawns ``world_size`` processes (``torch.multiprocessing``, spawn),
+initialises a gloo process group in each (free TCP port on 127.0.0.1), runs ``fn(*args)`` and returns the
+per-rank results. When any rank raises or dies (even by ``os._exit``), the others are killed at once (they
+would otherwise wait forever in a collective) and :class:`WorkerError` is raised with that rank's traceback.
+Ray Train replaces this module on clusters; the worker functions (``bigrank.train.loop``) are the same.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import pickle
+import queue as queue_module
+import socket
+import time
+import traceback
+from typing import Any
+
+__all__ = ["WorkerError", "free_port", "launch_local"]
+
+
+class WorkerError(RuntimeError):
+    """A worker process failed: ``rank``, the exception's ``error_type`` and ``message``, its ``traceback``."""
+
+    def __init__(self, rank: int, error_type: str, message: str, traceback_text: str):
+        self.rank, self.error_type, self.message, self.traceback = rank, error_type, message, traceback_text
+        super().__init__(f"rank {rank} failed: {error_type}: {message}")
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _worker(rank: int, world_size: int, port: int, threads: int, fn, args, results) -> None:
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world_size),
+        GLOO_SOCKET_IFNAME=os.environ.get("GLOO_SOCKET_IFNAME", "lo"),
+    )
+    try:
+        import torch
+        import torch.distributed as dist
+
+        torch.set_num_threads(threads)
+        dist.init_process_group(
+            "gloo",
+            rank=rank,
+            world_size=world_size,
+            init_method=f"tcp://127.0.0.1:{port}",
+            timeout=datetime.timedelta(minutes=30),
+        )
+        try:
+            result = fn(*args)
+        finally:
+            dist.destroy_process_group()
+        results.put((rank, "ok", pickle.dumps(result)))
+    except BaseException as error:  # noqa: BLE001 - report anything (SystemExit included) to the parent
+        message = str(error) or repr(error)
+        results.put((rank, "error", pickle.dumps((type(error).__name__, message, traceback.format_exc()))))
+
+
+def launch_local(fn, world_size: int, args: tuple = (), *, timeout: float | None = None) -> list[Any]:
+    """Run ``fn(*args)`` in ``world_size`` gloo processes; return the results indexed by rank.
+
+    ``fn`` must be a module-level function (it is pickled). Each process gets ``cpu_count // world_size``
+    torch threads (at least 1). Raises :class:`WorkerError` for the first rank that fails, TimeoutError after
+    ``timeout`` seconds (None: no limit); never leaves a process behind.
+    """
+    import torch.multiprocessing as mp
+
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    threads = max(1, (os.cpu_count() or 1) // world_size)
+    procs = [
+        ctx.Process(target=_worker, args=(rank, world_size, port, threads, fn, args, results), daemon=False)
+        for rank in range(world_size)
+    ]
+    for proc in procs:
+        proc.start()
+    collected: dict[int, Any] = {}
+    failure: BaseException | None = None
+    deadline = None if timeout is None else time.monotonic() + timeout
+    try:
+        while len(collected) < world_size and failure is None:
+            try:
+                rank, status, payload = results.get(timeout=0.2)
+            except queue_module.Empty:
+                dead = _dead_rank(procs, collected)
+                if dead is None:
+                    if deadline is not None and time.monotonic() > deadline:
+                        failure = TimeoutError(f"workers did not finish within {timeout} s")
+                    continue
+                try:  # it may have reported just before exiting
+                    rank, status, payload = results.get(timeout=2.0)
+                except queue_module.Empty:
+                    code = procs[dead].exitcode
+                    message = f"process exited with code {code} without reporting a result"
+                    failure = WorkerError(dead, "WorkerDied", message, "")
+                    continue
+            if status == "ok":
+                collected[rank] = pickle.loads(payload)
+            else:
+                failure = WorkerError(rank, *pickle.loads(payload))
+    except KeyboardInterrupt:
+        failure = KeyboardInterrupt()
+    finally:
+        for proc in procs:
+            if failure is not None and proc.is_alive():
+                proc.kill()
+            proc.join(timeout=None if failure is None else 10)
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
+        results.close()
+    if failure is not None:
+        raise failure
+    return [collected[rank] for rank in range(world_size)]
+
+
+def _dead_rank(procs, collected) -> int | None:
+    """The first rank whose process has exited without its result being collected, or None."""
+    for rank, proc in enumerate(procs):
+        if rank not in collected and not proc.is_alive() and proc.exitcode is not None:
+            return rank
+    return None

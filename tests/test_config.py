@@ -1,0 +1,142 @@
+"""Typed run config: defaults, --set overrides, errors naming the dotted key, the round trip through config.yaml,
+and the shipped configs in configs/ load."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from bigrank.cli import main
+from bigrank.config import (
+    Config,
+    ConfigError,
+    apply_overrides,
+    config_from_dict,
+    dump_config,
+    load_config,
+    save_config,
+)
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _write(tmp_path, raw: dict) -> Path:
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    return path
+
+
+def _minimal(**extra) -> dict:
+    raw = {"data": {"root": "data/x"}, "run_dir": "runs/x"}
+    raw.update(extra)
+    return raw
+
+
+def test_defaults_overrides_and_absolute_paths(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    config = load_config(
+        _write(tmp_path, _minimal(loss={"name": "rankmax", "params": {"k": 3}})),
+        ["train.max_steps=50", "eval.ks=[5, 50]", "eval.sample_users=null", "loss.params.margin=0.5", "seed=7"],
+    )
+    assert isinstance(config, Config)
+    assert config.train.max_steps == 50 and config.eval.ks == [5, 50] and config.eval.sample_users is None
+    assert config.loss.params == {"k": 3, "margin": 0.5}  # merged over the loss's defaults
+    assert config.seed == 7 and config.train.batch_size == 1024 and config.optim.item_optimizer == "adagrad"
+    assert config.data.root == str(tmp_path / "data/x") and config.run_dir == str(tmp_path / "runs/x")
+    assert config.loss.candidates == "catalog"  # resolved
+    assert config.optim.item_lr == 0.05 and isinstance(config.optim.item_lr, float)
+    overridden = load_config(_write(tmp_path, _minimal(optim={"user_lr": "2e-2"})), ["optim.item_lr=1"])
+    assert overridden.optim.item_lr == 1.0 and isinstance(overridden.optim.item_lr, float)
+    assert overridden.optim.user_lr == 0.02  # YAML 1.1 reads 2e-2 as a string: still a number here
+
+
+def test_resolved_config_round_trips_through_yaml(tmp_path):
+    raw = _minimal(
+        loss={
+            "name": "smooth_ap",
+            "candidates": "sampled",
+            "sampler": "popularity",
+            "warmup": {"loss": "sampled_softmax", "steps": 5, "temp_decay_steps": 10},
+        },
+        debug={"fail_at_step": 3},
+    )
+    config = config_from_dict(raw, base_dir=tmp_path)
+    save_config(config, tmp_path / "config.yaml")
+    again = load_config(tmp_path / "config.yaml")
+    assert again == config
+    assert again.loss.warmup.steps == 5 and again.loss.params == {"temperature": 0.01}
+    assert again.loss.warmup.params == {"temperature": 1.0}
+    assert yaml.safe_load(dump_config(config))["debug"]["fail_at_step"] == 3
+
+
+@pytest.mark.parametrize(
+    "raw, overrides, message",
+    [
+        (_minimal(train={"batchsize": 4}), [], "unknown key 'train.batchsize'"),
+        (_minimal(), ["loss.warmup.stepz=3"], "unknown key 'loss.warmup.stepz'"),
+        (_minimal(colour="red"), [], "unknown key 'colour'"),
+        (_minimal(), ["train.batch_size=abc"], "train.batch_size must be an integer, got 'abc'"),
+        (_minimal(), ["train.batch_size=2.5"], "train.batch_size must be an integer"),
+        (_minimal(), ["model.history=yes please"], "model.history must be true or false"),
+        (_minimal(), ["optim.item_optimizer=lbfgs"], "optim.item_optimizer must be one of sgd, adagrad, adam"),
+        (_minimal(), ["loss.name=hinge"], "loss.name must be one of rankmax"),
+        (_minimal(), ["loss.name=rankmax", "loss.params.temperature=1"], "unknown key 'loss.params.temperature'"),
+        (_minimal(), ["loss.name=softmax", "loss.params.k=2"], "loss 'softmax' accepts no parameters"),
+        (_minimal(), ["loss.name=rankmax", "loss.params.k=1.5"], "loss.params.k must be an integer"),
+        (_minimal(), ["model.dim=30"], "model.dim must be a positive multiple of 4"),
+        (_minimal(), ["train.batch_size=101"], "train.batch_size (101) is the global batch"),
+        (_minimal(), ["eval.ks=[10, 0]"], "eval.ks must be a non-empty list"),
+        (_minimal(), ["eval.ks=10"], "eval.ks must be a list"),
+        (_minimal(), ["eval.splits=[valid, holdout]"], "eval.splits[1] must be train, valid or test"),
+        (_minimal(), ["loss.name=softmax", "loss.candidates=sampled"], "loss.candidates must be catalog"),
+        (_minimal(), ["loss.warmup.steps=2"], "loss.warmup is for candidate losses"),
+        ({"run_dir": "x"}, [], "data.root must be set"),
+        (_minimal(), ["train.max_steps=0"], "train.max_steps must be >= 1 or null"),
+        (_minimal(), ["optim.user_lr=-1"], "optim.user_lr must be > 0"),
+        (_minimal(), ["train=3"], "train must be a mapping"),
+        (_minimal(train={"epochs": 2}), ["train.epochs.x=3"], "train.epochs is not a section"),
+        (_minimal(), ["novalue"], "must look like section.key=value"),
+    ],
+)
+def test_bad_config_is_an_error_naming_the_key(tmp_path, raw, overrides, message):
+    with pytest.raises(ConfigError) as error:
+        load_config(_write(tmp_path, raw), overrides)
+    assert message in str(error.value)
+
+
+def test_apply_overrides_creates_sections_and_parses_yaml_scalars():
+    raw = apply_overrides({}, ["a.b.c=1", "a.d=null", "e=[1, 2]", "f=true", "g=1e-3", "h=text"])
+    assert raw == {"a": {"b": {"c": 1}, "d": None}, "e": [1, 2], "f": True, "g": 1e-3, "h": "text"}
+
+
+def test_loss_values_are_checked_when_the_loss_is_built(tmp_path):
+    from bigrank.train.losses import check_loss_config
+
+    config = config_from_dict(_minimal(loss={"name": "rankmax", "params": {"k": 0}}), base_dir=tmp_path)
+    with pytest.raises(ConfigError, match=r"loss.params \(rankmax\): k must be an integer >= 1"):
+        check_loss_config(config.loss)
+    config = config_from_dict(_minimal(loss={"name": "recall_at_quantile", "params": {"quantile": 2.0}}))
+    with pytest.raises(ConfigError, match=r"loss.params \(recall_at_quantile\): quantile must be in \(0, 1\)"):
+        check_loss_config(config.loss)
+    for name in ("rankmax", "softmax", "sparsemax", "smooth_ap", "pauc_at_budget", "softrank_ndcg", "sampled_softmax"):
+        check_loss_config(config_from_dict(_minimal(loss={"name": name})).loss)
+
+
+def test_cli_reports_the_bad_key_and_exits_2(tmp_path, capsys):
+    path = _write(tmp_path, _minimal())
+    assert main(["train", str(path), "--set", "train.batch_sise=8"]) == 2
+    assert "unknown key 'train.batch_sise'" in capsys.readouterr().err
+    assert main(["train", str(tmp_path / "missing.yaml")]) == 2
+    assert "config file not found" in capsys.readouterr().err
+    assert main(["train", str(path)]) == 2  # data.root does not exist
+    assert "dataset directory does not exist" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "name", ["demo", "ml-latest-small-rankmax", "ml-latest-small-softmax", "ml-latest-small-sparsemax"]
+)
+def test_shipped_configs_load(name):
+    config = load_config(REPO / "configs" / f"{name}.yaml")
+    assert config.workers >= 1 and config.train.batch_size % config.workers == 0
