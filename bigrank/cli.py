@@ -14,8 +14,9 @@ import sys
 
 COMMAND_MODULES = [
     "bigrank.data.commands",
-    "bigrank.train.commands",
     "bigrank.train.plot",
+    "bigrank.train.commands",
+    "bigrank.export.commands",
 ]
 
 
