@@ -15,7 +15,6 @@ import sys
 COMMAND_MODULES = [
     "bigrank.data.commands",
     "bigrank.train.plot",
-    "bigrank.train.commands",
     "bigrank.export.commands",
 ]
 
