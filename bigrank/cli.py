@@ -15,6 +15,7 @@ import sys
 COMMAND_MODULES = [
     "bigrank.data.commands",
     "bigrank.train.plot",
+    "bigrank.train.commands",
     "bigrank.export.commands",
 ]
 
