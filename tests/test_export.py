@@ -141,7 +141,7 @@ def test_a_bad_rank_fails_every_rank_without_a_manifest(tmp_path):
     assert not (out / "manifest.json").exists()
 
 
-def export_single(out, tables=None, dataset_root=None, history=True, **kwargs):
+def export_single(out, tables=None, dataset_root=None, history=True, user_vectors="full", **kwargs):
     tables = tables or random_tables()
     return export_embeddings(
         out,
@@ -152,7 +152,12 @@ def export_single(out, tables=None, dataset_root=None, history=True, **kwargs):
         user_rows=(0, len(tables["users"]), tables["users"]),
         history_rows=(0, len(tables["history"]), tables["history"]) if history else None,
         dataset_root=dataset_root,
-        model_info={"loss": "softmax", "dim": tables["items"].shape[1], "has_history": history},
+        model_info={
+            "loss": "softmax",
+            "dim": tables["items"].shape[1],
+            "has_history": history,
+            "user_vectors": user_vectors,
+        },
         **kwargs,
     )
 
@@ -370,3 +375,25 @@ def test_int8_quantisation_error_bound():
     q, scale = quantize_int8(values)
     assert q.dtype == np.int8 and np.abs(q).max() <= 127
     assert (np.abs(q * scale[:, None] - values) <= scale[:, None] / 2 + 1e-7).all()
+
+
+def test_history_tower_user_vector_adds_the_mean_of_the_train_items(tmp_path, capsys):
+    dataset = tmp_path / "data"
+    write_ingested_dataset(dataset)
+    tables = random_tables()
+    out = tmp_path / "export"
+    manifest = export_single(out, tables=tables, dataset_root=dataset, user_vectors=None)
+    assert manifest["user_vector"] == "table+history_mean"
+    rec = Recommender(out)
+    table = pq.read_table(dataset / "train/part-00000.parquet")
+    users, items = table.column("user_id").to_numpy(), table.column("item_id").to_numpy()
+    for user in (0, 40, NUM_USERS - 1):
+        history = np.unique(items[users == user])
+        expected = tables["users"].numpy()[user] + tables["history"].numpy()[history].mean(axis=0)
+        np.testing.assert_allclose(rec.user_vector(user), expected, rtol=1e-6, atol=1e-6)
+        _, ref = brute_force_top_k(tables["items"].numpy(), expected, 5)
+        assert [row["item_id"] for row in rec.recommend(user, 5)] == ref[0].tolist()
+
+    moved = Recommender(out, data_root=tmp_path / "gone")
+    with pytest.raises(ValueError, match="history-tower model"):
+        moved.recommend(0, 5)

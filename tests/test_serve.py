@@ -66,9 +66,11 @@ def test_health(served):
 
 
 def test_recommend_answers_with_the_exact_top_k(served):
+    rec = served["rec"]
+    assert rec.user_vector_rule == "table+history_mean"  # vectors include the mean of the train items
     status, body = get(served["url"] + "/recommend?user=5&k=7")
     assert status == 200 and body["user"] == 5 and body["k"] == 7
-    scores = served["items"] @ served["rec"].user_vectors[5]
+    scores = served["items"] @ rec.user_vector(5)
     assert [row["item_id"] for row in body["items"]] == np.argsort(-scores, kind="stable")[:7].tolist()
     np.testing.assert_allclose([row["score"] for row in body["items"]], np.sort(scores)[::-1][:7], rtol=1e-5)
 
@@ -83,7 +85,7 @@ def test_recommend_excludes_seen_items_over_http(served):
     assert status == 200 and len(body["items"]) == k
     got = [row["item_id"] for row in body["items"]]
     assert not set(got) & rated
-    scores = served["items"] @ served["rec"].user_vectors[user]
+    scores = served["items"] @ rec.user_vector(user)
     scores[list(rated)] = -np.inf
     assert got == np.argsort(-scores, kind="stable")[:k].tolist()
 

@@ -30,6 +30,9 @@ def register(subparsers) -> None:
     recommend.add_argument("-k", type=int, default=10, help="number of items (default 10)")
     recommend.add_argument("--exclude-seen", metavar="DATA_ROOT", help="drop the items the user rated in this dataset")
     recommend.add_argument(
+        "--data", metavar="DATA_ROOT", help="training dataset (history-tower models; default: the manifest's)"
+    )
+    recommend.add_argument(
         "--seen-splits", default="train,valid,test", help="splits counted as seen (default train,valid,test)"
     )
     recommend.add_argument("--original-ids", action="store_true", help="--user/--items are original (MovieLens) ids")
@@ -48,6 +51,9 @@ def register(subparsers) -> None:
     serve.add_argument("--port", type=int, default=8080, help="port (default 8080; 0 picks a free one)")
     serve.add_argument("--index", choices=INDEX_CHOICES, default="exact", help="index to search (default exact)")
     serve.add_argument("--exclude-seen", metavar="DATA_ROOT", help="dataset for exclude_seen=1 requests")
+    serve.add_argument(
+        "--data", metavar="DATA_ROOT", help="training dataset (history-tower models; default: the manifest's)"
+    )
     serve.add_argument("--seen-splits", default="train,valid,test", help="splits counted as seen")
     serve.add_argument("--no-verify", action="store_true", help="skip the sha256 check of the export files")
     serve.add_argument("--quiet", action="store_true", help="do not log requests")
@@ -89,7 +95,7 @@ def _seen(data_root: str | None, splits: str):
 def run_recommend(args: argparse.Namespace) -> int:
     from bigrank.export.recommend import Recommender
 
-    rec = Recommender(args.export, index=args.index, verify=not args.no_verify)
+    rec = Recommender(args.export, index=args.index, verify=not args.no_verify, data_root=args.data)
     seen = _seen(args.exclude_seen, args.seen_splits)
     if seen is not None and seen.num_items != rec.num_items:
         raise ValueError(f"the dataset {args.exclude_seen} has {seen.num_items} items, the export {rec.num_items}")
@@ -140,7 +146,7 @@ def run_serve(args: argparse.Namespace) -> int:
     from bigrank.export.recommend import Recommender
     from bigrank.export.serve import make_server
 
-    rec = Recommender(args.export, index=args.index, verify=not args.no_verify)
+    rec = Recommender(args.export, index=args.index, verify=not args.no_verify, data_root=args.data)
     server = make_server(rec, args.host, args.port, seen=_seen(args.exclude_seen, args.seen_splits), quiet=args.quiet)
     host, port = server.server_address[:2]
     print(

@@ -180,12 +180,23 @@ class Recommender:
             or ``"hnsw"`` (must have been built into the export: ``bigrank build-index DIR --kind ivf``).
         verify: check the files' sha256 checksums on load (``load_export``).
         search_params: search-time overrides, ``{"nprobe": …}`` (IVF) or ``{"efSearch": …}`` (HNSW).
+        data_root: the training dataset, needed when the manifest's ``user_vector`` is
+            ``"table+history_mean"`` (history-tower models): a known user's vector is then
+            ``E_user[u] + mean_{i in H(u)} E_hist[i]`` over its train items ``H(u)``. Default: the dataset
+            recorded in the manifest.
 
     Results are lists of ``{"item_id", "score"}`` dicts (plus ``"original_id"`` / ``"title"`` when the export
     has them), best first. Searches are serialised by a lock, so one instance can serve many threads.
     """
 
-    def __init__(self, export_dir, index: str = "exact", verify: bool = True, search_params: dict | None = None):
+    def __init__(
+        self,
+        export_dir,
+        index: str = "exact",
+        verify: bool = True,
+        search_params: dict | None = None,
+        data_root=None,
+    ):
         from bigrank.export.index import INDEX_KINDS, build_index, read_index, set_search_params
 
         if index not in INDEX_KINDS:
@@ -217,6 +228,10 @@ class Recommender:
             )
         if search_params:
             set_search_params(self.index, search_params)
+        self.user_vector_rule = self.manifest.get("user_vector", "table")
+        dataset = self.manifest.get("dataset") or {}
+        self.data_root = data_root if data_root is not None else dataset.get("root")
+        self._train_items = None
         self._lock = threading.Lock()
 
     @property
@@ -244,7 +259,30 @@ class Recommender:
         user_id = _as_int(user_id, "user id")
         if not 0 <= user_id < self.num_users:
             raise ValueError(f"user id {user_id} is outside [0, {self.num_users})")
-        return self.user_vectors[user_id]
+        if self.user_vector_rule == "table":
+            return self.user_vectors[user_id]
+        # History tower: f(u) = E_user[u] + mean of the history rows of u's train items (empty bag: 0).
+        history = self.train_items().items_of(user_id)
+        if len(history) == 0:
+            return self.user_vectors[user_id]
+        mean = self.history_vectors[history].mean(axis=0, dtype=np.float64)
+        return (self.user_vectors[user_id] + mean).astype(np.float32)
+
+    def train_items(self) -> SeenItems:
+        """The users' train items (history bags) of the dataset, loaded on first use."""
+        with self._lock:
+            if self._train_items is None:
+                if self.data_root is None or not Path(self.data_root).is_dir():
+                    raise ValueError(
+                        "this export comes from a history-tower model: a user's vector needs the user's train "
+                        f"items, but the dataset {self.data_root!r} is not available; pass its directory "
+                        "(--data DATA_ROOT)"
+                    )
+                train = SeenItems(self.data_root, ("train",))
+                if train.num_items != self.num_items or train.num_users != self.num_users:
+                    raise ValueError(f"the dataset {self.data_root} does not match the export's users and items")
+                self._train_items = train
+            return self._train_items
 
     def fold_in_vector(self, item_ids: Iterable[int]) -> np.ndarray:
         """User vector of a user known only by the items ``item_ids``: mean of their history rows, float32[d]."""

@@ -347,6 +347,18 @@ def export_embeddings(
     return manifest
 
 
+def _user_vector_rule(has_history: bool, model_info: Mapping) -> str:
+    """How a known user's score-time vector follows from the export (recorded as ``user_vector``).
+
+    ``"table"``: the ``users`` rows are the vectors. ``"table+history_mean"`` (history-tower models, unless
+    ``model_info["user_vectors"] == "full"`` says the rows already include the history term): the tower's
+    ``f(u) = E_user[u] + mean_{i in H(u)} E_hist[i]`` over the user's train items ``H(u)`` in the dataset.
+    """
+    if has_history and model_info.get("user_vectors") != "full":
+        return "table+history_mean"
+    return "table"
+
+
 def _write_manifest(out_dir: Path, statuses, dataset_root, model_info, quantize, started: float) -> dict:
     dims = {s["dim"] for s in statuses}
     if len(dims) != 1:
@@ -371,6 +383,7 @@ def _write_manifest(out_dir: Path, statuses, dataset_root, model_info, quantize,
         "num_items": tables["items"]["rows"],
         "num_users": tables["users"]["rows"],
         "has_history": "history" in tables,
+        "user_vector": _user_vector_rule("history" in tables, model_info),
         "quantized": list(quantize),
         "quantization": {"int8": "per-row symmetric: embedding ≈ scale * q"} if "int8" in quantize else {},
         "model": json.loads(json.dumps(dict(model_info), default=str)),
