@@ -155,7 +155,7 @@ class ChunkedScores:
             grad = grad_block(start, block)
             rows = self.item_rows[start : start + self.chunk_size]
             grad_users.addmm_(grad, rows)
-            grad_items[start : start + grad.shape[1]] = grad.T @ self.user_vectors
+            torch.mm(grad.T, self.user_vectors, out=grad_items[start : start + grad.shape[1]])
         return grad_users, grad_items
 
 
