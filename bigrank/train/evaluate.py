@@ -216,20 +216,22 @@ def ranked_batches(
                     f"expected ({last - first}, {shard.dim})"
                 )
             scores = vectors.detach().to(device=weight.device, dtype=weight.dtype) @ weight.T
-            exclude = _exclusion_mask(excluded_indptr, excluded_items, first, last, shard, scores.device)
-            _, top_ids = distributed_topk(scores, k, group=group, offset=shard.start, exclude=exclude)
+            _exclude_in_place(scores, excluded_indptr, excluded_items, first, last, shard.start)
+            _, top_ids = distributed_topk(scores, k, group=group, offset=shard.start)
             yield first, last, top_ids
 
 
-def _exclusion_mask(indptr, items, first: int, last: int, shard: CatalogShard, device) -> torch.Tensor:
-    """bool[b, n_local]: True at the local columns of the excluded items of users ``first..last-1``."""
-    mask = torch.zeros((last - first, shard.num_local), dtype=torch.bool, device=device)
-    lo, hi = indptr[first], indptr[last]
+def _exclude_in_place(scores: torch.Tensor, indptr, items, first: int, last: int, offset: int) -> None:
+    """Set the scores of the excluded items of users ``first..last-1`` to -inf (local columns ``item - offset``).
+
+    ``distributed_topk`` treats -inf exactly like its ``exclude`` mask (ids of -inf entries become -1); writing the
+    few excluded entries in place avoids building a dense ``[b, n_local]`` mask and a masked copy of the scores.
+    """
+    lo, hi = int(indptr[first]), int(indptr[last])
     if hi > lo:
         rows = np.repeat(np.arange(last - first, dtype=np.int64), np.diff(indptr[first : last + 1]))
-        columns = items[lo:hi] - shard.start
-        mask[torch.from_numpy(rows).to(device), torch.from_numpy(columns).to(device)] = True
-    return mask
+        columns = items[lo:hi] - offset
+        scores[torch.from_numpy(rows).to(scores.device), torch.from_numpy(columns).to(scores.device)] = float("-inf")
 
 
 def write_eval_json(run_dir: str | Path, results_by_split: Mapping[str, Mapping]) -> Path:
