@@ -120,6 +120,11 @@ def _evaluate_body(rank, world_size, group, root, user_table, item_table, sample
         "test": evaluate_model(fn, shard, root, "test", KS, group=group, batch_size=1000, max_score_elements=100),
         "sample": evaluate_model(fn, shard, root, "valid", KS, group=group, sample_users=sample, seed=3),
     }
+    # An uneven split of the catalog, rank 0 owning no item at all, gives the same answer.
+    uneven = CatalogShard(NUM_ITEMS, DIM, group, dtype=torch.float64, bounds=[(0, 0), (0, NUM_ITEMS)][rank])
+    with torch.no_grad():
+        uneven.weight.copy_(item_table[uneven.start : uneven.stop])
+    results["uneven"] = evaluate_model(fn, uneven, root, "valid", KS, group=group, batch_size=7)
     users = evaluation_users(root, "valid")
     ranked = [top.numpy() for _, _, top in ranked_batches(fn, shard, root, users, NUM_ITEMS, group=group)]
     return {"results": results, "ranked": np.concatenate(ranked), "users": users, "calls": calls}
@@ -149,6 +154,7 @@ def test_two_ranks_equal_brute_force(tiny):
         assert results[part]["users"] == reference["users"], part
         for name, value in reference.items():
             assert results[part][name] == pytest.approx(value, rel=1e-9, abs=1e-12), (part, name)
+    assert results["uneven"] == results["valid"]
     assert results["sample"]["sampled"] and not results["valid"]["sampled"]
     assert results["sample"]["users"] == sample < results["valid"]["users"]
 
@@ -158,7 +164,7 @@ def test_two_ranks_equal_brute_force(tiny):
         return [size] * (total // size) + ([total % size] if total % size else [])
 
     n_valid, n_test = results["valid"]["users"], results["test"]["users"]
-    assert outputs[0]["calls"] == chunks(n_valid, 7) + chunks(n_test, 5) + [sample, n_valid]
+    assert outputs[0]["calls"] == chunks(n_valid, 7) + chunks(n_test, 5) + [sample] + chunks(n_valid, 7) + [n_valid]
     assert outputs[1]["calls"] == outputs[0]["calls"]
 
     # Exclusion: no train item is ever ranked, and every other item is (k = the whole catalog).

@@ -81,3 +81,6 @@ def test_label_without_config(tmp_path):
     assert run_label(tmp_path / "plain") == "plain"
     (tmp_path / "plain" / "config.yaml").write_text("loss: sparsemax\n")
     assert run_label(tmp_path / "plain") == "plain (sparsemax)"
+    (tmp_path / "softmax").mkdir()
+    (tmp_path / "softmax" / "config.yaml").write_text("loss: {name: softmax}\n")
+    assert run_label(tmp_path / "softmax") == "softmax"

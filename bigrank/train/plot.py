@@ -95,7 +95,8 @@ def read_run(run_dir: str | Path) -> dict:
 
 
 def run_label(run_dir: str | Path) -> str:
-    """``<run dir name> (<loss name>)``, or the bare name when ``config.yaml`` is missing or names no loss."""
+    """``<run dir name> (<loss name>)``, or the bare name when ``config.yaml`` is missing, names no loss or the
+    loss name is the run dir's name."""
     run_dir = Path(run_dir)
     name = run_dir.resolve().name
     path = run_dir / CONFIG_NAME
@@ -109,7 +110,9 @@ def run_label(run_dir: str | Path) -> str:
         return name
     loss = config.get("loss") if isinstance(config, dict) else None
     loss_name = loss.get("name") if isinstance(loss, dict) else loss
-    return f"{name} ({loss_name})" if isinstance(loss_name, str) and loss_name else name
+    if not isinstance(loss_name, str) or not loss_name or loss_name == name:
+        return name
+    return f"{name} ({loss_name})"
 
 
 def metric_keys(eval_records: Sequence[dict]) -> list[str]:
