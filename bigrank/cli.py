@@ -17,6 +17,7 @@ COMMAND_MODULES = [
     "bigrank.train.plot",
     "bigrank.train.commands",
     "bigrank.export.commands",
+    "bigrank.launch.commands",
 ]
 
 

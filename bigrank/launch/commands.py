@@ -1,0 +1,126 @@
+"""CLI commands for Ray Jobs: ``bigrank submit``, ``bigrank status``, ``bigrank logs``, ``bigrank stop``.
+
+All take ``--address http://HOST:8265`` (the head's dashboard; default ``RAY_ADDRESS``). ``submit`` checks
+the config locally (unknown keys, bad values) before anything is sent.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def _add_address(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--address",
+        default=None,
+        help="the Ray head's dashboard, http://HOST:8265 (default: RAY_ADDRESS)",
+    )
+
+
+def register(subparsers) -> None:
+    """Add the Ray Jobs sub-commands to the ``bigrank`` parser."""
+    submit = subparsers.add_parser(
+        "submit",
+        help="submit a training run to a Ray cluster (Ray Jobs API)",
+        description="Ship this project directory and the resolved CONFIG to a Ray cluster and train there with "
+        "Ray Train. Paths in the config must exist on the cluster (shared storage).",
+    )
+    submit.add_argument("config", metavar="CONFIG", help="YAML config file (see configs/)")
+    _add_address(submit)
+    submit.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a config key, e.g. --set train.max_steps=100 (repeatable)",
+    )
+    submit.add_argument(
+        "--wait", action="store_true", help="follow the job's log until it ends; exit 1 unless it succeeded"
+    )
+    submit.add_argument("--job-id", default=None, help="submission id (default: bigrank-<run>-<time>)")
+    submit.add_argument("--python", default="python", help="the cluster's Python interpreter (default: python)")
+    submit.set_defaults(func=run_submit)
+
+    status = subparsers.add_parser("status", help="show the status of a submitted job")
+    status.add_argument("job", metavar="JOB", help="submission id printed by bigrank submit")
+    _add_address(status)
+    status.set_defaults(func=run_status)
+
+    logs = subparsers.add_parser("logs", help="print the log of a submitted job")
+    logs.add_argument("job", metavar="JOB", help="submission id")
+    logs.add_argument("--follow", "-f", action="store_true", help="keep printing until the job ends")
+    _add_address(logs)
+    logs.set_defaults(func=run_logs)
+
+    stop = subparsers.add_parser("stop", help="stop a submitted job")
+    stop.add_argument("job", metavar="JOB", help="submission id")
+    _add_address(stop)
+    stop.set_defaults(func=run_stop)
+
+
+def _jobs_call(fn, *args, **kwargs):
+    """Run a bigrank.launch.jobs function; its JobsError becomes a CommandError (message, exit status 2)."""
+    from bigrank.cli import CommandError
+    from bigrank.launch.jobs import JobsError
+
+    try:
+        return fn(*args, **kwargs)
+    except JobsError as error:
+        raise CommandError(str(error)) from None
+
+
+def run_submit(args: argparse.Namespace) -> int:
+    from bigrank.config import load_config
+    from bigrank.launch import jobs
+
+    config = load_config(args.config, args.overrides)
+    address = jobs.normalize_address(args.address) if (args.address or "").strip() else args.address
+    job_id = _jobs_call(jobs.submit_training, config, address, python=args.python, submission_id=args.job_id)
+    where = address or "RAY_ADDRESS"
+    print(f"submitted job {job_id} to {where} (run dir {config.run_dir})", flush=True)
+    if not args.wait:
+        print(f"follow it with: bigrank logs {job_id} --follow --address {where}")
+        return 0
+    try:
+        _jobs_call(jobs.follow_logs, address, job_id)
+        status = _jobs_call(jobs.wait_for_job, address, job_id)
+    except KeyboardInterrupt:
+        print(f"\nstopped following; job {job_id} keeps running (bigrank stop {job_id} to stop it)", file=sys.stderr)
+        return 130
+    print(f"job {job_id} {status}")
+    return 0 if status == "SUCCEEDED" else 1
+
+
+def run_status(args: argparse.Namespace) -> int:
+    from bigrank.launch import jobs
+
+    info = _jobs_call(jobs.job_status, args.address, args.job)
+    print(f"job         {info['job']}")
+    print(f"status      {info['status']}")
+    if info.get("message"):
+        print(f"message     {info['message']}")
+    print(f"entrypoint  {info['entrypoint']}")
+    run_dir = (info.get("metadata") or {}).get("bigrank_run_dir")
+    if run_dir:
+        print(f"run dir     {run_dir}")
+    return 0
+
+
+def run_logs(args: argparse.Namespace) -> int:
+    from bigrank.launch import jobs
+
+    if args.follow:
+        _jobs_call(jobs.follow_logs, args.address, args.job)
+    else:
+        sys.stdout.write(_jobs_call(jobs.job_logs, args.address, args.job))
+    return 0
+
+
+def run_stop(args: argparse.Namespace) -> int:
+    from bigrank.launch import jobs
+
+    stopped = _jobs_call(jobs.stop_job, args.address, args.job)
+    print(f"job {args.job}: {'stop requested' if stopped else 'was not running'}")
+    return 0

@@ -1,0 +1,276 @@
+"""Ray Jobs API glue: submit a training run to a cluster's dashboard address, follow it, stop it.
+
+``submit_training(config, address)`` ships two things as the job's runtime environment:
+
+    working_dir   the bigrank project directory (without .venv, data, runs, .git, caches), so the cluster
+                  runs the same code as the submitter;
+    env_vars      BIGRANK_JOB_CONFIG = the resolved config as YAML (``--set`` overrides applied, relative
+                  paths made absolute on the submitting machine).
+
+and runs the entrypoint ``python -m bigrank.launch.jobs`` (``run_job_entrypoint``), which trains that
+config with Ray Train on the cluster the job runs in (``bigrank.launch.ray_train.train_on_ray``). Paths in
+the config must therefore exist on the cluster: on one machine (or NFS) the resolved local paths do; for a
+remote cluster point ``data.root`` / ``run_dir`` at shared storage (``--set data.root=/mnt/shared/...``).
+
+Authentication. Ray 2.60 heads started with ``ray start`` require a token on every dashboard request. The
+token is read from ``RAY_AUTH_TOKEN``, the file named by ``RAY_AUTH_TOKEN_PATH``, or ``~/.ray/auth_token``
+(where ``ray start`` writes it on the head) and sent as ``Authorization: Bearer <token>``; a 401/403 answer
+becomes an error that says where to put the token.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+import time
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlparse
+
+__all__ = [
+    "CONFIG_ENV",
+    "JobsError",
+    "TERMINAL_STATUSES",
+    "connect",
+    "follow_logs",
+    "job_logs",
+    "job_status",
+    "normalize_address",
+    "project_dir",
+    "read_auth_token",
+    "stop_job",
+    "submit_training",
+    "wait_for_job",
+]
+
+CONFIG_ENV = "BIGRANK_JOB_CONFIG"
+TERMINAL_STATUSES = ("SUCCEEDED", "FAILED", "STOPPED")
+# Left out of the uploaded working directory (Ray's limit is 100 MiB; data and runs live on shared storage).
+WORKING_DIR_EXCLUDES = [
+    ".venv",
+    "data",
+    "runs",
+    ".git",
+    "**/__pycache__",
+    ".pytest_cache",
+    ".ruff_cache",
+    "*.egg-info",
+    "build",
+]
+_CONNECT_TIMEOUT_S = 5.0
+
+
+class JobsError(RuntimeError):
+    """A Jobs API problem the user can fix (unreachable address, missing token, unknown job)."""
+
+
+def project_dir() -> Path:
+    """The directory holding the ``bigrank`` package (the job's working directory)."""
+    return Path(__file__).resolve().parents[2]
+
+
+def normalize_address(address: str | None) -> str:
+    """``http://HOST:PORT`` from ``address`` or ``RAY_ADDRESS`` (``HOST:PORT`` gets ``http://``); the dashboard
+    port (8265 by default), not the GCS port 6379."""
+    address = (address or os.environ.get("RAY_ADDRESS") or "").strip().rstrip("/")
+    if not address:
+        raise JobsError("no cluster address: pass --address http://HOST:8265 (the head's dashboard) or set RAY_ADDRESS")
+    if "://" not in address:
+        address = f"http://{address}"
+    parsed = urlparse(address)
+    if parsed.scheme not in ("http", "https") or not parsed.hostname:
+        raise JobsError(f"cluster address {address!r} must look like http://HOST:8265 (the Ray dashboard)")
+    return address
+
+
+def read_auth_token() -> str | None:
+    """The Ray token: ``RAY_AUTH_TOKEN``, else the file ``RAY_AUTH_TOKEN_PATH``, else ``~/.ray/auth_token``."""
+    token = os.environ.get("RAY_AUTH_TOKEN", "").strip()
+    if token:
+        return token
+    path = Path(os.environ.get("RAY_AUTH_TOKEN_PATH") or Path.home() / ".ray" / "auth_token").expanduser()
+    if path.is_file():
+        return path.read_text().strip() or None
+    return None
+
+
+def _token_help(address: str) -> str:
+    return (
+        f"the Ray cluster at {address} requires token authentication. Copy the head's token (on the head: "
+        "`ray get-auth-token`, or the file ~/.ray/auth_token) to ~/.ray/auth_token on this machine, or set "
+        "RAY_AUTH_TOKEN=<token> (RAY_AUTH_TOKEN_PATH=<file> also works)"
+    )
+
+
+def _check_reachable(address: str, timeout: float = _CONNECT_TIMEOUT_S) -> None:
+    parsed = urlparse(address)
+    port = parsed.port or (443 if parsed.scheme == "https" else 80)
+    try:
+        with socket.create_connection((parsed.hostname, port), timeout=timeout):
+            pass
+    except OSError as error:
+        reason = error.strerror or str(error) or type(error).__name__
+        raise JobsError(
+            f"cannot reach the Ray dashboard at {address}: {reason}. Is the head running with its dashboard "
+            f"on that host and port (cluster/local_cluster.sh start; `ray start --head --dashboard-host ...`)?"
+        ) from None
+
+
+def connect(address: str | None):
+    """A ``JobSubmissionClient`` for ``address`` (``http://HOST:8265``) with the auth token when there is one.
+
+    Fails within ~5 s when nothing listens there (JobsError naming the address)."""
+    address = normalize_address(address)
+    _check_reachable(address)
+    from ray.exceptions import AuthenticationError
+    from ray.job_submission import JobSubmissionClient
+
+    token = read_auth_token()
+    headers = {"Authorization": f"Bearer {token}"} if token else None
+    try:
+        return JobSubmissionClient(address, headers=headers)
+    except AuthenticationError:
+        if token:
+            raise JobsError(f"the Ray cluster at {address} rejected the token: {_token_help(address)}") from None
+        raise JobsError(_token_help(address)) from None
+    except ConnectionError as error:
+        raise JobsError(f"cannot connect to the Ray dashboard at {address}: {error}") from None
+
+
+def _call(client, what: str, fn, *args, **kwargs):
+    """Run a client call, turning auth and unknown-job errors into JobsError."""
+    from ray.exceptions import AuthenticationError
+
+    try:
+        return fn(*args, **kwargs)
+    except AuthenticationError:
+        raise JobsError(_token_help(client.get_address())) from None
+    except RuntimeError as error:
+        text = str(error)
+        if "404" in text or "does not exist" in text:
+            raise JobsError(f"{what}: no such job on {client.get_address()} ({text})") from None
+        raise
+
+
+def submit_training(
+    config,
+    address: str | None,
+    *,
+    python: str = "python",
+    submission_id: str | None = None,
+    working_dir: str | os.PathLike | None = None,
+) -> str:
+    """Submit a training job for ``config`` (a resolved Config); returns the submission id.
+
+    The entrypoint is ``{python} -m bigrank.launch.jobs``: ``python`` must be the cluster's interpreter with
+    the pinned stack (the images in docker/ put it first on PATH).
+    """
+    from bigrank.config import dump_config
+
+    client = connect(address)
+    directory = Path(working_dir) if working_dir else project_dir()
+    if submission_id is None:
+        run_name = Path(config.run_dir).name or "run"
+        submission_id = f"bigrank-{run_name}-{time.strftime('%Y%m%d-%H%M%S')}"
+    runtime_env = {
+        "working_dir": str(directory),
+        "excludes": list(WORKING_DIR_EXCLUDES),
+        "env_vars": {CONFIG_ENV: dump_config(config)},
+    }
+    return _call(
+        client,
+        "submit",
+        client.submit_job,
+        entrypoint=f"{python} -m bigrank.launch.jobs",
+        submission_id=submission_id,
+        runtime_env=runtime_env,
+        metadata={"bigrank_run_dir": config.run_dir},
+    )
+
+
+def job_status(address: str | None, job_id: str) -> dict[str, Any]:
+    """``{"status", "message", "entrypoint", "start_time", "end_time"}`` of a job."""
+    client = connect(address)
+    info = _call(client, f"status of {job_id}", client.get_job_info, job_id)
+    return {
+        "job": job_id,
+        "status": str(getattr(info.status, "value", info.status)),
+        "message": info.message,
+        "entrypoint": info.entrypoint,
+        "start_time": info.start_time,
+        "end_time": info.end_time,
+        "metadata": info.metadata,
+    }
+
+
+def job_logs(address: str | None, job_id: str) -> str:
+    """The job's whole log so far."""
+    client = connect(address)
+    return _call(client, f"logs of {job_id}", client.get_job_logs, job_id)
+
+
+def follow_logs(address: str | None, job_id: str, out=None) -> None:
+    """Print the job's log as it grows until the job ends (the Jobs API's log stream)."""
+    import asyncio
+
+    out = out or sys.stdout
+    client = connect(address)
+    _call(client, f"logs of {job_id}", client.get_job_info, job_id)  # unknown job → clear error
+
+    async def tail() -> None:
+        async for lines in client.tail_job_logs(job_id):
+            out.write(lines)
+            out.flush()
+
+    asyncio.run(tail())
+
+
+def wait_for_job(address: str | None, job_id: str, *, poll_s: float = 2.0, timeout_s: float | None = None) -> str:
+    """Poll until the job is SUCCEEDED, FAILED or STOPPED; returns that status (TimeoutError after timeout_s)."""
+    client = connect(address)
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    while True:
+        status = str(getattr(_call(client, job_id, client.get_job_status, job_id), "value", ""))
+        if status in TERMINAL_STATUSES:
+            return status
+        if deadline is not None and time.monotonic() > deadline:
+            raise TimeoutError(f"job {job_id} is still {status} after {timeout_s} s")
+        time.sleep(poll_s)
+
+
+def stop_job(address: str | None, job_id: str) -> bool:
+    """Ask the cluster to stop the job; True when it was running."""
+    client = connect(address)
+    return bool(_call(client, f"stop {job_id}", client.stop_job, job_id))
+
+
+# --------------------------------------------------------------------------------------- job entrypoint
+def run_job_entrypoint() -> int:
+    """What a submitted job runs: train the config of ``BIGRANK_JOB_CONFIG`` on the job's Ray cluster."""
+    import yaml
+
+    from bigrank.config import config_from_dict
+    from bigrank.data.manifest import load_manifest
+    from bigrank.launch.ray_train import train_on_ray
+    from bigrank.train.commands import format_summary
+    from bigrank.train.losses import check_loss_config
+
+    text = os.environ.get(CONFIG_ENV)
+    if not text:
+        print(f"bigrank job: {CONFIG_ENV} is not set (submit with `bigrank submit`)", file=sys.stderr)
+        return 2
+    config = config_from_dict(yaml.safe_load(text))
+    check_loss_config(config.loss)
+    load_manifest(config.data.root)  # a dataset missing on the cluster is named here, before Ray starts
+    summary = train_on_ray(config)
+    print(format_summary(summary), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    try:
+        sys.exit(run_job_entrypoint())
+    except (FileNotFoundError, ValueError) as error:
+        print(f"bigrank job: error: {error}", file=sys.stderr)
+        sys.exit(2)

@@ -1,0 +1,185 @@
+"""Run ``bigrank.train.loop.train_worker`` on Ray Train: an embedded local Ray runtime or an existing cluster.
+
+``train_on_ray(config)`` builds a ``TorchTrainer`` with one Ray worker per training process:
+
+    ScalingConfig(num_workers=config.workers, CPU/GPU per worker from config.ray)
+    TorchConfig(backend="nccl" when GPUs are requested, "gloo" otherwise)
+    RunConfig(storage_path=config.ray.storage_path, failure_config=FailureConfig(config.ray.max_failures))
+
+Ray Train initialises ``torch.distributed`` in every worker before the loop runs, which is all the trainer
+needs. torchrec (and fbgemm's operators) are imported inside the workers, never in the driver.
+
+Where Ray runs:
+    * no address (argument, ``config.ray.address`` or ``RAY_ADDRESS``): an embedded single-node runtime on
+      127.0.0.1 without dashboard, started here and shut down at the end;
+    * otherwise ``ray.init(address)`` joins that cluster ("auto", "HOST:PORT" or "ray://HOST:10001"); the
+      run directory and ``storage_path`` must then be on storage every node sees (NFS, a shared volume).
+
+Fault tolerance. When a worker dies, Ray Train restarts the whole worker group (up to ``ray.max_failures``
+times) and calls the loop again. The source of truth for resuming is the run directory: ``train_worker``
+reloads its newest complete checkpoint (model, both optimisers, each rank's stream position, the RNG and the
+loss schedule), so no finished step is lost and no row is trained twice. The checkpoint format is the
+trainer's own (DCP user tables + per-rank catalog rows, renamed into place once complete) because every rank
+writes its part of one directory; copying every intermediate checkpoint into Ray's storage would double the
+I/O of large runs for no gain. The final checkpoint is reported to Ray Train
+(``ray.train.report(summary, checkpoint=...)``), so ``Result.checkpoint`` names a usable copy of it.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+from pathlib import Path
+from typing import Any
+
+from bigrank.config import Config
+
+__all__ = ["RayConnectionError", "resolve_address", "ray_worker_loop", "train_on_ray"]
+
+# Environment of the embedded runtime's workers: gloo must use the loopback interface there.
+_LOCAL_ENV = {"GLOO_SOCKET_IFNAME": "lo"}
+
+
+class RayConnectionError(RuntimeError):
+    """Ray could not be started or reached; the message names the address."""
+
+
+def resolve_address(config: Config, address: str | None = None) -> str | None:
+    """The cluster to join: ``address``, else ``config.ray.address``, else ``RAY_ADDRESS``; None = embedded."""
+    for candidate in (address, config.ray.address, os.environ.get("RAY_ADDRESS")):
+        if candidate and candidate.strip():
+            return candidate.strip()
+    return None
+
+
+def _check_reachable(address: str, timeout: float = 5.0) -> None:
+    """Fail within ``timeout`` seconds when nothing listens at a ``HOST:PORT`` / ``ray://HOST:PORT`` address
+    (``ray.init`` itself retries for a minute or more before giving up)."""
+    if address == "auto":
+        return
+    target = address.split("://", 1)[-1].rstrip("/")
+    host, sep, port = target.rpartition(":")
+    if not sep or not port.isdigit():
+        return  # let Ray interpret it
+    try:
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout):
+            pass
+    except OSError as error:
+        raise RayConnectionError(
+            f"cannot reach the Ray cluster at {address}: {error.strerror or error}. Start one (cluster/"
+            "local_cluster.sh start) or pass the head's address (HOST:6379 or ray://HOST:10001); without "
+            "--address and RAY_ADDRESS, bigrank starts an embedded local Ray runtime."
+        ) from None
+
+
+def _init_ray(config: Config, address: str | None) -> bool:
+    """Start or join Ray; returns True when this call started it (and must shut it down)."""
+    import ray
+
+    if ray.is_initialized():
+        return False
+    if address is None:
+        need = config.workers * config.ray.cpus_per_worker
+        num_cpus = max(os.cpu_count() or 1, int(need + 0.999))
+        ray.init(
+            address="local",
+            num_cpus=num_cpus,
+            num_gpus=int(config.workers * config.ray.gpus_per_worker + 0.999) or None,
+            include_dashboard=False,
+            _node_ip_address="127.0.0.1",
+            runtime_env={"env_vars": dict(_LOCAL_ENV)},
+            log_to_driver=True,
+        )
+        return True
+    _check_reachable(address)
+    try:
+        ray.init(address=address, log_to_driver=True)
+    except (ConnectionError, RuntimeError, ValueError) as error:
+        raise RayConnectionError(f"cannot connect to the Ray cluster at {address}: {error}") from None
+    return True
+
+
+def ray_worker_loop(config_dict: dict[str, Any]) -> None:
+    """The function each Ray Train worker runs: ``train_worker`` on the process group Ray Train set up,
+    then one ``ray.train.report`` of the run summary with the final checkpoint (rank 0 attaches it)."""
+    import ray.train
+    import torch
+    import torchrec  # noqa: F401 - registers fbgemm/torchrec operators in the worker, where they are used
+
+    from bigrank.train.loop import train_worker
+
+    cpus = int(os.environ.get("OMP_NUM_THREADS") or 0)
+    if cpus > 0:
+        torch.set_num_threads(cpus)  # Ray sets OMP_NUM_THREADS to the worker's CPUs; torch may not read it late
+    summary = train_worker(config_dict)
+    context = ray.train.get_context()
+    checkpoint = None
+    if context.get_world_rank() == 0 and summary.get("checkpoint"):
+        checkpoint = ray.train.Checkpoint.from_directory(summary["checkpoint"])
+    step = int(summary["steps"])
+    ray.train.report(dict(summary), checkpoint=checkpoint, checkpoint_dir_name=f"bigrank-step-{step:08d}")
+
+
+def _run_name(config: Config) -> str:
+    return Path(config.run_dir).name or "bigrank"
+
+
+def train_on_ray(config: Config, *, address: str | None = None) -> dict[str, Any]:
+    """Train ``config`` with Ray Train and return the run summary of ``train_worker`` (rank 0's).
+
+    Args:
+        config: a validated Config; ``workers`` Ray workers each get ``ray.cpus_per_worker`` CPUs and
+            ``ray.gpus_per_worker`` GPUs; ``ray.max_failures`` worker-group restarts are allowed.
+        address: the cluster to join (overrides ``config.ray.address`` and ``RAY_ADDRESS``); None and
+            neither set: an embedded local runtime on 127.0.0.1.
+    Returns the summary dict (steps, losses, examples/s, checkpoint, eval, …) plus ``ray_checkpoint``
+    (where Ray Train keeps its copy of the final checkpoint) and ``ray_start_seconds``.
+    Raises RayConnectionError when the cluster cannot be reached (naming the address) and RuntimeError when
+    the training fails after its allowed restarts.
+    """
+    import ray
+    from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
+    from ray.train.torch import TorchConfig, TorchTrainer
+
+    address = resolve_address(config, address)
+    use_gpu = config.ray.gpus_per_worker > 0
+    resources = {"CPU": config.ray.cpus_per_worker}
+    if use_gpu:
+        resources["GPU"] = config.ray.gpus_per_worker
+    storage_path = config.ray.storage_path or str(Path(config.run_dir) / "ray")
+    started = time.perf_counter()
+    owns_runtime = _init_ray(config, address)
+    ray_start_seconds = time.perf_counter() - started
+    try:
+        where = "an embedded local Ray runtime" if address is None else f"the Ray cluster at {address}"
+        print(f"training {config.run_dir} on {where}: {config.workers} workers", flush=True)
+        trainer = TorchTrainer(
+            ray_worker_loop,
+            train_loop_config=config.to_dict(),
+            torch_config=TorchConfig(backend="nccl" if use_gpu else "gloo"),
+            scaling_config=ScalingConfig(num_workers=config.workers, use_gpu=use_gpu, resources_per_worker=resources),
+            run_config=RunConfig(
+                name=_run_name(config),
+                storage_path=storage_path,
+                failure_config=FailureConfig(max_failures=config.ray.max_failures),
+                checkpoint_config=CheckpointConfig(num_to_keep=config.train.keep_checkpoints),
+            ),
+        )
+        try:
+            result = trainer.fit()
+        except Exception as error:  # Ray wraps the worker's exception (TrainingFailedError)
+            raise RuntimeError(f"Ray training of {config.run_dir} failed: {error}") from error
+        summary = dict(result.metrics or {})
+        if result.error is not None:
+            raise RuntimeError(f"Ray training of {config.run_dir} failed: {result.error}")
+        summary["ray_checkpoint"] = result.checkpoint.path if result.checkpoint else None
+        summary["ray_start_seconds"] = ray_start_seconds
+        return summary
+    finally:
+        if owns_runtime:
+            ray.shutdown()
+
+
+# The name bigrank.train.commands looks up.
+train_with_ray = train_on_ray
