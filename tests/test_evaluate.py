@@ -220,6 +220,17 @@ def test_bad_inputs(tiny):
         evaluate_model(fn, shard, tiny / "missing", "valid", KS)
 
 
+def test_ids_outside_the_manifest_are_an_error(tmp_path):
+    write_tiny_dataset(tmp_path)
+    manifest = layout.load_manifest(tmp_path)
+    name = manifest["splits"]["train"]["files"][0]
+    bad_pair = {"user_id": np.array([0], np.int32), "item_id": np.array([99], np.int32)}
+    layout.write_parquet_atomic(tmp_path / name, bad_pair)
+    user_table, item_table = tables()
+    with pytest.raises(ValueError, match=r"item_id values outside \[0, 37\)"):
+        evaluate_model(embedding_fn(user_table, None, []), make_shard(item_table, None), tmp_path, "valid", KS)
+
+
 def test_eval_json_and_table(tmp_path):
     valid = {"accuracy": 0.25, "recall@10": 0.5, "ap@10": 0.125, "users": 1200, "split": "valid"}
     path = write_eval_json(tmp_path, {"valid": valid})

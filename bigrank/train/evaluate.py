@@ -51,8 +51,14 @@ def _users_with_items(data_root: str | Path, split: str) -> np.ndarray:
     num_users = int(manifest["num_users"])
     counts = np.zeros(num_users, dtype=np.int64)
     for group in iter_row_groups(data_root, split, columns=("user_id",)):
+        _check_ids(group["user_id"], num_users, "user_id", data_root, split)
         counts += np.bincount(group["user_id"], minlength=num_users)
     return np.flatnonzero(counts).astype(np.int64)
+
+
+def _check_ids(ids: np.ndarray, bound: int, column: str, data_root, split: str) -> None:
+    if len(ids) and (int(ids.min()) < 0 or int(ids.max()) >= bound):
+        raise ValueError(f"split {split!r} of {data_root} has {column} values outside [0, {bound}) (manifest)")
 
 
 def _sample(users: np.ndarray, sample_users: int | None, seed: int) -> np.ndarray:
@@ -76,6 +82,8 @@ def _items_of_users(
     keys = []
     for split in splits:
         for group in iter_row_groups(data_root, split):
+            _check_ids(group["user_id"], num_users, "user_id", data_root, split)
+            _check_ids(group["item_id"], num_items, "item_id", data_root, split)
             rows = position[group["user_id"]]
             items = group["item_id"].astype(np.int64)
             keep = rows >= 0
