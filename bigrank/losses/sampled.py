@@ -87,17 +87,19 @@ def sampled_softmax_loss(
     if log_q is not None and mask is not None:
         log_q = torch.where(cand.valid, log_q, log_q.new_zeros(()))  # masked columns may hold +-inf
     logits = cand.scores if log_q is None else cand.scores - log_q
-    negative = cand.valid & ~cand.positive
+    negative = ~cand.positive if mask is None else cand.valid & ~cand.positive
+    has_negative = negative.any(dim=1)  # on this rank
     negatives = logits.masked_fill(~negative, float("-inf"))
-    # Log-sum-exp of the negatives across ranks: all-reduced max (a stabilising shift, no gradient needed) and
-    # all-reduced sum of exponentials, as Megatron's vocab-parallel cross-entropy.
-    if negatives.shape[1]:
-        local_max = negatives.detach().max(dim=1).values
-    else:
-        local_max = negatives.new_full((negatives.shape[0],), float("-inf"))
-    shift = all_reduce_max(local_max, group)
+    if not bool(has_negative.all()):
+        # logsumexp of an all -inf row has a NaN gradient: give such rows finite dummies, dropped just below.
+        negatives = negatives.masked_fill(~has_negative.unsqueeze(1), 0.0)
+    # Log-sum-exp of the negatives across ranks: each rank's own log-sum-exp, shifted by their all-reduced max
+    # (a stabiliser, no gradient needed) and summed, as Megatron's vocab-parallel cross-entropy.
+    local_lse = torch.logsumexp(negatives, dim=1) if negatives.shape[1] else negatives.new_zeros(negatives.shape[0])
+    local_lse = torch.where(has_negative, local_lse, local_lse.new_full((), float("-inf")))
+    shift = all_reduce_max(local_lse, group)
     shift = torch.where(torch.isfinite(shift), shift, shift.new_zeros(()))
-    sum_exp = all_reduce_sum(torch.exp(negatives - shift.unsqueeze(1)).sum(dim=1), group)
+    sum_exp = all_reduce_sum(torch.exp(local_lse - shift), group)
     log_sum_neg = shift + torch.log(sum_exp.clamp_min(torch.finfo(sum_exp.dtype).tiny))
     # The rest is replicated on every rank (so that each rank's gradient w.r.t. its partial sum is complete):
     # gather all positives' corrected logits.

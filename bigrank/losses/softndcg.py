@@ -120,10 +120,10 @@ def _candidate_list(scores, gains, valid, positive, n_positive, num_candidates, 
     """Each row's list: every positive plus the top-scoring negatives, ``num_candidates`` in all (more when a
     row has more positives). Returns (scores [B, N] with gradient, gains [B, N], in_list bool [B, N])."""
     if num_candidates is None:
-        local = torch.stack([scores, gains, valid.to(scores.dtype)], dim=-1)  # [B, C, 3]
+        local = torch.stack([scores, gains.to(scores.dtype), valid.to(scores.dtype)], dim=-1)  # [B, C, 3]
     else:
         pos_scores, pos_present = local_positives(scores, positive)
-        pos_gains, _ = local_positives(gains, positive)
+        pos_gains = local_positives(gains, positive)[0].to(scores.dtype)
         negatives = valid & ~positive
         width = min(num_candidates, scores.shape[1])
         ranked = scores.detach().masked_fill(~negatives, float("-inf"))
@@ -198,12 +198,16 @@ def softrank_ndcg_loss(
         not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool or mask.shape != scores.shape
     ):
         raise ValueError(f"mask must be a bool tensor with the shape of scores {tuple(scores.shape)}")
-    gains = gains.detach().to(scores.dtype)
     valid = torch.ones_like(scores, dtype=torch.bool) if mask is None else mask
     clean = scores if mask is None else scores.masked_fill(~mask, 0.0)
-    bad_gains = ((~torch.isfinite(gains) | (gains < 0)) & valid).any(dim=1)
-    gains = torch.where(valid & ~bad_gains.unsqueeze(1), gains, gains.new_zeros(()))
-    positive = valid & (gains > 0)
+    gains = gains.detach()
+    if gains.dtype == torch.bool:  # binary relevance: no [B, C] float copy, nothing to check
+        bad_gains = None
+        positive = gains if mask is None else gains & mask
+    else:
+        usable = torch.isfinite(gains) & (gains >= 0)
+        bad_gains = (~usable if mask is None else ~usable & mask).any(dim=1)
+        positive = gains > 0 if mask is None else (gains > 0) & mask
     n_valid, n_positive = row_counts(
         clean, valid, positive, group, raw_scores=None if mask is None else scores,
         bad_labels=bad_gains, labels_problem="gains must be finite and >= 0 in valid columns",
