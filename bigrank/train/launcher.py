@@ -46,9 +46,10 @@ def _worker(rank: int, world_size: int, port: int, threads: int, fn, args, resul
         LOCAL_WORLD_SIZE=str(world_size),
         GLOO_SOCKET_IFNAME=os.environ.get("GLOO_SOCKET_IFNAME", "lo"),
     )
+    import torch.distributed as dist
+
     try:
         import torch
-        import torch.distributed as dist
 
         torch.set_num_threads(threads)
         dist.init_process_group(
@@ -58,14 +59,19 @@ def _worker(rank: int, world_size: int, port: int, threads: int, fn, args, resul
             init_method=f"tcp://127.0.0.1:{port}",
             timeout=datetime.timedelta(minutes=30),
         )
-        try:
-            result = fn(*args)
-        finally:
-            dist.destroy_process_group()
-        results.put((rank, "ok", pickle.dumps(result)))
+        result = fn(*args)
+        report = (rank, "ok", pickle.dumps(result))
     except BaseException as error:  # noqa: BLE001 - report anything (SystemExit included) to the parent
         message = str(error) or repr(error)
-        results.put((rank, "error", pickle.dumps((type(error).__name__, message, traceback.format_exc()))))
+        report = (rank, "error", pickle.dumps((type(error).__name__, message, traceback.format_exc())))
+    # Report before tearing the group down: the teardown makes the peers fail with connection errors, and
+    # the parent must hear the cause first.
+    results.put(report)
+    if dist.is_initialized():
+        try:
+            dist.destroy_process_group()
+        except Exception:  # noqa: BLE001 - peers may be gone already
+            pass
 
 
 def launch_local(fn, world_size: int, args: tuple = (), *, timeout: float | None = None) -> list[Any]:
@@ -112,7 +118,7 @@ def launch_local(fn, world_size: int, args: tuple = (), *, timeout: float | None
             if status == "ok":
                 collected[rank] = pickle.loads(payload)
             else:
-                failure = WorkerError(rank, *pickle.loads(payload))
+                failure = _root_cause(WorkerError(rank, *pickle.loads(payload)), procs, results, collected, rank)
     except KeyboardInterrupt:
         failure = KeyboardInterrupt()
     finally:
@@ -127,6 +133,39 @@ def launch_local(fn, world_size: int, args: tuple = (), *, timeout: float | None
     if failure is not None:
         raise failure
     return [collected[rank] for rank in range(world_size)]
+
+
+def _is_connection_error(error: WorkerError) -> bool:
+    """gloo's errors when a peer went away: a consequence, not a cause."""
+    text = error.message.lower()
+    return "connection" in text or "gloo/transport" in text or "broken pipe" in text
+
+
+def _root_cause(error: WorkerError, procs, results, collected, reporter: int) -> WorkerError:
+    """The likely cause among the failures of the next second: a rank that died silently, or a rank's own
+    error, rather than the connection errors its peers get when it goes away."""
+    deadline = time.monotonic() + 1.0
+    while _is_connection_error(error) and time.monotonic() < deadline:
+        try:
+            rank, status, payload = results.get(timeout=0.1)
+        except queue_module.Empty:
+            continue
+        if status == "ok":
+            collected[rank] = pickle.loads(payload)
+        else:
+            other = WorkerError(rank, *pickle.loads(payload))
+            if not _is_connection_error(other):
+                return other
+    if not _is_connection_error(error):
+        return error
+    for rank, proc in enumerate(procs):
+        if rank != reporter and rank not in collected and not proc.is_alive() and proc.exitcode:
+            message = (
+                f"process exited with code {proc.exitcode} without reporting a result "
+                f"(rank {reporter} then failed with {error.error_type}: {error.message})"
+            )
+            return WorkerError(rank, "WorkerDied", message, error.traceback)
+    return error
 
 
 def _dead_rank(procs, collected) -> int | None:

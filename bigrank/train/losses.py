@@ -165,7 +165,11 @@ class StepLoss:
     @property
     def temperature(self) -> float | None:
         """The scheduled temperature (warm-up) or the candidate loss's temperature; None for full-catalog losses."""
-        return None if self.full_catalog else float(self.module.temperature)
+        if self.full_catalog:
+            return None
+        if hasattr(self.module, "current_temperature"):  # a LossWarmupWrapper: its main loss's temperature
+            return float(self.module.current_temperature)
+        return float(self.module.temperature)
 
     def __call__(
         self,
