@@ -132,7 +132,7 @@ def connect(address: str | None):
         return JobSubmissionClient(address, headers=headers)
     except AuthenticationError:
         if token:
-            raise JobsError(f"the Ray cluster at {address} rejected the token: {_token_help(address)}") from None
+            raise JobsError(f"the token was rejected; {_token_help(address)}") from None
         raise JobsError(_token_help(address)) from None
     except ConnectionError as error:
         raise JobsError(f"cannot connect to the Ray dashboard at {address}: {error}") from None

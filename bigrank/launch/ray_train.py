@@ -33,16 +33,21 @@ import time
 from pathlib import Path
 from typing import Any
 
+from bigrank.cli import CommandError
 from bigrank.config import Config
 
-__all__ = ["RayConnectionError", "resolve_address", "ray_worker_loop", "train_on_ray"]
+__all__ = ["RayConnectionError", "RayTrainingError", "init_ray", "resolve_address", "ray_worker_loop", "train_on_ray"]
 
 # Environment of the embedded runtime's workers: gloo must use the loopback interface there.
 _LOCAL_ENV = {"GLOO_SOCKET_IFNAME": "lo"}
 
 
-class RayConnectionError(RuntimeError):
+class RayConnectionError(CommandError):
     """Ray could not be started or reached; the message names the address."""
+
+
+class RayTrainingError(CommandError):
+    """The training failed on Ray after its allowed restarts; the message holds the worker's error."""
 
 
 def resolve_address(config: Config, address: str | None = None) -> str | None:
@@ -73,10 +78,18 @@ def _check_reachable(address: str, timeout: float = 5.0) -> None:
         ) from None
 
 
-def _init_ray(config: Config, address: str | None) -> bool:
-    """Start or join Ray; returns True when this call started it (and must shut it down)."""
+def init_ray(config: Config, address: str | None = None) -> bool:
+    """Start an embedded local Ray runtime sized for ``config`` (``address`` None) or join ``address``.
+
+    Does nothing when Ray is already initialised in this process (returns False); otherwise returns True
+    (the caller owns the runtime and shuts it down). The embedded runtime runs on 127.0.0.1 without a
+    dashboard and gets at least ``workers * ray.cpus_per_worker`` CPUs, so a 2-worker run never waits for
+    resources on a smaller machine (the processes then share the cores).
+    """
     import ray
 
+    if address is not None:
+        _check_reachable(address)
     if ray.is_initialized():
         return False
     if address is None:
@@ -92,7 +105,6 @@ def _init_ray(config: Config, address: str | None) -> bool:
             log_to_driver=True,
         )
         return True
-    _check_reachable(address)
     try:
         ray.init(address=address, log_to_driver=True)
     except (ConnectionError, RuntimeError, ValueError) as error:
@@ -103,6 +115,12 @@ def _init_ray(config: Config, address: str | None) -> bool:
 def ray_worker_loop(config_dict: dict[str, Any]) -> None:
     """The function each Ray Train worker runs: ``train_worker`` on the process group Ray Train set up,
     then one ``ray.train.report`` of the run summary with the final checkpoint (rank 0 attaches it)."""
+    import logging
+
+    # Ray Train sets the workers' root logger to INFO, where fbgemm logs every library it loads and every
+    # table's full argument list.
+    logging.getLogger().setLevel(logging.WARNING)
+
     import ray.train
     import torch
     import torchrec  # noqa: F401 - registers fbgemm/torchrec operators in the worker, where they are used
@@ -135,11 +153,11 @@ def train_on_ray(config: Config, *, address: str | None = None) -> dict[str, Any
             neither set: an embedded local runtime on 127.0.0.1.
     Returns the summary dict (steps, losses, examples/s, checkpoint, eval, …) plus ``ray_checkpoint``
     (where Ray Train keeps its copy of the final checkpoint) and ``ray_start_seconds``.
-    Raises RayConnectionError when the cluster cannot be reached (naming the address) and RuntimeError when
-    the training fails after its allowed restarts.
+    Raises RayConnectionError when the cluster cannot be reached (naming the address) and RayTrainingError
+    when the training fails after its allowed restarts (both CommandErrors: the CLI prints them plainly).
     """
     import ray
-    from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
+    from ray.train import CheckpointConfig, FailureConfig, LoggingConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
 
     address = resolve_address(config, address)
@@ -149,8 +167,9 @@ def train_on_ray(config: Config, *, address: str | None = None) -> dict[str, Any
         resources["GPU"] = config.ray.gpus_per_worker
     storage_path = config.ray.storage_path or str(Path(config.run_dir) / "ray")
     started = time.perf_counter()
-    owns_runtime = _init_ray(config, address)
+    owns_runtime = init_ray(config, address)
     ray_start_seconds = time.perf_counter() - started
+    print(f"ray ready in {ray_start_seconds:.1f} s", flush=True)
     try:
         where = "an embedded local Ray runtime" if address is None else f"the Ray cluster at {address}"
         print(f"training {config.run_dir} on {where}: {config.workers} workers", flush=True)
@@ -164,15 +183,16 @@ def train_on_ray(config: Config, *, address: str | None = None) -> dict[str, Any
                 storage_path=storage_path,
                 failure_config=FailureConfig(max_failures=config.ray.max_failures),
                 checkpoint_config=CheckpointConfig(num_to_keep=config.train.keep_checkpoints),
+                logging_config=LoggingConfig(log_level="WARNING"),
             ),
         )
         try:
             result = trainer.fit()
         except Exception as error:  # Ray wraps the worker's exception (TrainingFailedError)
-            raise RuntimeError(f"Ray training of {config.run_dir} failed: {error}") from error
+            raise RayTrainingError(f"Ray training of {config.run_dir} failed: {error}") from error
         summary = dict(result.metrics or {})
         if result.error is not None:
-            raise RuntimeError(f"Ray training of {config.run_dir} failed: {result.error}")
+            raise RayTrainingError(f"Ray training of {config.run_dir} failed: {result.error}")
         summary["ray_checkpoint"] = result.checkpoint.path if result.checkpoint else None
         summary["ray_start_seconds"] = ray_start_seconds
         return summary

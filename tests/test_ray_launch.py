@@ -1,0 +1,175 @@
+"""Ray Train launching with a real embedded Ray runtime on 127.0.0.1: a run whose rank 1 dies mid-epoch is
+restarted by Ray Train (FailureConfig(max_failures=1)), resumes from the last checkpoint and ends with exactly
+the parameters, losses and metrics of an uninterrupted run; the final checkpoint is reported to Ray Train;
+`bigrank train --launcher ray` goes through the same launcher; an address where nothing listens fails at once
+naming it."""
+
+from __future__ import annotations
+
+import json
+import socket
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from bigrank.config import config_from_dict, save_config
+
+pytestmark = pytest.mark.slow
+
+NUM_USERS, NUM_ITEMS, TOPICS = 120, 101, 8  # 101 items: uneven catalog shards [0, 51) and [51, 101)
+
+
+@pytest.fixture(scope="module")
+def tiny_dataset(tmp_path_factory):
+    """120 users x 101 items, each rating 12 items of its topic and 3 random ones (80/10/10 split)."""
+    from bigrank.data.synthetic import SeedRatings, write_seed_dataset
+
+    rng = np.random.default_rng(0)
+    pairs = set()
+    for user in range(NUM_USERS):
+        for item in rng.choice(np.arange(user % TOPICS, NUM_ITEMS, TOPICS), 12, replace=False):
+            pairs.add((user, int(item)))
+        for item in rng.choice(NUM_ITEMS, 3, replace=False):
+            pairs.add((user, int(item)))
+    users, items = np.array(sorted(pairs), dtype=np.int32).T
+    root = tmp_path_factory.mktemp("tiny")
+    write_seed_dataset(SeedRatings(users, items, NUM_USERS, NUM_ITEMS), root, 0, "test:tiny", {"preset": "tiny"})
+    return root
+
+
+def _config(root, run_dir, **sections):
+    raw = {
+        "data": {"root": str(root), "shuffle_buffer": 256},
+        "run_dir": str(run_dir),
+        "seed": 5,
+        "workers": 2,
+        "model": {"dim": 8},
+        "loss": {"name": "rankmax"},
+        "optim": {"item_optimizer": "adam", "item_lr": 0.01, "user_lr": 0.1},
+        # 8 steps per epoch (~1,450 train rows / 200 per step, last batch short), checkpoints every 4 steps
+        "train": {"batch_size": 200, "epochs": 3, "max_steps": 14, "checkpoint_every": 4, "log_every": 1},
+        "eval": {"every_epochs": 1, "ks": [10, 50], "splits": ["valid", "test"]},
+        "ray": {"max_failures": 1},
+    }
+    for section, values in sections.items():
+        raw.setdefault(section, {}).update(values)
+    raw["train"]["progress"] = False
+    return config_from_dict(raw)
+
+
+@pytest.fixture(scope="module")
+def ray_runtime(tiny_dataset, tmp_path_factory):
+    """One embedded Ray runtime for the module (train_on_ray reuses it instead of starting its own)."""
+    import ray
+
+    from bigrank.launch.ray_train import init_ray
+
+    assert init_ray(_config(tiny_dataset, tmp_path_factory.mktemp("unused")))
+    try:
+        yield ray
+    finally:
+        ray.shutdown()
+
+
+def _final_parameters(checkpoint):
+    """(catalog [n, d], user table [users, d], user Adagrad state, item Adam states) of a checkpoint."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    rank_states = [torch.load(p, weights_only=False) for p in sorted(checkpoint.glob("rank-*.pt"))]
+    rank_states.sort(key=lambda s: s["start"])
+    catalog = torch.cat([s["catalog"] for s in rank_states])
+    flat = checkpoint.parent / f"{checkpoint.name}-tower.pt"
+    dcp_to_torch_save(checkpoint / "tower", flat)
+    tower = torch.load(flat, weights_only=False)
+    flat.unlink()
+    user_table = tower["model"]["tables.embedding_bags.user_table.weight"]
+    accumulators = [v for k, v in _flatten(tower["optimizer"]) if k.endswith("momentum1")]
+    item_states = [s["item_optimizer"]["state"][0] for s in rank_states]
+    return catalog, user_table, accumulators, item_states, [s["stream"] for s in rank_states]
+
+
+def _flatten(tree, prefix=""):
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            yield from _flatten(value, f"{prefix}{key}.")
+        else:
+            yield f"{prefix}{key}", value
+
+
+def _records(run_dir, kind):
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    return [r for r in map(json.loads, lines) if r["type"] == kind]
+
+
+def test_a_worker_killed_mid_epoch_is_restarted_and_ends_like_an_uninterrupted_run(
+    ray_runtime, tiny_dataset, tmp_path, capsys
+):
+    from bigrank.cli import main
+    from bigrank.launch import train_on_ray
+
+    straight_dir = tmp_path / "straight"
+    straight = train_on_ray(_config(tiny_dataset, straight_dir))
+    assert straight["steps"] == 14 and straight["world_size"] == 2 and straight["resumed_from"] is None
+    steps_per_epoch = straight["steps_per_epoch"]
+    assert steps_per_epoch == 8  # the failure below (step 11) is mid-epoch, 3 steps after checkpoint 8
+    # The final checkpoint was reported to Ray Train, which keeps its own complete copy.
+    assert straight["ray_checkpoint"] and (straight_dir / "ray").is_dir()
+    ray_copy = _final_parameters(Path(straight["ray_checkpoint"]))
+    torch.testing.assert_close(ray_copy[0], _final_parameters(straight_dir / "checkpoints" / "step-00000014")[0])
+
+    # Rank 1 exits (os._exit) when it starts step 11; `bigrank train --launcher ray` with max_failures=1.
+    crashed_dir = tmp_path / "crashed"
+    config_file = tmp_path / "crashed.yaml"
+    save_config(_config(tiny_dataset, crashed_dir, debug={"fail_at_step": 11, "fail_rank": 1}), config_file)
+    capsys.readouterr()
+    assert main(["train", str(config_file), "--launcher", "ray"]) == 0
+    printed = capsys.readouterr().out
+    assert "resumed from" in printed and "step-00000008" in printed
+    assert (crashed_dir / ".debug-failed-at-11").is_file()  # the failure did happen
+
+    expected = _final_parameters(straight_dir / "checkpoints" / "step-00000014")
+    actual = _final_parameters(crashed_dir / "checkpoints" / "step-00000014")
+    torch.testing.assert_close(actual[0], expected[0], rtol=1e-6, atol=1e-7)  # catalog
+    torch.testing.assert_close(actual[1], expected[1], rtol=1e-6, atol=1e-7)  # user table
+    for got, want in zip(actual[2], expected[2], strict=True):  # user row-wise Adagrad
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7)
+    for got, want in zip(actual[3], expected[3], strict=True):  # item Adam moments
+        torch.testing.assert_close(got["exp_avg_sq"], want["exp_avg_sq"], rtol=1e-6, atol=1e-9)
+    assert actual[4] == expected[4]  # data stream positions
+    # No finished step lost, none trained twice: one train record per step, same losses.
+    crashed_train = _records(crashed_dir, "train")
+    assert [r["step"] for r in crashed_train] == list(range(1, 15))
+    assert [r["loss"] for r in crashed_train] == pytest.approx([r["loss"] for r in _records(straight_dir, "train")])
+    got = json.loads((crashed_dir / "eval.json").read_text())
+    want = json.loads((straight_dir / "eval.json").read_text())
+    for split in ("valid", "test"):
+        for key in ("recall@10", "recall@50", "ap@10", "accuracy"):
+            assert got[split][key] == pytest.approx(want[split][key], rel=1e-6, abs=1e-9), (split, key)
+
+
+def test_a_failure_beyond_max_failures_fails_the_run_with_the_worker_error(ray_runtime, tiny_dataset, tmp_path):
+    from bigrank.launch.ray_train import RayTrainingError, train_on_ray
+
+    config = _config(tiny_dataset, tmp_path / "run", ray={"max_failures": 0}, debug={"fail_at_step": 2})
+    with pytest.raises(RayTrainingError, match="failed"):
+        train_on_ray(config)
+    assert (tmp_path / "run" / ".debug-failed-at-2").is_file()
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def test_an_address_where_nothing_listens_fails_at_once_naming_it(tiny_dataset, tmp_path):
+    from bigrank.launch.ray_train import RayConnectionError, train_on_ray
+
+    address = f"127.0.0.1:{_free_port()}"
+    started = time.monotonic()
+    with pytest.raises(RayConnectionError, match=f"cannot reach the Ray cluster at {address}"):
+        train_on_ray(_config(tiny_dataset, tmp_path / "run"), address=address)
+    assert time.monotonic() - started < 20  # not Ray's minute-long connection retries
