@@ -8,7 +8,10 @@ distribution of j follows from adding the contestants one at a time (the rank-bi
 
 SoftNDCG is the expected NDCG under these distributions (eq. 8):
 ``G_soft = (1 / G_max) sum_j g_j sum_r D(r) p_j(r)`` with ``D(r) = 1 / log2(2 + r)`` (rank r = 0 is the top).
-This is the exact recursion, not the expected-rank shortcut.
+This is the exact recursion, not the expected-rank shortcut. The model itself treats the contests of one
+candidate as independent (Taylor et al.'s pairwise-contest approximation; they share that candidate's noise in
+reality): expected ranks are exact, and whole distributions are close to Monte-Carlo sampling of the Gaussian
+scores when sigma is small against the score gaps (tests check both).
 
 Cost: the recursion is O(N^3) time and O(N^2) memory per row for a list of N candidates, so it runs on a
 candidate list per row: all positives (gain > 0) plus the highest-scoring negatives, ``num_candidates`` in all.
