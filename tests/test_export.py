@@ -397,3 +397,26 @@ def test_history_tower_user_vector_adds_the_mean_of_the_train_items(tmp_path, ca
     moved = Recommender(out, data_root=tmp_path / "gone")
     with pytest.raises(ValueError, match="history-tower model"):
         moved.recommend(0, 5)
+
+
+def test_a_failed_re_export_leaves_no_manifest_behind(tmp_path):
+    out = tmp_path / "export"
+    export_single(out)
+    bad = random_tables()
+    bad["users"][3, 0] = float("inf")
+    with pytest.raises(ValueError, match="NaN or infinite"):
+        export_single(out, tables=bad)
+    with pytest.raises(FileNotFoundError, match="did not finish"):
+        load_export(out)
+
+
+def test_build_index_command_records_recall(tmp_path, capsys):
+    out = tmp_path / "export"
+    export_single(out)
+    assert cli_main(["build-index", str(out), "--kind", "ivf", "--nlist", "4", "--nprobe", "4"]) == 0
+    assert "recall@10 vs exact 1.0000" in capsys.readouterr().out
+    entry = load_export(out)["indexes"]["ivf"]
+    assert entry["params"]["nlist"] == 4 and entry["recall_at_10_vs_exact"] == 1.0
+    assert cli_main(["recommend", str(out), "--user", "2", "--index", "ivf", "--json"]) == 0
+    ivf_rows = json.loads(capsys.readouterr().out)
+    assert [row["item_id"] for row in ivf_rows] == [row["item_id"] for row in Recommender(out).recommend(2, 10)]
