@@ -1,7 +1,8 @@
 """The trainer with real gloo processes, real Parquet data and real checkpoints: two-process training lowers
-the loss and ranks far better than random, a run killed mid-way and restarted ends with exactly the parameters
-of an uninterrupted run, a NaN loss stops the run naming the step and the last good checkpoint, a dead worker
-does not hang the launcher."""
+the loss and ranks far better than random (and 3 workers re-evaluating the checkpoint find the same figures),
+a run killed mid-way and restarted ends with exactly the parameters of an uninterrupted run, a NaN loss stops
+the run naming the step and the last good checkpoint, a dead worker does not hang the launcher, every
+configured loss trains."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import torch
 
 from bigrank.config import config_from_dict
 from bigrank.train.launcher import WorkerError, launch_local
-from bigrank.train.loop import train_worker
+from bigrank.train.loop import evaluate_worker, train_worker
 
 NUM_USERS, NUM_ITEMS, TOPICS = 120, 101, 8  # 101 items: uneven catalog shards [0, 51) and [51, 101)
 
@@ -101,6 +102,12 @@ def test_two_process_training_lowers_the_loss_and_beats_random(tiny_dataset, tmp
         assert results[split]["recall@10"] > 3 * 10 / NUM_ITEMS, results
     evals = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in evals if r["type"] == "eval" and r["split"] == "valid"][0] == 3 * steps_per_epoch
+    # `bigrank evaluate` with another number of workers reshards the checkpoint and finds the same figures.
+    again = launch_local(evaluate_worker, 3, (config,), timeout=240)[0]
+    for split in ("valid", "test"):
+        assert again[split]["recall@10"] == pytest.approx(results[split]["recall@10"], abs=1e-6)
+        assert again[split]["ap@10"] == pytest.approx(results[split]["ap@10"], abs=1e-6)
+        assert again[split]["users"] == results[split]["users"]
 
 
 def _final_parameters(checkpoint):

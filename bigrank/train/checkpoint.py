@@ -149,3 +149,33 @@ def load_checkpoint(path: str | os.PathLike, *, tower, world_size: int, group=No
         raise FileNotFoundError(f"checkpoint {path} has no {file.name}")
     rank_state = torch.load(file, map_location="cpu", weights_only=False)
     return trainer_state, rank_state
+
+
+def load_weights_only(path: str | os.PathLike, *, tower, row_start: int, row_stop: int) -> tuple[dict, torch.Tensor]:
+    """Load only the parameters of a checkpoint, for any number of workers (evaluation, export).
+
+    The tower is resharded by DCP (collective); the catalog rows ``[row_start, row_stop)`` are cut from the
+    per-rank files that overlap them. Returns ``(trainer_state, catalog rows float[row_stop - row_start, d])``.
+    """
+    from bigrank.model.sharding import load_tower_state
+
+    path = Path(path)
+    trainer_state = read_trainer_state(path)
+    load_tower_state(tower, path / "tower")
+    pieces, covered = [], row_start
+    for file in sorted(path.glob("rank-*.pt")):
+        state = torch.load(file, map_location="cpu", weights_only=False)
+        lo, hi = max(row_start, int(state["start"])), min(row_stop, int(state["stop"]))
+        if lo < hi:
+            pieces.append((lo, state["catalog"][lo - int(state["start"]) : hi - int(state["start"])]))
+        del state
+    pieces.sort(key=lambda piece: piece[0])
+    for lo, rows in pieces:
+        if lo != covered:
+            break
+        covered += rows.shape[0]
+    if covered != row_stop:
+        raise ValueError(f"checkpoint {path} does not hold catalog rows [{covered}, {row_stop}) (missing rank files?)")
+    if not pieces:
+        return trainer_state, torch.empty(0)
+    return trainer_state, torch.cat([rows for _, rows in pieces])

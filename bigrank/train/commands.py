@@ -3,7 +3,7 @@
 ``train`` runs ``bigrank.train.loop.train_worker`` in ``workers`` local gloo processes (``--launcher local``)
 or hands the config to Ray Train (``--launcher ray``, ``bigrank.launch``). Running the same command again
 resumes from the run's newest checkpoint. ``evaluate`` and ``export`` load a run's newest checkpoint in the
-same number of local processes.
+same number of local processes by default (``--workers N``: any number; the checkpoint is resharded).
 """
 
 from __future__ import annotations
@@ -44,6 +44,7 @@ def register(subparsers) -> None:
     evaluate.add_argument("--split", dest="splits", action="append", help="split to evaluate (default: config)")
     evaluate.add_argument("--sample-users", type=int, default=None, help="evaluate a sample of this many users")
     evaluate.add_argument("--checkpoint", default=None, help="checkpoint directory (default: the newest)")
+    evaluate.add_argument("--workers", type=int, default=None, help="local processes (default: the run's)")
     evaluate.set_defaults(func=run_evaluate)
 
     export = subparsers.add_parser(
@@ -54,6 +55,7 @@ def register(subparsers) -> None:
     export.add_argument("run_dir", metavar="RUN_DIR", help="a run directory (holds config.yaml)")
     export.add_argument("--out", required=True, help="export directory")
     export.add_argument("--checkpoint", default=None, help="checkpoint directory (default: the newest)")
+    export.add_argument("--workers", type=int, default=None, help="local processes (default: the run's)")
     export.add_argument(
         "--index", action="append", default=[], choices=["exact", "ivf", "hnsw"], help="also build a FAISS index"
     )
@@ -146,7 +148,8 @@ def run_evaluate(args: argparse.Namespace) -> int:
     from bigrank.train.loop import evaluate_worker
 
     config = _run_config(args.run_dir)
-    results = _launch(evaluate_worker, config.workers, (config, args.checkpoint, args.splits, args.sample_users))[0]
+    workers = args.workers or config.workers
+    results = _launch(evaluate_worker, workers, (config, args.checkpoint, args.splits, args.sample_users))[0]
     print(format_eval_table(results))
     print(f"written to {Path(config.run_dir) / 'eval.json'}")
     return 0
@@ -157,9 +160,8 @@ def run_export(args: argparse.Namespace) -> int:
 
     config = _run_config(args.run_dir)
     out = str(Path(args.out).resolve())
-    result = _launch(
-        export_worker, config.workers, (config, out, args.checkpoint, tuple(args.index), tuple(args.quantize))
-    )
+    workers = args.workers or config.workers
+    result = _launch(export_worker, workers, (config, out, args.checkpoint, tuple(args.index), tuple(args.quantize)))
     manifest = result[0].get("manifest") or {}
     print(f"exported {result[0]['checkpoint']} to {out}")
     if manifest:

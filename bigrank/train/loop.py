@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -153,7 +154,7 @@ def _item_counts(root: str, start: int, stop: int) -> torch.Tensor:
     return torch.from_numpy(counts)
 
 
-def _load_weights(model: Model, item_optimizer, path, group, world_size) -> tuple[dict, dict]:
+def _load_training_state(model: Model, item_optimizer, path, group, world_size) -> tuple[dict, dict]:
     from bigrank.train.checkpoint import load_checkpoint
 
     trainer_state, rank_state = load_checkpoint(path, tower=model.tower, world_size=world_size, group=group)
@@ -162,8 +163,7 @@ def _load_weights(model: Model, item_optimizer, path, group, world_size) -> tupl
         raise ValueError(f"checkpoint {path} holds catalog rows {rank_state['start']}…, not [{shard.start}, …)")
     with torch.no_grad():
         shard.weight.copy_(rank_state["catalog"])
-    if item_optimizer is not None:
-        item_optimizer.load_state_dict(rank_state["item_optimizer"])
+    item_optimizer.load_state_dict(rank_state["item_optimizer"])
     return trainer_state, rank_state
 
 
@@ -329,7 +329,7 @@ def train_worker(config: Config | dict) -> dict[str, Any]:
     step, last_checkpoint, first_loss = 0, None, None
     resume_from = latest_checkpoint(run_dir)
     if resume_from is not None:
-        trainer_state, rank_state = _load_weights(model, item_optimizer, resume_from, group, world_size)
+        trainer_state, rank_state = _load_training_state(model, item_optimizer, resume_from, group, world_size)
         stream.load_state_dict(rank_state["stream"])
         step_loss.load_state_dict(trainer_state.get("loss", {}))
         torch.set_rng_state(rank_state["rng"])
@@ -340,9 +340,15 @@ def train_worker(config: Config | dict) -> dict[str, Any]:
 
     log = RunLog(run_dir, rank == 0, step)
     progress = tqdm(
-        total=total_steps, initial=step, disable=rank != 0 or not train_cfg.progress, desc="train", unit="step"
+        total=total_steps,
+        initial=step,
+        disable=rank != 0 or not train_cfg.progress,
+        desc="train",
+        unit="step",
+        mininterval=0.1 if sys.stderr.isatty() else 30.0,  # logs (Ray, files) get a line every 30 s
     )
-    window_loss, window_steps, window_start = 0.0, 0, time.perf_counter()
+    # Throughput counts the time of the steps (data wait included), not evaluation or checkpoint writes.
+    window_loss, window_steps, window_seconds = 0.0, 0, 0.0
     examples, train_seconds, last_loss = 0, 0.0, None
     eval_history: list[dict] = []
 
@@ -374,12 +380,12 @@ def train_worker(config: Config | dict) -> dict[str, Any]:
             group=group,
         )
 
+    tick = time.perf_counter()
     try:
         while step < total_steps:
             stream.set_epoch(step // steps_per_epoch)
             for batch in stream:
                 _fail_once(config, run_dir, step + 1, rank)
-                started = time.perf_counter()
                 users, items = batch["user_id"], batch["item_id"]
                 local_vectors = user_vectors(model, users, pad_to=local_batch, exclude=items)
                 global_vectors = all_gather_rows(local_vectors, group)
@@ -408,19 +414,20 @@ def train_worker(config: Config | dict) -> dict[str, Any]:
                 step += 1
                 rows = int(target.numel())
                 examples += rows
-                train_seconds += time.perf_counter() - started
+                step_seconds = time.perf_counter() - tick
+                train_seconds += step_seconds
+                window_seconds += step_seconds
                 first_loss = value if first_loss is None else first_loss
                 last_loss = value
                 window_loss += value
                 window_steps += 1
                 if step % train_cfg.log_every == 0 or step == total_steps:
-                    elapsed = time.perf_counter() - window_start
                     record = {
                         "type": "train",
                         "step": step,
                         "epoch": step / steps_per_epoch,
                         "loss": window_loss / window_steps,
-                        "examples_per_s": window_steps * train_cfg.batch_size / max(elapsed, 1e-9),
+                        "examples_per_s": window_steps * train_cfg.batch_size / max(window_seconds, 1e-9),
                         "lr": config.optim.item_lr,
                         "user_lr": config.optim.user_lr,
                     }
@@ -428,7 +435,7 @@ def train_worker(config: Config | dict) -> dict[str, Any]:
                         record["temperature"] = step_loss.temperature
                     log.write(record, "train")
                     progress.set_postfix(loss=f"{record['loss']:.4f}", ex_s=f"{record['examples_per_s']:.0f}")
-                    window_loss, window_steps, window_start = 0.0, 0, time.perf_counter()
+                    window_loss, window_steps, window_seconds = 0.0, 0, 0.0
                 progress.update(1)
                 epoch_end = step % steps_per_epoch == 0
                 every = config.eval.every_epochs
@@ -445,6 +452,7 @@ def train_worker(config: Config | dict) -> dict[str, Any]:
                     last_checkpoint = checkpoint_now()
                 if step >= total_steps:
                     break
+                tick = time.perf_counter()
         if last_checkpoint is None or not str(last_checkpoint).endswith(f"{step:08d}"):
             last_checkpoint = checkpoint_now()
     finally:
@@ -479,6 +487,7 @@ def train_worker(config: Config | dict) -> dict[str, Any]:
         "checkpoint": str(last_checkpoint) if last_checkpoint else None,
         "resumed_from": str(resume_from) if resume_from else None,
         "eval": final_eval or None,
+        "eval_history": eval_history,
         "eval_available": _evaluation_available(),
     }
 
@@ -486,7 +495,7 @@ def train_worker(config: Config | dict) -> dict[str, Any]:
 # --------------------------------------------------------------------------------- evaluate and export
 def _load_for_inference(config: Config, checkpoint: str | None):
     from bigrank.model.sharding import silence_torchrec_step_warnings
-    from bigrank.train.checkpoint import latest_checkpoint
+    from bigrank.train.checkpoint import latest_checkpoint, load_weights_only
 
     group, rank, world_size = _require_process_group()
     silence_torchrec_step_warnings()
@@ -494,7 +503,11 @@ def _load_for_inference(config: Config, checkpoint: str | None):
     if path is None:
         raise FileNotFoundError(f"no complete checkpoint in {Path(config.run_dir) / 'checkpoints'}")
     model = build_model(config, group)
-    trainer_state, _ = _load_weights(model, None, path, group, world_size)
+    shard = model.shard
+    trainer_state, rows = load_weights_only(path, tower=model.tower, row_start=shard.start, row_stop=shard.stop)
+    if shard.num_local:
+        with torch.no_grad():
+            shard.weight.copy_(rows)
     return model, trainer_state, path, group, rank, world_size
 
 
