@@ -187,6 +187,10 @@ def test_nan_loss_stops_the_run_naming_the_step_and_the_last_checkpoint(tiny_dat
     assert "loss is nan at step 5" in error.value.message
     assert str(run_dir / "checkpoints" / "step-00000004") in error.value.message
     assert sorted(p.name for p in (run_dir / "checkpoints").iterdir())[-1:] == ["step-00000004"]
+    # Resuming that run with another model is refused before any tensor is loaded.
+    other = _config(tiny_dataset, run_dir, model={"dim": 12}, train={"max_steps": 10})
+    with pytest.raises(WorkerError, match=r"checkpoint of another model \(model.dim differ"):
+        launch_local(train_worker, 2, (other,), timeout=240)
 
 
 def _fail_on_rank_one(marker):

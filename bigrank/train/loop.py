@@ -154,9 +154,29 @@ def _item_counts(root: str, start: int, stop: int) -> torch.Tensor:
     return torch.from_numpy(counts)
 
 
-def _load_training_state(model: Model, item_optimizer, path, group, world_size) -> tuple[dict, dict]:
-    from bigrank.train.checkpoint import load_checkpoint
+def _model_identity(config: Config, model: Model) -> dict[str, Any]:
+    """The settings a checkpoint's tensors depend on (a resume with other values cannot load them)."""
+    return {
+        "model.dim": config.model.dim,
+        "model.history": config.model.history,
+        "dataset users": model.num_users,
+        "dataset items": model.num_items,
+        "optim.user_optimizer": config.optim.user_optimizer,
+        "optim.item_optimizer": config.optim.item_optimizer,
+    }
 
+
+def _load_training_state(model: Model, config: Config, item_optimizer, path, group, world_size):
+    from bigrank.train.checkpoint import load_checkpoint, read_trainer_state
+
+    saved = read_trainer_state(path).get("model")
+    expected = _model_identity(config, model)
+    if saved is not None and saved != expected:
+        changed = sorted(key for key in expected if saved.get(key) != expected[key])
+        raise ValueError(
+            f"{path} is a checkpoint of another model ({', '.join(changed)} differ from this config): "
+            "use a new run_dir, or restore those settings to resume"
+        )
     trainer_state, rank_state = load_checkpoint(path, tower=model.tower, world_size=world_size, group=group)
     shard = model.shard
     if (rank_state["start"], rank_state["stop"]) != (shard.start, shard.stop):
@@ -329,7 +349,7 @@ def train_worker(config: Config | dict) -> dict[str, Any]:
     step, last_checkpoint, first_loss = 0, None, None
     resume_from = latest_checkpoint(run_dir)
     if resume_from is not None:
-        trainer_state, rank_state = _load_training_state(model, item_optimizer, resume_from, group, world_size)
+        trainer_state, rank_state = _load_training_state(model, config, item_optimizer, resume_from, group, world_size)
         stream.load_state_dict(rank_state["stream"])
         step_loss.load_state_dict(trainer_state.get("loss", {}))
         torch.set_rng_state(rank_state["rng"])
@@ -367,6 +387,7 @@ def train_worker(config: Config | dict) -> dict[str, Any]:
             "num_items": model.num_items,
             "num_users": model.num_users,
             "loss": step_loss.state_dict(),
+            "model": _model_identity(config, model),
             "last_loss": last_loss,
             "first_loss": first_loss,
         }
