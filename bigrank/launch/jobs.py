@@ -59,6 +59,7 @@ WORKING_DIR_EXCLUDES = [
     "build",
 ]
 _CONNECT_TIMEOUT_S = 5.0
+_AGENT_WAIT_S = 60.0
 
 
 class JobsError(RuntimeError):
@@ -178,15 +179,23 @@ def submit_training(
         "excludes": list(WORKING_DIR_EXCLUDES),
         "env_vars": {CONFIG_ENV: dump_config(config)},
     }
-    return _call(
-        client,
-        "submit",
-        client.submit_job,
-        entrypoint=f"{python} -m bigrank.launch.jobs",
-        submission_id=submission_id,
-        runtime_env=runtime_env,
-        metadata={"bigrank_run_dir": config.run_dir},
-    )
+    # A head that has just started answers "No available agent to submit job" until its job agent is up.
+    deadline = time.monotonic() + _AGENT_WAIT_S
+    while True:
+        try:
+            return _call(
+                client,
+                "submit",
+                client.submit_job,
+                entrypoint=f"{python} -m bigrank.launch.jobs",
+                submission_id=submission_id,
+                runtime_env=runtime_env,
+                metadata={"bigrank_run_dir": config.run_dir},
+            )
+        except RuntimeError as error:
+            if "No available agent" not in str(error) or time.monotonic() > deadline:
+                raise
+            time.sleep(2.0)
 
 
 def job_status(address: str | None, job_id: str) -> dict[str, Any]:
@@ -269,8 +278,10 @@ def run_job_entrypoint() -> int:
 
 
 if __name__ == "__main__":
+    from bigrank.cli import CommandError
+
     try:
         sys.exit(run_job_entrypoint())
-    except (FileNotFoundError, ValueError) as error:
+    except (CommandError, FileNotFoundError, ValueError) as error:
         print(f"bigrank job: error: {error}", file=sys.stderr)
         sys.exit(2)
