@@ -156,7 +156,10 @@ def test_resume_after_a_crash_equals_an_uninterrupted_run(tiny_dataset, tmp_path
     config = _config(tiny_dataset, crashed, debug={"fail_at_step": 15, "fail_rank": 1}, **sections)
     with pytest.raises(WorkerError, match="rank 1 failed: WorkerDied"):
         launch_local(train_worker, 2, (config,), timeout=240)
+    stale = crashed / "checkpoints" / "step-00000099.partial"  # as if a save had crashed half-way
+    (stale / "tower").mkdir(parents=True)
     resumed = launch_local(train_worker, 2, (config,), timeout=240)[0]  # the same command again
+    assert not stale.exists()
     assert resumed["resumed_from"].endswith("step-00000012") and resumed["steps"] == 20
 
     expected = _final_parameters(straight / "checkpoints" / "step-00000020")

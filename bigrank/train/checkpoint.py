@@ -60,6 +60,18 @@ def latest_checkpoint(run_dir: str | os.PathLike) -> Path | None:
     return found[-1] if found else None
 
 
+def remove_partial_checkpoints(run_dir: str | os.PathLike) -> list[Path]:
+    """Delete the ``step-….partial`` directories a crash mid-save left behind; returns what was removed."""
+    root = checkpoint_root(run_dir)
+    removed = []
+    if root.is_dir():
+        for entry in root.iterdir():
+            if entry.name.startswith(_PREFIX) and entry.name.endswith(".partial"):
+                shutil.rmtree(entry, ignore_errors=True)
+                removed.append(entry)
+    return removed
+
+
 def read_trainer_state(path: str | os.PathLike) -> dict[str, Any]:
     """``trainer.json`` of a checkpoint directory."""
     file = Path(path) / TRAINER_FILE

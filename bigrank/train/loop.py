@@ -291,7 +291,7 @@ def train_worker(config: Config | dict) -> dict[str, Any]:
     from bigrank.data.stream import ParquetStream
     from bigrank.distributed.collectives import all_gather_no_grad, all_gather_rows
     from bigrank.model.sharding import format_plan, silence_torchrec_step_warnings, write_plan
-    from bigrank.train.checkpoint import latest_checkpoint, save_checkpoint
+    from bigrank.train.checkpoint import latest_checkpoint, remove_partial_checkpoints, save_checkpoint
     from bigrank.train.losses import StepLoss
 
     config = as_config(config)
@@ -304,6 +304,7 @@ def train_worker(config: Config | dict) -> dict[str, Any]:
     if rank == 0:
         run_dir.mkdir(parents=True, exist_ok=True)
         save_config(config, run_dir / "config.yaml")
+        remove_partial_checkpoints(run_dir)
     dist.barrier(group)
     torch.manual_seed(config.seed * 1_000 + rank)
 
