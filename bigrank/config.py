@@ -335,7 +335,8 @@ def validate(config: Config) -> Config:
     _check(bool(ev.ks) and all(k >= 1 for k in ev.ks), "eval.ks", f"must be a non-empty list of K >= 1, got {ev.ks}")
     _check(bool(ev.splits), "eval.splits", "must name at least one split")
     for i, split in enumerate(ev.splits):
-        _check(split in ("train", "valid", "test"), f"eval.splits[{i}]", f"must be train, valid or test: {split!r}")
+        # The train items are excluded from the rankings, so only the held-out splits can be evaluated.
+        _check(split in ("valid", "test"), f"eval.splits[{i}]", f"must be valid or test, got {split!r}")
     _check(ev.sample_users is None or ev.sample_users >= 1, "eval.sample_users", "must be >= 1 or null")
     _check(ev.batch_size >= 1, "eval.batch_size", "must be >= 1")
     _check(config.ray.cpus_per_worker > 0, "ray.cpus_per_worker", "must be > 0")

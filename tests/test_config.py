@@ -89,7 +89,7 @@ def test_resolved_config_round_trips_through_yaml(tmp_path):
         (_minimal(), ["train.batch_size=101"], "train.batch_size (101) is the global batch"),
         (_minimal(), ["eval.ks=[10, 0]"], "eval.ks must be a non-empty list"),
         (_minimal(), ["eval.ks=10"], "eval.ks must be a list"),
-        (_minimal(), ["eval.splits=[valid, holdout]"], "eval.splits[1] must be train, valid or test"),
+        (_minimal(), ["eval.splits=[valid, holdout]"], "eval.splits[1] must be valid or test, got 'holdout'"),
         (_minimal(), ["loss.name=softmax", "loss.candidates=sampled"], "loss.candidates must be catalog"),
         (_minimal(), ["loss.warmup.steps=2"], "loss.warmup is for candidate losses"),
         ({"run_dir": "x"}, [], "data.root must be set"),
