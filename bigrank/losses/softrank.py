@@ -117,7 +117,8 @@ def row_counts(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Global per-row (n_valid, n_positive) [B] int64, and a ValueError on every rank at once when any rank
     holds a NaN/inf score in a valid column, or flags a row in ``bad_labels`` (bool [B], described by
-    ``labels_problem``). One all-reduce of B x 4 integers."""
+    ``labels_problem``). One all-reduce of B x 4 integers. ``raw_scores``: the scores before masking when a
+    mask was given; None means no mask (every column valid, so no need to count ``valid``)."""
     raw = scores if raw_scores is None else raw_scores
     bad = first_nonfinite_row(raw)
     if bool(bad.any()) and raw_scores is not None:
@@ -127,9 +128,11 @@ def row_counts(
         bad[rows] = ~finite_or_masked.all(dim=1)
     if bad_labels is None:
         bad_labels = torch.zeros_like(bad)
-    counts = torch.stack(
-        [valid.sum(dim=1), positive.sum(dim=1), bad.to(torch.int64), bad_labels.to(torch.int64)], dim=1
-    )
+    if raw_scores is None:
+        n_valid = torch.full_like(bad, scores.shape[1], dtype=torch.int64)
+    else:
+        n_valid = valid.sum(dim=1)
+    counts = torch.stack([n_valid, positive.sum(dim=1), bad.to(torch.int64), bad_labels.to(torch.int64)], dim=1)
     with torch.no_grad():
         counts = all_reduce_sum(counts, group)
     if bool(counts[:, 2].any()):
@@ -394,7 +397,7 @@ def pauc_at_budget_loss(
     if isinstance(scale_sample_size, bool) or not isinstance(scale_sample_size, int) or scale_sample_size < 4:
         raise ValueError(f"scale_sample_size must be an integer >= 4, got {scale_sample_size!r}")
     cand = prepare(scores, labels, mask, reduction, group)
-    negative = cand.valid & ~cand.positive
+    negative = ~cand.positive if mask is None else cand.valid & ~cand.positive
     n_negative = cand.n_negative
     knots = torch.linspace(float(alpha), float(beta), n_knots, dtype=torch.float64)
     k = count_from_fraction(knots.unsqueeze(0), n_negative.unsqueeze(1))  # [B, n_knots]
