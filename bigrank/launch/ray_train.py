@@ -103,6 +103,9 @@ def init_ray(config: Config, address: str | None = None) -> bool:
             _node_ip_address="127.0.0.1",
             runtime_env={"env_vars": dict(_LOCAL_ENV)},
             log_to_driver=True,
+            # Without a dashboard Ray Train's placement-group cleaner warns every second that the State API
+            # is unavailable; Ray's own loggers keep their errors only (the trainer prints its progress).
+            logging_config=ray.LoggingConfig(log_level="ERROR"),
         )
         return True
     try:
