@@ -108,10 +108,38 @@ def init_ray(config: Config, address: str | None = None) -> bool:
             logging_config=ray.LoggingConfig(log_level="ERROR"),
         )
         return True
+    token_mode = _use_token_auth()
     try:
         ray.init(address=address, log_to_driver=True)
     except (ConnectionError, RuntimeError, ValueError) as error:
-        raise RayConnectionError(f"cannot connect to the Ray cluster at {address}: {error}") from None
+        hint = (
+            "the cluster may require token authentication: put the head's token (`ray get-auth-token` on the "
+            "head, or its ~/.ray/auth_token) in ~/.ray/auth_token here or set RAY_AUTH_TOKEN"
+            if not token_mode
+            else "check that ~/.ray/auth_token (or RAY_AUTH_TOKEN) holds the head's token"
+        )
+        raise RayConnectionError(f"cannot connect to the Ray cluster at {address}: {error}; {hint}") from None
+    return True
+
+
+def _use_token_auth() -> bool:
+    """Turn on Ray's token authentication for joining a cluster when a token is at hand and RAY_AUTH_MODE is
+    unset: Ray 2.60 heads started with `ray start` require it, and ray.init does not switch it on by itself
+    for an existing cluster. Returns whether token mode is on."""
+    from bigrank.launch.jobs import read_auth_token
+
+    mode = os.environ.get("RAY_AUTH_MODE")
+    if mode is not None:
+        return mode.lower() == "token"
+    if read_auth_token() is None:
+        return False
+    os.environ["RAY_AUTH_MODE"] = "token"
+    try:  # refresh the configuration Ray's core read when it was imported
+        from ray._raylet import Config as RayCoreConfig
+
+        RayCoreConfig.initialize("")
+    except (ImportError, AttributeError):
+        pass
     return True
 
 
