@@ -26,6 +26,7 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from bigrank.distributed.collectives import all_gather_replicated, is_distributed
@@ -36,6 +37,12 @@ __all__ = ["SoftNDCGLoss", "rank_distributions", "softrank_ndcg_loss"]
 
 # A candidate list longer than this would need B x N^2 floats per step and O(N^3) time: ask for a shorter list.
 MAX_LIST_SIZE = 4096
+
+
+def _negligible(dtype: torch.dtype) -> float:
+    """Probabilities below this are set to 0 in the recursions: far below rounding of O(1) terms, and it keeps
+    products of many small probabilities out of the subnormal range, where CPU arithmetic is ~100x slower."""
+    return torch.finfo(dtype).tiny ** 0.5
 
 
 class _RankBinomial(torch.autograd.Function):
@@ -55,7 +62,7 @@ class _RankBinomial(torch.autograd.Function):
             old = p[:, :, :top]
             new = old * (1.0 - beats)
             new[:, :, 1:] += old[:, :, : top - 1] * beats
-            p[:, :, :top] = new
+            p[:, :, :top] = F.threshold_(new, _negligible(pi.dtype), 0.0)
         ctx.save_for_backward(pi, p)
         return p
 
@@ -77,15 +84,16 @@ class _RankBinomial(torch.autograd.Function):
         scale = torch.where(forward, keep.reciprocal(), zero)
         ratio = torch.where(forward, pi * scale, zero)
         grad_pi, q = torch.zeros_like(pi), torch.zeros_like(pi)
+        floor = _negligible(pi.dtype)
         for r in range(last):
-            q.mul_(ratio).neg_().addcmul_(target[..., r], scale)
+            F.threshold_(q.mul_(ratio).neg_().addcmul_(target[..., r], scale), floor, 0.0)
             grad_pi.addcmul_(q, step[..., r])
         # q(r - 1) = (p(r) - (1 - pi) q(r)) / pi from the top rank down: amplification (1 - pi) / pi < 1.
         scale = torch.where(forward, zero, pi.reciprocal())
         ratio = torch.where(forward, zero, keep * scale)
         q = torch.zeros_like(pi)
         for r in range(size - 1, 0, -1):
-            q.mul_(ratio).neg_().addcmul_(target[..., r], scale)  # now q(r - 1)
+            F.threshold_(q.mul_(ratio).neg_().addcmul_(target[..., r], scale), floor, 0.0)  # now q(r - 1)
             if r - 1 < last:
                 grad_pi.addcmul_(q, step[..., r - 1])
         return grad_pi
