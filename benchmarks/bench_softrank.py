@@ -13,6 +13,7 @@ in the same process, so the ratios are comparable on a shared CPU. The softmax r
 
     .venv/bin/python benchmarks/bench_softrank.py                  # B=256, d=64, 849,000 items, 8,192 sampled
     .venv/bin/python benchmarks/bench_softrank.py --items 100000   # quicker
+    .venv/bin/python benchmarks/bench_softrank.py --threads 1      # steadier when other jobs share the CPU
 """
 
 from __future__ import annotations
@@ -88,7 +89,10 @@ def main(argv=None) -> int:
     parser.add_argument("--ndcg-candidates", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0 = torch's default)")
     args = parser.parse_args(argv)
+    if args.threads > 0:
+        torch.set_num_threads(args.threads)
     if min(args.items, args.batch, args.dim, args.sampled, args.repeats) < 1 or args.sampled <= args.batch:
         parser.error("sizes must be positive and --sampled larger than --batch")
 
