@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -86,6 +87,7 @@ def ray_head():
     finally:
         _stop_head(head)
         log.close()
+        shutil.rmtree(temp_dir, ignore_errors=True)
 
 
 def _wait_for_dashboard(address: str, head: subprocess.Popen, log: Path, timeout: float = 180.0) -> None:

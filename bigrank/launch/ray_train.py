@@ -13,7 +13,9 @@ Where Ray runs:
     * no address (argument, ``config.ray.address`` or ``RAY_ADDRESS``): an embedded single-node runtime on
       127.0.0.1 without dashboard, started here and shut down at the end;
     * otherwise ``ray.init(address)`` joins that cluster ("auto", "HOST:PORT" or "ray://HOST:10001"); the
-      run directory and ``storage_path`` must then be on storage every node sees (NFS, a shared volume).
+      run directory and ``storage_path`` (default ``RUN_DIR/ray``) must then be on storage every node sees
+      (NFS, a shared volume). A token in ``~/.ray/auth_token`` / ``RAY_AUTH_TOKEN`` turns on Ray's token
+      authentication, which Ray 2.60 heads started with ``ray start`` require.
 
 Fault tolerance. When a worker dies, Ray Train restarts the whole worker group (up to ``ray.max_failures``
 times) and calls the loop again. The source of truth for resuming is the run directory: ``train_worker``
@@ -63,6 +65,11 @@ def _check_reachable(address: str, timeout: float = 5.0) -> None:
     (``ray.init`` itself retries for a minute or more before giving up)."""
     if address == "auto":
         return
+    if address.startswith(("http://", "https://")):
+        raise RayConnectionError(
+            f"{address} is a dashboard (Jobs API) address: submit with `bigrank submit CONFIG --address "
+            f"{address}`, or give --launcher ray the cluster's GCS address (HOST:6379) or ray://HOST:10001"
+        )
     target = address.split("://", 1)[-1].rstrip("/")
     host, sep, port = target.rpartition(":")
     if not sep or not port.isdigit():
