@@ -12,7 +12,8 @@
 # RAY_PORT (GCS, 6379), DASHBOARD_PORT (Jobs API, 8265), HEAD_CPUS (default: all), WORKER_CPUS (1).
 # Each node runs `ray start --block` in its own process group, recorded in BIGRANK_RAY_DIR/*.pid; `stop`
 # signals those groups only (never `ray stop`, which would end every Ray on the machine).
-# Ray 2.60 turns token authentication on: the token is ~/.ray/auth_token, which bigrank reads.
+# Token authentication is on: the token is ~/.ray/auth_token (made here if missing), which bigrank reads;
+# other machines need a copy of it (or RAY_AUTH_TOKEN).
 set -euo pipefail
 
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -76,6 +77,8 @@ start() {
     esac
   done
   mkdir -p "$STATE"
+  # `ray start` turns token authentication on only when a token exists: make sure one does.
+  ray get-auth-token --generate >/dev/null
   if alive "$STATE/head.pid"; then
     echo "a head started by this script is already running (pid $(cat "$STATE/head.pid")); stop it first" >&2
     exit 1
