@@ -176,6 +176,11 @@ def test_submit_the_demo_config_waits_for_success_and_the_run_is_evaluated(ray_h
         assert results[split]["step"] == 12
     assert (run_dir / "checkpoints" / "step-00000012" / "trainer.json").is_file()
 
+    # The job ran the code shipped as its working directory (subpackages such as bigrank/data included).
+    code_line = next(line for line in done.stdout.splitlines() if line.startswith("bigrank code: "))
+    shipped = Path(code_line.split(": ", 1)[1])
+    assert shipped != REPO / "bigrank" and (shipped / "data" / "stream.py").is_file(), code_line
+
     status = _bigrank("status", job_id, "--address", ray_head)
     assert status.returncode == 0 and "SUCCEEDED" in status.stdout and str(run_dir) in status.stdout
     logs = _bigrank("logs", job_id, "--address", ray_head)
@@ -222,3 +227,20 @@ def test_submitting_where_nothing_listens_fails_within_seconds_naming_the_addres
     done = _bigrank("submit", "configs/demo.yaml", "--address", address, "--wait", timeout=30)
     assert done.returncode == 2
     assert f"cannot reach the Ray dashboard at {address}" in done.stderr
+
+
+def test_the_shipped_working_dir_has_the_code_and_configs_but_not_venv_data_or_runs(tmp_path):
+    """What `bigrank submit` uploads, packed by Ray's own packaging with our excludes."""
+    import zipfile
+
+    from ray._private.runtime_env.packaging import create_package
+
+    from bigrank.launch.jobs import WORKING_DIR_EXCLUDES, project_dir
+
+    package = tmp_path / "working_dir.zip"
+    create_package(str(project_dir()), package, include_gitignore=True, excludes=WORKING_DIR_EXCLUDES)
+    names = set(zipfile.ZipFile(package).namelist())
+    for needed in ("bigrank/data/stream.py", "bigrank/launch/jobs.py", "bigrank/cli.py", "configs/demo.yaml"):
+        assert needed in names, needed
+    for name in names:
+        assert not name.startswith((".venv/", "data/", "runs/", ".git/")) and "__pycache__" not in name, name

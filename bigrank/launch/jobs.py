@@ -47,16 +47,18 @@ __all__ = [
 CONFIG_ENV = "BIGRANK_JOB_CONFIG"
 TERMINAL_STATUSES = ("SUCCEEDED", "FAILED", "STOPPED")
 # Left out of the uploaded working directory (Ray's limit is 100 MiB; data and runs live on shared storage).
+# gitignore syntax: the leading "/" anchors a name at the project root ("data" alone would also drop the
+# bigrank/data package).
 WORKING_DIR_EXCLUDES = [
-    ".venv",
-    "data",
-    "runs",
-    ".git",
-    "**/__pycache__",
+    "/.venv",
+    "/data",
+    "/runs",
+    "/.git",
+    "/build",
+    "__pycache__",
     ".pytest_cache",
     ".ruff_cache",
     "*.egg-info",
-    "build",
 ]
 _CONNECT_TIMEOUT_S = 5.0
 _AGENT_WAIT_S = 60.0
@@ -269,6 +271,10 @@ def run_job_entrypoint() -> int:
     if not text:
         print(f"bigrank job: {CONFIG_ENV} is not set (submit with `bigrank submit`)", file=sys.stderr)
         return 2
+    import bigrank.data
+
+    # Which copy of the code runs: the working directory shipped with the job, not an installed bigrank.
+    print(f"bigrank code: {Path(bigrank.data.__file__).resolve().parents[1]}", flush=True)
     config = config_from_dict(yaml.safe_load(text))
     check_loss_config(config.loss)
     load_manifest(config.data.root)  # a dataset missing on the cluster is named here, before Ray starts
