@@ -40,7 +40,11 @@ def register(subparsers) -> None:
         "--wait", action="store_true", help="follow the job's log until it ends; exit 1 unless it succeeded"
     )
     submit.add_argument("--job-id", default=None, help="submission id (default: bigrank-<run>-<time>)")
-    submit.add_argument("--python", default="python", help="the cluster's Python interpreter (default: python)")
+    submit.add_argument(
+        "--python",
+        default=None,
+        help="the cluster's Python interpreter (default: this one for a head on 127.0.0.1, else `python`)",
+    )
     submit.set_defaults(func=run_submit)
 
     status = subparsers.add_parser("status", help="show the status of a submitted job")

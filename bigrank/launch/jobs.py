@@ -21,6 +21,7 @@ becomes an error that says where to put the token.
 from __future__ import annotations
 
 import os
+import shlex
 import socket
 import sys
 import time
@@ -160,18 +161,22 @@ def submit_training(
     config,
     address: str | None,
     *,
-    python: str = "python",
+    python: str | None = None,
     submission_id: str | None = None,
     working_dir: str | os.PathLike | None = None,
 ) -> str:
     """Submit a training job for ``config`` (a resolved Config); returns the submission id.
 
     The entrypoint is ``{python} -m bigrank.launch.jobs``: ``python`` must be the cluster's interpreter with
-    the pinned stack (the images in docker/ put it first on PATH).
+    the pinned stack. Default: this interpreter for a head on this machine (127.0.0.1 / localhost), else
+    ``python`` from the cluster's PATH (the images in docker/ put theirs first).
     """
     from bigrank.config import dump_config
 
     client = connect(address)
+    if python is None:
+        host = urlparse(normalize_address(address)).hostname
+        python = sys.executable if host in ("127.0.0.1", "localhost", "::1") else "python"
     directory = Path(working_dir) if working_dir else project_dir()
     if submission_id is None:
         run_name = Path(config.run_dir).name or "run"
@@ -189,7 +194,7 @@ def submit_training(
                 client,
                 "submit",
                 client.submit_job,
-                entrypoint=f"{python} -m bigrank.launch.jobs",
+                entrypoint=f"{shlex.quote(python)} -m bigrank.launch.jobs",
                 submission_id=submission_id,
                 runtime_env=runtime_env,
                 metadata={"bigrank_run_dir": config.run_dir},
