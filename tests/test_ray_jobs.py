@@ -210,6 +210,17 @@ def test_stop_a_running_job(ray_head, demo_data, tmp_path):
     assert "status      STOPPED" in status.stdout, status.stdout + status.stderr
 
 
+def test_a_job_whose_dataset_is_missing_on_the_cluster_fails_naming_it(ray_head, tmp_path):
+    missing = tmp_path / "no-such-dataset"
+    done = _bigrank(
+        "submit", "configs/demo.yaml", "--address", ray_head, "--wait", "--set", f"data.root={missing}",
+        "--set", f"run_dir={tmp_path / 'run'}",
+    )  # fmt: skip
+    assert done.returncode == 1, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "bigrank job: error:" in done.stdout and str(missing) in done.stdout
+    assert "FAILED" in done.stdout.splitlines()[-1]
+
+
 def test_a_missing_token_says_where_to_put_it(ray_head, tmp_path):
     done = _bigrank("status", "any-job", "--address", ray_head, env=_env(HOME=str(tmp_path)))  # no ~/.ray here
     assert done.returncode == 2
