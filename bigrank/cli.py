@@ -49,4 +49,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # Under `python -m bigrank.cli` this file runs as __main__, with a CommandError class of its own; the
+    # commands raise bigrank.cli.CommandError, so run the imported module's main.
+    from bigrank.cli import main as _main
+
+    sys.exit(_main())

@@ -1,7 +1,8 @@
 """CLI commands of the trainer: ``bigrank train``, ``bigrank evaluate``, ``bigrank export``.
 
-``train`` runs ``bigrank.train.loop.train_worker`` in ``workers`` local gloo processes (``--launcher local``)
-or hands the config to Ray Train (``--launcher ray``, ``bigrank.launch``). Running the same command again
+``train`` hands the config to Ray Train (``bigrank.launch``: an embedded local Ray runtime, or the cluster of
+``--address``) or runs ``bigrank.train.loop.train_worker`` in ``workers`` local gloo processes
+(``--launcher local``, no Ray). Running the same command again
 resumes from the run's newest checkpoint. ``evaluate`` and ``export`` load a run's newest checkpoint in the
 same number of local processes by default (``--workers N``: any number; the checkpoint is resharded).
 """
@@ -31,7 +32,19 @@ def register(subparsers) -> None:
         metavar="KEY=VALUE",
         help="override a config key, e.g. --set train.max_steps=100 (repeatable)",
     )
-    train.add_argument("--launcher", choices=["local", "ray"], default="local", help="process launcher")
+    train.add_argument(
+        "--launcher",
+        choices=["ray", "local"],
+        default="ray",
+        help="ray (default): Ray Train workers on an embedded local Ray runtime, or on the cluster of --address; "
+        "local: plain local processes, no Ray",
+    )
+    train.add_argument(
+        "--address",
+        default=None,
+        help="Ray cluster to join (HOST:6379 or ray://HOST:10001; default: config ray.address, RAY_ADDRESS, "
+        "else an embedded local runtime)",
+    )
     train.set_defaults(func=run_train)
 
     evaluate = subparsers.add_parser(
@@ -108,8 +121,10 @@ def run_train(args: argparse.Namespace) -> int:
         train_with_ray = getattr(launch, "train_with_ray", None)
         if train_with_ray is None:
             raise CommandError("the Ray launcher (bigrank.launch.train_with_ray) is not available yet")
-        summary = train_with_ray(config)
+        summary = train_with_ray(config, address=args.address)
     else:
+        if args.address:
+            raise CommandError("--address needs the Ray launcher (drop --launcher local)")
         from bigrank.train.loop import train_worker
 
         summary = _launch(train_worker, config.workers, (config,))[0]
