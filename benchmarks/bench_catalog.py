@@ -82,7 +82,8 @@ def main() -> None:
     parser.add_argument("--items", type=int, default=849_000)
     parser.add_argument("--dim", type=int, default=64)
     parser.add_argument("--steps", type=int, default=2)
-    parser.add_argument("--chunk", type=int, default=16_384)
+    parser.add_argument("--chunk", default="auto", help='items per chunk, or "auto" (about 2^22 scores a block)')
+    parser.add_argument("--batches", type=int, nargs="+", default=[256, 4096], help="global batch sizes to run")
     parser.add_argument("--small-items", type=int, default=150_000, help="catalog for the B=4096 dense comparison")
     args = parser.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "2")
@@ -98,6 +99,9 @@ def main() -> None:
         (1, 4096, None, args.small_items),
         (1, 4096, args.chunk, args.small_items),
     ]
+    chunk = args.chunk if args.chunk == "auto" else int(args.chunk)
+    configs = [c for c in configs if c[1] in args.batches]
+    configs = [(w, b, None if c is None else chunk, n) for w, b, c, n in configs]
     print(f"Rankmax k=10, d={args.dim}, chunk={args.chunk}, best of {args.steps} steps after one warm-up")
     header = f"{'ranks':>5} {'B':>5} {'items':>8} {'scoring':>8} {'step s':>8} {'peak RSS MB':>12}"
     print(header + f" {'bytes sent/rank':>16} {'naive gather':>14} {'ratio':>9}")

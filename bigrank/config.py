@@ -119,7 +119,8 @@ class TrainConfig:
     log_every: int = 10  # steps between metrics.jsonl / TensorBoard records
     checkpoint_every: int | None = None  # steps between checkpoints (null: only at epoch ends and the end)
     keep_checkpoints: int = 2  # complete checkpoints kept (oldest removed first)
-    chunk_size: int | None = None  # items scored at once by full-catalog losses (null: the whole shard)
+    chunk_size: int | str | None = None  # items scored at once by full-catalog losses (null: the whole shard;
+    # "auto": blocks of about 2^22 scores, bounded memory and usually faster on CPU)
     progress: bool = True  # tqdm bar on rank 0
 
 
@@ -329,7 +330,13 @@ def validate(config: Config) -> Config:
     _check(train.log_every >= 1, "train.log_every", "must be >= 1")
     _check(train.checkpoint_every is None or train.checkpoint_every >= 1, "train.checkpoint_every", "must be >= 1")
     _check(train.keep_checkpoints >= 1, "train.keep_checkpoints", "must be >= 1")
-    _check(train.chunk_size is None or train.chunk_size >= 1, "train.chunk_size", "must be >= 1 or null")
+    _check(
+        train.chunk_size is None
+        or train.chunk_size == "auto"
+        or (isinstance(train.chunk_size, int) and train.chunk_size >= 1),
+        "train.chunk_size",
+        'must be >= 1, "auto" or null',
+    )
     ev = config.eval
     _check(ev.every_epochs is None or ev.every_epochs >= 0, "eval.every_epochs", "must be >= 0 or null")
     _check(bool(ev.ks) and all(k >= 1 for k in ev.ks), "eval.ks", f"must be a non-empty list of K >= 1, got {ev.ks}")

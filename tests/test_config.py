@@ -94,6 +94,8 @@ def test_resolved_config_round_trips_through_yaml(tmp_path):
         (_minimal(), ["loss.warmup.steps=2"], "loss.warmup is for candidate losses"),
         ({"run_dir": "x"}, [], "data.root must be set"),
         (_minimal(), ["train.max_steps=0"], "train.max_steps must be >= 1 or null"),
+        (_minimal(), ["train.chunk_size=0"], 'train.chunk_size must be >= 1, "auto" or null'),
+        (_minimal(), ["train.chunk_size=big"], 'train.chunk_size must be >= 1, "auto" or null'),
         (_minimal(), ["optim.user_lr=-1"], "optim.user_lr must be > 0"),
         (_minimal(), ["train=3"], "train must be a mapping"),
         (_minimal(train={"epochs": 2}), ["train.epochs.x=3"], "train.epochs is not a section"),
@@ -140,3 +142,8 @@ def test_cli_reports_the_bad_key_and_exits_2(tmp_path, capsys):
 def test_shipped_configs_load(name):
     config = load_config(REPO / "configs" / f"{name}.yaml")
     assert config.workers >= 1 and config.train.batch_size % config.workers == 0
+
+
+@pytest.mark.parametrize("value, expected", [("auto", "auto"), ("4096", 4096), ("null", None)])
+def test_chunk_size_takes_items_auto_or_null(tmp_path, value, expected):
+    assert load_config(_write(tmp_path, _minimal()), [f"train.chunk_size={value}"]).train.chunk_size == expected

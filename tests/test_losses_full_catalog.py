@@ -19,6 +19,7 @@ from bigrank.losses import (
     sparsemax,
     sparsemax_loss,
 )
+from bigrank.losses.scores import score_matrix
 from tests.reference_losses import rankmax_reference, sparsemax_loss_row, sparsemax_row
 
 
@@ -244,3 +245,14 @@ def test_rankmax_when_the_support_is_exactly_the_top_k():
     torch.testing.assert_close(rankmax(scores, target, k=3), expected_projection)
     torch.testing.assert_close(rankmax_loss(scores, target, k=3, reduction="none"), expected_loss)
     torch.testing.assert_close(expected_projection, torch.tensor([[1.0, 1.0, 1.0, 0.0, 0.0]], dtype=torch.float64))
+
+
+def test_score_matrix_auto_chunks_hold_about_2_to_the_22_scores_and_equal_dense():
+    generator = torch.Generator().manual_seed(12)
+    users = torch.randn(3_000, 4, generator=generator, dtype=torch.float64)
+    items = torch.randn(5_000, 4, generator=generator, dtype=torch.float64)
+    target = torch.randint(0, 5_000, (3_000,), generator=generator)
+    auto = score_matrix(users, items, "auto")
+    assert isinstance(auto, ChunkedScores) and auto.chunk_size == 1_399  # ceil(2^22 / 3000)
+    assert isinstance(score_matrix(users, items, None), torch.Tensor)
+    torch.testing.assert_close(rankmax_loss(auto, target, k=2), rankmax_loss(users @ items.T, target, k=2))

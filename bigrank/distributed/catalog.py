@@ -12,7 +12,7 @@ import torch.distributed as dist
 from torch import nn
 
 from bigrank.distributed.collectives import all_gather_no_grad, group_rank, group_size, is_distributed
-from bigrank.losses.scores import ChunkedScores
+from bigrank.losses.scores import score_matrix
 
 __all__ = ["CatalogShard", "distributed_topk", "shard_range"]
 
@@ -78,18 +78,16 @@ class CatalogShard(nn.Module):
     def num_local(self) -> int:
         return self.stop - self.start
 
-    def scores(self, user_vectors: torch.Tensor, chunk_size: int | None = None):
+    def scores(self, user_vectors: torch.Tensor, chunk_size: int | str | None = None):
         """Scores of the (all-gathered) user vectors ``[B, d]`` against the local rows.
 
-        Returns ``[B, n_local]`` (columns ``[start, stop)`` of the full matrix), or with ``chunk_size`` a
-        ``ChunkedScores`` that full-catalog losses read ``chunk_size`` items at a time, so that the
-        ``B x n_local`` matrix never exists at once (scores are recomputed in backward).
+        Returns ``[B, n_local]`` (columns ``[start, stop)`` of the full matrix), or with ``chunk_size`` (items,
+        or ``"auto"``) a ``ChunkedScores`` that full-catalog losses read a chunk of items at a time, so that the
+        ``B x n_local`` matrix never exists at once (scores are recomputed in backward); see ``score_matrix``.
         """
         if user_vectors.dim() != 2 or user_vectors.shape[1] != self.dim:
             raise ValueError(f"user_vectors must have shape [B, {self.dim}], got {tuple(user_vectors.shape)}")
-        if chunk_size is None:
-            return user_vectors @ self.weight.T
-        return ChunkedScores(user_vectors, self.weight, chunk_size)
+        return score_matrix(user_vectors, self.weight, chunk_size)
 
     def extra_repr(self) -> str:
         rows = f"[{self.start}, {self.stop})"

@@ -22,10 +22,10 @@ import torch
 import torch.distributed as dist
 
 from bigrank.distributed.collectives import all_gather_no_grad, group_size, is_distributed
-from bigrank.losses.kernels import topk_values
+from bigrank.losses.kernels import COMPILE_MIN_ELEMENTS, topk_values
 from bigrank.losses.validation import check_target, first_nonfinite_row
 
-__all__ = ["ChunkedScores", "DenseScores", "Layout", "as_score_source", "catalog_loss_rows"]
+__all__ = ["ChunkedScores", "DenseScores", "Layout", "as_score_source", "catalog_loss_rows", "score_matrix"]
 
 
 class DenseScores:
@@ -157,6 +157,18 @@ class ChunkedScores:
             grad_users.addmm_(grad, rows)
             torch.mm(grad.T, self.user_vectors, out=grad_items[start : start + grad.shape[1]])
         return grad_users, grad_items
+
+
+def score_matrix(user_vectors: torch.Tensor, item_rows: torch.Tensor, chunk_size: int | str | None = None):
+    """``user_vectors @ item_rows.T`` ([B, d] x [n, d]) for a full-catalog loss: the dense [B, n] tensor when
+    ``chunk_size`` is None, else ``ChunkedScores`` of ``chunk_size`` items. ``"auto"`` picks blocks of about
+    2^22 scores (16 MB in float32), what runs fastest on CPU: small enough to stay in cache, large enough for
+    the fused kernels of ``bigrank.losses.kernels``."""
+    if chunk_size is None:
+        return user_vectors @ item_rows.T
+    if chunk_size == "auto":
+        chunk_size = -(-COMPILE_MIN_ELEMENTS // max(user_vectors.shape[0], 1))
+    return ChunkedScores(user_vectors, item_rows, chunk_size)
 
 
 def as_score_source(scores) -> DenseScores | ChunkedScores:

@@ -178,7 +178,7 @@ class StepLoss:
         item_weight: torch.Tensor,
         *,
         group=None,
-        chunk_size: int | None = None,
+        chunk_size: int | str | None = None,
         step: int = 0,
     ) -> torch.Tensor:
         """Loss of the global batch (the same value on every rank).
@@ -187,17 +187,14 @@ class StepLoss:
             user_vectors: float[B, d], all-gathered (``all_gather_rows``: its backward reduce-scatters).
             target: int64[B] global positive item ids, the same on every rank.
             item_weight: float[stop - start, d] this rank's catalog rows (a parameter).
-            chunk_size: items scored at once by full-catalog losses (None: all at once).
+            chunk_size: items scored at once by full-catalog losses (None: all at once; "auto": blocks of
+                about 2^22 scores).
             step: the global step (seeds the negative draws).
         """
         if self.full_catalog:
-            from bigrank.losses.scores import ChunkedScores
+            from bigrank.losses.scores import score_matrix
 
-            scores = (
-                user_vectors @ item_weight.T
-                if chunk_size is None
-                else ChunkedScores(user_vectors, item_weight, chunk_size)
-            )
+            scores = score_matrix(user_vectors, item_weight, chunk_size)
             return self.module(scores, target, group=group, offset=self.start)
         if self.config.candidates == "catalog":
             scores = user_vectors @ item_weight.T
