@@ -6,7 +6,6 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from distributed_utils import run_distributed
 
 from bigrank.model.sharding import fused_params, local_user_rows, shard_row_wise
 from bigrank.model.towers import (
@@ -17,6 +16,7 @@ from bigrank.model.towers import (
     deterministic_rows,
     user_features,
 )
+from tests.distributed_utils import run_distributed
 
 NUM_USERS, NUM_ITEMS, DIM, SEED = 11, 7, 4, 5  # 11 users over 2 ranks: uneven shards [0, 6) and [6, 11)
 LR, EPS = 0.05, 1e-8

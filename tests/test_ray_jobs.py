@@ -18,16 +18,12 @@ from pathlib import Path
 
 import pytest
 
+from bigrank.train.launcher import free_port
+
 pytestmark = pytest.mark.slow
 
 REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 # The head and the clients share a HOME of their own, where `ray get-auth-token --generate` writes the token
@@ -62,7 +58,7 @@ def ray_head():
     """A real Ray head on loopback (`ray start --head --block`); its process group is ended in teardown,
     whatever the tests did. Yields the dashboard address http://127.0.0.1:PORT."""
     temp_dir = tempfile.mkdtemp(prefix="bigrank-ray-", dir="/tmp")  # short: Ray's socket paths are limited
-    dashboard_port = _free_port()
+    dashboard_port = free_port()
     command = [
         str(BIN / "ray"),
         "start",
@@ -70,17 +66,17 @@ def ray_head():
         "--block",
         "--node-ip-address=127.0.0.1",
         "--dashboard-host=127.0.0.1",
-        f"--port={_free_port()}",
+        f"--port={free_port()}",
         f"--dashboard-port={dashboard_port}",
-        f"--ray-client-server-port={_free_port()}",
+        f"--ray-client-server-port={free_port()}",
         # Fixed default ports (52365, 8076, ...) clash with any other Ray on the machine: the head would
         # then run without a job agent ("No available agent to submit job").
-        f"--dashboard-agent-listen-port={_free_port()}",
-        f"--dashboard-agent-grpc-port={_free_port()}",
-        f"--runtime-env-agent-port={_free_port()}",
-        f"--metrics-export-port={_free_port()}",
-        f"--node-manager-port={_free_port()}",
-        f"--object-manager-port={_free_port()}",
+        f"--dashboard-agent-listen-port={free_port()}",
+        f"--dashboard-agent-grpc-port={free_port()}",
+        f"--runtime-env-agent-port={free_port()}",
+        f"--metrics-export-port={free_port()}",
+        f"--node-manager-port={free_port()}",
+        f"--object-manager-port={free_port()}",
         f"--temp-dir={temp_dir}",
         "--num-cpus=2",
         "--include-dashboard=true",
@@ -234,7 +230,7 @@ def test_an_unknown_job_is_named(ray_head):
 
 
 def test_submitting_where_nothing_listens_fails_within_seconds_naming_the_address(tmp_path):
-    address = f"http://127.0.0.1:{_free_port()}"
+    address = f"http://127.0.0.1:{free_port()}"
     done = _bigrank("submit", "configs/demo.yaml", "--address", address, "--wait", timeout=30)
     assert done.returncode == 2
     assert f"cannot reach the Ray dashboard at {address}" in done.stderr
