@@ -34,6 +34,7 @@ from bigrank.losses.scores import (
     catalog_loss_rows,
     empty_topk,
     gather_row_stats,
+    merge_rank_topk,
     merge_topk,
     sum_row_stats,
 )
@@ -41,6 +42,7 @@ from bigrank.losses.validation import (
     check_reduction,
     check_scores,
     check_target,
+    check_target_range,
     first_nonfinite_row,
     raise_if_nonfinite,
     reduce_rows,
@@ -95,7 +97,7 @@ class _RankmaxImpl:
             top = merge_topk(top, block)
             _accumulate_support(block, guess, sums)
         gathered = gather_row_stats(torch.cat([top, sums], dim=1), group)  # [W, B, k + 2]
-        top = gathered[..., :k].permute(1, 0, 2).reshape(source.batch, -1).topk(k, dim=1).values
+        top = merge_rank_topk(gathered[..., :k])
         sums = gathered[..., k:].sum(dim=0)
         kth = top[:, k - 1]
         y_carries_mu = positive <= kth
@@ -197,10 +199,7 @@ def rankmax(scores: torch.Tensor, target: torch.Tensor, k: int = 1, margin: floa
     if k > n:
         raise ValueError(f"k must be <= the number of items n = {n}, got k = {k}")
     target = target.to(device=scores.device, dtype=torch.int64)
-    if target.numel() and (int(target.min()) < 0 or int(target.max()) >= n):
-        raise ValueError(
-            f"target holds item ids outside [0, {n}): e.g. {target[(target < 0) | (target >= n)][:5].tolist()}"
-        )
+    check_target_range(target, n)
     positive = scores.gather(1, target.unsqueeze(1)).squeeze(1)
     top = scores.topk(k, dim=1).values
     mu = torch.minimum(positive, top[:, k - 1]) - margin

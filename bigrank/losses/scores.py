@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 from bigrank.distributed.collectives import all_gather_no_grad, group_size, is_distributed
 from bigrank.losses.kernels import COMPILE_MIN_ELEMENTS, topk_values
-from bigrank.losses.validation import check_target, first_nonfinite_row
+from bigrank.losses.validation import check_target, check_target_range, first_nonfinite_row
 
 __all__ = ["ChunkedScores", "DenseScores", "Layout", "as_score_source", "catalog_loss_rows", "score_matrix"]
 
@@ -243,9 +243,7 @@ def catalog_layout(source, target: torch.Tensor, group, offset: int) -> Layout:
         local = bad_rows.nonzero().squeeze(1)[:5].tolist()
         raise ValueError(f"scores hold NaN or infinite values (on ranks {ranks}; rows here: {local})")
     num_items = sum(sizes)
-    if target.numel() and (int(target.min()) < 0 or int(target.max()) >= num_items):
-        bad_ids = target[(target < 0) | (target >= num_items)][:5].tolist()
-        raise ValueError(f"target holds item ids outside [0, {num_items}): e.g. {bad_ids}")
+    check_target_range(target, num_items)  # target is the same on every rank (checked above)
     local = target - int(offset)
     owned = (local >= 0) & (local < source.num_local)
     local_target = local.clamp(0, max(source.num_local - 1, 0))
@@ -269,6 +267,13 @@ def gather_row_stats(stats: torch.Tensor, group) -> torch.Tensor:
     if not is_distributed(group):
         return stats.unsqueeze(0)
     return all_gather_no_grad(stats.contiguous(), group).view(group_size(group), *stats.shape)
+
+
+def merge_rank_topk(gathered: torch.Tensor) -> torch.Tensor:
+    """The k largest of every rank's top-k ``gathered`` [W, B, k] -> [B, k] descending: the merge step of
+    all-gather thresholding (exact: the global top k are among the ranks' top k)."""
+    world, batch, k = gathered.shape
+    return gathered.permute(1, 0, 2).reshape(batch, world * k).topk(k, dim=1).values
 
 
 def sum_row_stats(stats: torch.Tensor, group) -> torch.Tensor:

@@ -36,9 +36,10 @@ from bigrank.distributed.collectives import (
     all_gather_rows,
     all_reduce_sum,
     group_rank,
-    group_size,
     is_distributed,
 )
+from bigrank.losses.kernels import topk_values
+from bigrank.losses.scores import gather_row_stats, merge_rank_topk
 from bigrank.losses.validation import check_reduction, check_scores, first_nonfinite_row, reduce_rows
 
 __all__ = [
@@ -202,13 +203,9 @@ def global_top_values(values: torch.Tensor, k: int, group) -> torch.Tensor:
     batch, width = values.shape
     top = values.new_full((batch, k), float("-inf"))
     if width:
-        local = values.topk(min(k, width), dim=1).values
+        local = topk_values(values, k)
         top[:, : local.shape[1]] = local
-    if is_distributed(group):
-        world = group_size(group)
-        merged = all_gather_no_grad(top, group).view(world, batch, k).permute(1, 0, 2).reshape(batch, world * k)
-        top = merged.topk(k, dim=1).values
-    return top
+    return merge_rank_topk(gather_row_stats(top, group)) if is_distributed(group) else top
 
 
 def count_from_fraction(fraction: float | torch.Tensor, total: torch.Tensor) -> torch.Tensor:

@@ -24,6 +24,7 @@ from bigrank.losses.scores import (
     catalog_loss_rows,
     gather_row_stats,
     local_topk,
+    merge_rank_topk,
 )
 from bigrank.losses.validation import (
     check_reduction,
@@ -60,8 +61,7 @@ def _sparsemax_threshold(source, num_items: int, group, support_guess: int):
     m = min(max(int(support_guess), 1), num_items)
     while rows.numel():
         top = local_topk(source, m, rows=None if rows.numel() == source.batch else rows)
-        gathered = gather_row_stats(top, group)  # [W, R, m]
-        top = gathered.permute(1, 0, 2).reshape(rows.numel(), -1).topk(m, dim=1).values
+        top = merge_rank_topk(gather_row_stats(top, group))  # each rank sends R x m values
         row_tau, support_size = _threshold_from_top(top)
         done = (support_size < m) | (m == num_items)
         tau[rows[done]] = row_tau[done]
