@@ -23,6 +23,8 @@ from typing import Any
 
 import yaml
 
+from bigrank.atomic import write_text_atomic
+
 # Full-catalog losses score every item (rows of the item-parallel catalog); candidate losses take
 # (scores [B, C], labels bool [B, C], mask) over candidate columns: the whole local shard or sampled items.
 FULL_CATALOG_LOSSES = ("rankmax", "softmax", "sparsemax")
@@ -432,7 +434,4 @@ def dump_config(config: Config) -> str:
 
 def save_config(config: Config, path: str | os.PathLike) -> None:
     """Write :func:`dump_config` to ``path`` atomically (temp file + os.replace)."""
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp.{os.getpid()}")
-    tmp.write_text(dump_config(config))
-    os.replace(tmp, path)
+    write_text_atomic(path, dump_config(config))

@@ -20,11 +20,12 @@ replaced file is caught before training starts.
 from __future__ import annotations
 
 import json
-import os
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 
 import numpy as np
+
+from bigrank.atomic import temporary_path, write_atomic, write_json_atomic  # noqa: F401 (re-exported)
 
 FORMAT_VERSION = 1
 MANIFEST_NAME = "manifest.json"
@@ -53,11 +54,6 @@ def random_split_labels(rng: np.random.Generator, count: int, fractions=SPLIT_FR
     return labels
 
 
-def temporary_path(path: Path) -> Path:
-    """A sibling name for writing ``path`` before the atomic rename (hidden, tagged with the pid)."""
-    return path.with_name(f".{path.name}.tmp-{os.getpid()}")
-
-
 def remove_stale_temporaries(directory: str | Path) -> int:
     """Delete leftovers of interrupted writes (``.*.tmp-*``) under ``directory``; returns how many."""
     removed = 0
@@ -65,14 +61,6 @@ def remove_stale_temporaries(directory: str | Path) -> int:
         path.unlink(missing_ok=True)
         removed += 1
     return removed
-
-
-def write_json_atomic(path: str | Path, payload: Mapping) -> None:
-    """Write ``payload`` as indented JSON to ``path`` via a temporary file and ``os.replace``."""
-    path = Path(path)
-    tmp = temporary_path(path)
-    tmp.write_text(json.dumps(payload, indent=1, sort_keys=False) + "\n")
-    os.replace(tmp, path)
 
 
 def arrow_table(columns: Mapping[str, np.ndarray]):
@@ -104,10 +92,10 @@ def write_parquet_atomic(
 
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = temporary_path(path)
-    pq.write_table(arrow_table(columns), tmp, row_group_size=row_group_size, compression=compression)
-    os.replace(tmp, path)
-    return path
+    table = arrow_table(columns)
+    return write_atomic(
+        path, lambda tmp: pq.write_table(table, tmp, row_group_size=row_group_size, compression=compression)
+    )
 
 
 def part_name(split: str, index: int) -> str:

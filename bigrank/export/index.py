@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import time
 from pathlib import Path
 
@@ -148,13 +147,9 @@ def write_index_atomic(index, path: str | Path) -> Path:
     """Save ``index`` to ``path`` via a temporary file and ``os.replace``."""
     import faiss
 
-    from bigrank.data.manifest import temporary_path
+    from bigrank.atomic import write_atomic
 
-    path = Path(path)
-    tmp = temporary_path(path)
-    faiss.write_index(index, str(tmp))
-    os.replace(tmp, path)
-    return path
+    return write_atomic(path, lambda tmp: faiss.write_index(index, str(tmp)))
 
 
 def read_index(path: str | Path):

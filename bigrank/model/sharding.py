@@ -14,7 +14,6 @@ tables need an embedding dimension that is a multiple of 4.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import shutil
@@ -297,11 +296,9 @@ def format_plan(plan) -> str:
 
 def write_plan(plan, path: str | os.PathLike) -> None:
     """Save :func:`plan_to_dict` as JSON at ``path`` (atomic: temp file + ``os.replace``)."""
-    tmp = f"{os.fspath(path)}.tmp.{os.getpid()}"
-    with open(tmp, "w") as handle:
-        json.dump(plan_to_dict(plan), handle, indent=2)
-        handle.write("\n")
-    os.replace(tmp, path)
+    from bigrank.atomic import write_json_atomic
+
+    write_json_atomic(path, plan_to_dict(plan), indent=2)
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -24,6 +24,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from bigrank.atomic import write_atomic
+
 CHECKPOINTS = "checkpoints"
 TRAINER_FILE = "trainer.json"
 _PREFIX = "step-"
@@ -89,12 +91,6 @@ def _rank(group) -> int:
     return dist.get_rank(group) if dist.is_initialized() else 0
 
 
-def _write_atomic(path: Path, write) -> None:
-    tmp = path.with_name(f".{path.name}.tmp.{os.getpid()}")
-    write(tmp)
-    os.replace(tmp, path)
-
-
 def save_checkpoint(
     run_dir: str | os.PathLike,
     step: int,
@@ -126,11 +122,11 @@ def save_checkpoint(
         partial.mkdir(parents=True)
     _barrier(group)
     save_tower_state(tower, partial / "tower")
-    _write_atomic(rank_file(partial, rank), lambda tmp: torch.save(rank_state, tmp))
+    write_atomic(rank_file(partial, rank), lambda tmp: torch.save(rank_state, tmp))
     _barrier(group)
     if rank == 0:
         state = dict(trainer_state, step=int(step))
-        _write_atomic(partial / TRAINER_FILE, lambda tmp: tmp.write_text(json.dumps(state, indent=2) + "\n"))
+        write_atomic(partial / TRAINER_FILE, lambda tmp: tmp.write_text(json.dumps(state, indent=2) + "\n"))
         if final.exists():  # an incomplete directory under the final name (should not happen): replace it
             shutil.rmtree(final)
         os.replace(partial, final)

@@ -18,7 +18,6 @@ block ``[b, n_local]`` of one batch is capped by ``max_score_elements``.
 from __future__ import annotations
 
 import math
-import os
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 
@@ -26,6 +25,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from bigrank.atomic import write_json_atomic
 from bigrank.data import manifest as layout
 from bigrank.data.stream import iter_row_groups
 from bigrank.distributed.catalog import CatalogShard, distributed_topk
@@ -265,10 +265,7 @@ def write_eval_json(run_dir: str | Path, results_by_split: Mapping[str, Mapping]
             raise ValueError(f"{path} does not hold a JSON object")
     for split, result in results_by_split.items():
         sections[split] = {key: _json_value(value) for key, value in result.items()}
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(json.dumps(sections, indent=1) + "\n")
-    os.replace(tmp, path)
-    return path
+    return write_json_atomic(path, sections)
 
 
 def _json_value(value):

@@ -29,6 +29,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from bigrank.atomic import write_text_atomic
 from bigrank.config import Config, config_from_dict, save_config
 
 __all__ = ["Model", "build_model", "evaluate_worker", "export_worker", "train_worker", "user_vectors"]
@@ -199,9 +200,7 @@ class RunLog:
             return
         if self.path.exists():  # a resumed run: drop what was logged after the checkpoint it resumes from
             kept = [line for line in self.path.read_text().splitlines() if _step_of(line) <= resume_step]
-            tmp = self.path.with_name(".metrics.jsonl.tmp")
-            tmp.write_text("".join(line + "\n" for line in kept))
-            os.replace(tmp, self.path)
+            write_text_atomic(self.path, "".join(line + "\n" for line in kept))
         try:
             from torch.utils.tensorboard import SummaryWriter
 
