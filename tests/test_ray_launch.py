@@ -11,33 +11,12 @@ import socket
 import time
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 
 from bigrank.config import config_from_dict, save_config
 
 pytestmark = pytest.mark.slow
-
-NUM_USERS, NUM_ITEMS, TOPICS = 120, 101, 8  # 101 items: uneven catalog shards [0, 51) and [51, 101)
-
-
-@pytest.fixture(scope="module")
-def tiny_dataset(tmp_path_factory):
-    """120 users x 101 items, each rating 12 items of its topic and 3 random ones (80/10/10 split)."""
-    from bigrank.data.synthetic import SeedRatings, write_seed_dataset
-
-    rng = np.random.default_rng(0)
-    pairs = set()
-    for user in range(NUM_USERS):
-        for item in rng.choice(np.arange(user % TOPICS, NUM_ITEMS, TOPICS), 12, replace=False):
-            pairs.add((user, int(item)))
-        for item in rng.choice(NUM_ITEMS, 3, replace=False):
-            pairs.add((user, int(item)))
-    users, items = np.array(sorted(pairs), dtype=np.int32).T
-    root = tmp_path_factory.mktemp("tiny")
-    write_seed_dataset(SeedRatings(users, items, NUM_USERS, NUM_ITEMS), root, 0, "test:tiny", {"preset": "tiny"})
-    return root
 
 
 def _config(root, run_dir, **sections):

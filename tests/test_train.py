@@ -15,29 +15,7 @@ import torch
 from bigrank.config import config_from_dict
 from bigrank.train.launcher import WorkerError, launch_local
 from bigrank.train.loop import evaluate_worker, train_worker
-
-NUM_USERS, NUM_ITEMS, TOPICS = 120, 101, 8  # 101 items: uneven catalog shards [0, 51) and [51, 101)
-
-
-@pytest.fixture(scope="module")
-def tiny_dataset(tmp_path_factory):
-    """120 users x 101 items: each user rates 12 items of its topic (items i with i % 8 == user % 8) and 3
-    random ones; 80/10/10 random split. Small enough for an epoch in a dozen steps."""
-    from bigrank.data.synthetic import SeedRatings, write_seed_dataset
-
-    rng = np.random.default_rng(0)
-    pairs = set()
-    for user in range(NUM_USERS):
-        topic_items = np.arange(user % TOPICS, NUM_ITEMS, TOPICS)
-        for item in rng.choice(topic_items, 12, replace=False):
-            pairs.add((user, int(item)))
-        for item in rng.choice(NUM_ITEMS, 3, replace=False):
-            pairs.add((user, int(item)))
-    users, items = np.array(sorted(pairs), dtype=np.int32).T
-    root = tmp_path_factory.mktemp("tiny")
-    seed = SeedRatings(users, items, NUM_USERS, NUM_ITEMS)
-    write_seed_dataset(seed, root, 0, "test:tiny", {"preset": "tiny"})
-    return root
+from tests.conftest import TINY_ITEMS as NUM_ITEMS
 
 
 def _config(root, run_dir, **sections):
