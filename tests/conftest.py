@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
 
 TINY_USERS, TINY_ITEMS, TINY_TOPICS = 120, 101, 8  # 101 items: uneven catalog shards [0, 51) and [51, 101)
 
@@ -26,3 +27,29 @@ def tiny_dataset(tmp_path_factory):
     root = tmp_path_factory.mktemp("tiny")
     write_seed_dataset(SeedRatings(users, items, TINY_USERS, TINY_ITEMS), root, 0, "test:tiny", {"preset": "tiny"})
     return root
+
+
+def checkpoint_parameters(checkpoint):
+    """(catalog [n, d], user table [users, d], user Adagrad states, item optimizer states, per-rank data-stream
+    states) of a trainer checkpoint, read in this process."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    rank_states = [torch.load(p, weights_only=False) for p in sorted(checkpoint.glob("rank-*.pt"))]
+    rank_states.sort(key=lambda s: s["start"])
+    catalog = torch.cat([s["catalog"] for s in rank_states])
+    flat = checkpoint.parent / f"{checkpoint.name}-tower.pt"
+    dcp_to_torch_save(checkpoint / "tower", flat)
+    tower = torch.load(flat, weights_only=False)
+    flat.unlink()
+    user_table = tower["model"]["tables.embedding_bags.user_table.weight"]
+    accumulators = [v for k, v in _flatten(tower["optimizer"]) if k.endswith("momentum1")]
+    item_states = [s["item_optimizer"]["state"][0] for s in rank_states]
+    return catalog, user_table, accumulators, item_states, [s["stream"] for s in rank_states]
+
+
+def _flatten(tree, prefix=""):
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            yield from _flatten(value, f"{prefix}{key}.")
+        else:
+            yield f"{prefix}{key}", value

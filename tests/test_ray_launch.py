@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from bigrank.config import config_from_dict, save_config
+from tests.conftest import checkpoint_parameters
 
 pytestmark = pytest.mark.slow
 
@@ -53,31 +54,6 @@ def ray_runtime(tiny_dataset, tmp_path_factory):
         ray.shutdown()
 
 
-def _final_parameters(checkpoint):
-    """(catalog [n, d], user table [users, d], user Adagrad state, item Adam states) of a checkpoint."""
-    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-
-    rank_states = [torch.load(p, weights_only=False) for p in sorted(checkpoint.glob("rank-*.pt"))]
-    rank_states.sort(key=lambda s: s["start"])
-    catalog = torch.cat([s["catalog"] for s in rank_states])
-    flat = checkpoint.parent / f"{checkpoint.name}-tower.pt"
-    dcp_to_torch_save(checkpoint / "tower", flat)
-    tower = torch.load(flat, weights_only=False)
-    flat.unlink()
-    user_table = tower["model"]["tables.embedding_bags.user_table.weight"]
-    accumulators = [v for k, v in _flatten(tower["optimizer"]) if k.endswith("momentum1")]
-    item_states = [s["item_optimizer"]["state"][0] for s in rank_states]
-    return catalog, user_table, accumulators, item_states, [s["stream"] for s in rank_states]
-
-
-def _flatten(tree, prefix=""):
-    for key, value in tree.items():
-        if isinstance(value, dict):
-            yield from _flatten(value, f"{prefix}{key}.")
-        else:
-            yield f"{prefix}{key}", value
-
-
 def _records(run_dir, kind):
     lines = (run_dir / "metrics.jsonl").read_text().splitlines()
     return [r for r in map(json.loads, lines) if r["type"] == kind]
@@ -96,8 +72,8 @@ def test_a_worker_killed_mid_epoch_is_restarted_and_ends_like_an_uninterrupted_r
     assert steps_per_epoch == 8  # the failure below (step 11) is mid-epoch, 3 steps after checkpoint 8
     # The final checkpoint was reported to Ray Train, which keeps its own complete copy.
     assert straight["ray_checkpoint"] and (straight_dir / "ray").is_dir()
-    ray_copy = _final_parameters(Path(straight["ray_checkpoint"]))
-    torch.testing.assert_close(ray_copy[0], _final_parameters(straight_dir / "checkpoints" / "step-00000014")[0])
+    ray_copy = checkpoint_parameters(Path(straight["ray_checkpoint"]))
+    torch.testing.assert_close(ray_copy[0], checkpoint_parameters(straight_dir / "checkpoints" / "step-00000014")[0])
 
     # Rank 1 exits (os._exit) when it starts step 11; `bigrank train --launcher ray` with max_failures=1.
     crashed_dir = tmp_path / "crashed"
@@ -109,8 +85,8 @@ def test_a_worker_killed_mid_epoch_is_restarted_and_ends_like_an_uninterrupted_r
     assert "resumed from" in printed and "step-00000008" in printed
     assert (crashed_dir / ".debug-failed-at-11").is_file()  # the failure did happen
 
-    expected = _final_parameters(straight_dir / "checkpoints" / "step-00000014")
-    actual = _final_parameters(crashed_dir / "checkpoints" / "step-00000014")
+    expected = checkpoint_parameters(straight_dir / "checkpoints" / "step-00000014")
+    actual = checkpoint_parameters(crashed_dir / "checkpoints" / "step-00000014")
     torch.testing.assert_close(actual[0], expected[0], rtol=1e-6, atol=1e-7)  # catalog
     torch.testing.assert_close(actual[1], expected[1], rtol=1e-6, atol=1e-7)  # user table
     for got, want in zip(actual[2], expected[2], strict=True):  # user row-wise Adagrad

@@ -16,6 +16,7 @@ from bigrank.config import config_from_dict
 from bigrank.train.launcher import WorkerError, launch_local
 from bigrank.train.loop import evaluate_worker, train_worker
 from tests.conftest import TINY_ITEMS as NUM_ITEMS
+from tests.conftest import checkpoint_parameters
 
 
 def _config(root, run_dir, **sections):
@@ -88,30 +89,6 @@ def test_two_process_training_lowers_the_loss_and_beats_random(tiny_dataset, tmp
         assert again[split]["users"] == results[split]["users"]
 
 
-def _final_parameters(checkpoint):
-    """The full catalog and user table (and its Adagrad state) of a checkpoint, read in this process."""
-    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-
-    parts = sorted(checkpoint.glob("rank-*.pt"))
-    rank_states = [torch.load(p, weights_only=False) for p in parts]
-    catalog = torch.cat([s["catalog"] for s in sorted(rank_states, key=lambda s: s["start"])])
-    dcp_to_torch_save(checkpoint / "tower", checkpoint.parent / "tower.pt")
-    tower = torch.load(checkpoint.parent / "tower.pt", weights_only=False)
-    (checkpoint.parent / "tower.pt").unlink()
-    user_table = tower["model"]["tables.embedding_bags.user_table.weight"]
-    accumulators = [v for k, v in _flatten(tower["optimizer"]) if k.endswith("momentum1")]
-    item_state = [s["item_optimizer"]["state"][0] for s in rank_states]
-    return catalog, user_table, accumulators, item_state, rank_states
-
-
-def _flatten(tree, prefix=""):
-    for key, value in tree.items():
-        if isinstance(value, dict):
-            yield from _flatten(value, f"{prefix}{key}.")
-        else:
-            yield f"{prefix}{key}", value
-
-
 def test_resume_after_a_crash_equals_an_uninterrupted_run(tiny_dataset, tmp_path):
     # Sampled Smooth-AP after a sampled-softmax warm-up (a schedule and per-step negative draws to resume),
     # Adam on the items and row-wise Adagrad on the users (optimizer states to resume), 2 epochs + a bit.
@@ -140,15 +117,15 @@ def test_resume_after_a_crash_equals_an_uninterrupted_run(tiny_dataset, tmp_path
     assert not stale.exists()
     assert resumed["resumed_from"].endswith("step-00000012") and resumed["steps"] == 20
 
-    expected = _final_parameters(straight / "checkpoints" / "step-00000020")
-    actual = _final_parameters(crashed / "checkpoints" / "step-00000020")
+    expected = checkpoint_parameters(straight / "checkpoints" / "step-00000020")
+    actual = checkpoint_parameters(crashed / "checkpoints" / "step-00000020")
     torch.testing.assert_close(actual[0], expected[0], rtol=1e-6, atol=1e-7)  # catalog
     torch.testing.assert_close(actual[1], expected[1], rtol=1e-6, atol=1e-7)  # user table
     for got, want in zip(actual[2], expected[2], strict=True):  # user Adagrad accumulators
         torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7)
     for got, want in zip(actual[3], expected[3], strict=True):  # item Adam moments
         torch.testing.assert_close(got["exp_avg_sq"], want["exp_avg_sq"], rtol=1e-6, atol=1e-9)
-    assert [s["stream"] for s in actual[4]] == [s["stream"] for s in expected[4]]
+    assert actual[4] == expected[4]  # data stream positions
     trainer = json.loads((crashed / "checkpoints" / "step-00000020" / "trainer.json").read_text())
     assert trainer["loss"]["schedule"]["global_step"] == 20
     # The log of the crashed run's lost steps was replaced by the resumed run's: one record per step.
