@@ -374,6 +374,18 @@ def parse_override(text: str) -> tuple[list[str], Any]:
     return key.split("."), value
 
 
+def add_override_argument(parser) -> None:
+    """The ``--set KEY=VALUE`` option (repeatable, into ``args.overrides``) of every command taking a config."""
+    parser.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a config key, e.g. --set train.max_steps=100 (repeatable)",
+    )
+
+
 def apply_overrides(raw: dict, overrides: list[str] | tuple[str, ...]) -> dict:
     """Set each ``a.b=v`` of ``overrides`` in the nested dict ``raw`` (in place; returns it)."""
     for text in overrides:

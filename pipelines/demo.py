@@ -114,10 +114,10 @@ def recommend(out: Path, data_root: Path, user: int, k: int = 10) -> list[dict]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from bigrank.config import add_override_argument
+
     parser = argparse.ArgumentParser(prog="python -m pipelines.demo", description=__doc__.splitlines()[0])
-    parser.add_argument(
-        "--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE", help="config override"
-    )
+    add_override_argument(parser)
     parser.add_argument("--user", type=int, default=0, help="user whose recommendations are shown (default 0)")
     parser.add_argument("--fresh", action="store_true", help="delete the run directory first (train from scratch)")
     args = parser.parse_args(argv)

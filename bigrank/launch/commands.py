@@ -9,6 +9,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from bigrank.config import add_override_argument
+
 
 def _add_address(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
@@ -28,14 +30,7 @@ def register(subparsers) -> None:
     )
     submit.add_argument("config", metavar="CONFIG", help="YAML config file (see configs/)")
     _add_address(submit)
-    submit.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="override a config key, e.g. --set train.max_steps=100 (repeatable)",
-    )
+    add_override_argument(submit)
     submit.add_argument(
         "--wait", action="store_true", help="follow the job's log until it ends; exit 1 unless it succeeded"
     )

@@ -14,6 +14,8 @@ import json
 import sys
 from pathlib import Path
 
+from bigrank.config import add_override_argument
+
 
 def register(subparsers) -> None:
     """Add the trainer sub-commands to the ``bigrank`` parser."""
@@ -24,14 +26,7 @@ def register(subparsers) -> None:
         "value). Running the same command again continues from the last checkpoint in run_dir.",
     )
     train.add_argument("config", metavar="CONFIG", help="YAML config file (see configs/)")
-    train.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="override a config key, e.g. --set train.max_steps=100 (repeatable)",
-    )
+    add_override_argument(train)
     train.add_argument(
         "--launcher",
         choices=["ray", "local"],
