@@ -132,8 +132,65 @@ def test_drop_last_gives_full_batches_and_equal_steps(tmp_path):
 def test_state_from_another_configuration_is_refused(tmp_path):
     make_dataset(tmp_path)
     state = ParquetStream(tmp_path, "train", 10, rank=0, world_size=2).state_dict()
-    with pytest.raises(ValueError, match="world_size"):
-        ParquetStream(tmp_path, "train", 10, rank=0, world_size=3).load_state_dict(state)
+    with pytest.raises(ValueError, match="seed"):
+        ParquetStream(tmp_path, "train", 10, rank=0, world_size=2, seed=1).load_state_dict(state)
+    with pytest.raises(ValueError, match="shuffle_buffer"):
+        ParquetStream(tmp_path, "train", 10, rank=0, world_size=2, shuffle_buffer=7).load_state_dict(state)
+
+
+def _run_segment(root, world_size, batch_size, state, steps=None, **options):
+    """Every rank of a ``world_size`` stream restored from ``state`` runs ``steps`` batches (None: to the end of
+    the epoch); returns (keys seen, the common state after, steps run)."""
+    seen, states, counts = [], [], []
+    for rank in range(world_size):
+        stream = ParquetStream(root, "train", batch_size, rank=rank, world_size=world_size, **options)
+        if state is not None:
+            stream.load_state_dict(state)
+        batches = [keys_of(b) for b in itertools.islice(iter(stream), steps)]
+        seen += batches
+        counts.append(len(batches))
+        states.append(stream.state_dict())
+    assert all(s == states[0] for s in states), "the stream state must be the same on every rank"
+    assert len(set(counts)) == 1, f"ranks ran different step counts {counts}"
+    return (np.concatenate(seen) if seen else np.empty(0, np.int64)), states[0], counts[0]
+
+
+@pytest.mark.parametrize("drop_last", [False, True])
+def test_resume_on_another_world_size_loses_and_repeats_no_row(tmp_path, drop_last):
+    """2 ranks (batch 10) -> 3 ranks (batch 7) -> 1 rank (batch 20) within one epoch: every row of the epoch once
+    (drop_last: no row twice, and only the tail of the last segment skipped); the next epoch is whole again."""
+    all_keys = make_dataset(tmp_path)
+    options = {"shuffle_buffer": 120, "drop_last": drop_last, "prefetch": 0}
+    first, state, _ = _run_segment(tmp_path, 2, 10, None, steps=23, **options)
+    second, state, _ = _run_segment(tmp_path, 3, 7, state, steps=11, **options)
+    third, state, steps = _run_segment(tmp_path, 1, 20, state, **options)
+    seen = np.concatenate([first, second, third])
+    assert len(first) == 2 * 23 * 10 and len(second) == 3 * 11 * 7
+    assert len(np.unique(seen)) == len(seen), "a row was repeated within the epoch"
+    if drop_last:
+        assert len(all_keys) - len(seen) < 20 and steps == (len(all_keys) - len(first) - len(second)) // 20
+    else:
+        np.testing.assert_array_equal(np.sort(seen), all_keys)
+    assert state["epoch"] == 1 and state["remaining"] is None and state["step"] == 0
+    following, _, _ = _run_segment(tmp_path, 1, 20, state, **options)
+    assert len(np.unique(following)) == len(following) and len(following) >= len(all_keys) - 19
+
+
+def test_resume_on_the_same_world_size_after_a_reshard_continues_exactly(tmp_path):
+    """After 2 -> 3 ranks, a 3-rank checkpoint resumed on 3 ranks yields the batches of the uninterrupted 3 ranks."""
+    make_dataset(tmp_path)
+    options = {"shuffle_buffer": 120, "prefetch": 0}
+    _, state, _ = _run_segment(tmp_path, 2, 10, None, steps=9, **options)
+    straight, _, _ = _run_segment(tmp_path, 3, 7, state, **options)
+    _, middle, _ = _run_segment(tmp_path, 3, 7, state, steps=4, **options)
+    rest, _, _ = _run_segment(tmp_path, 3, 7, middle, **options)
+    head = []
+    for rank in range(3):  # the first 4 batches of each rank, in rank order, as _run_segment concatenates them
+        stream = ParquetStream(tmp_path, "train", 7, rank=rank, world_size=3, **options)
+        stream.load_state_dict(state)
+        head += [keys_of(b) for b in itertools.islice(iter(stream), 4)]
+    assert sorted(np.concatenate(head + [rest]).tolist()) == sorted(straight.tolist())
+    assert len(rest) + 3 * 4 * 7 == len(straight)
 
 
 def test_rating_columns_and_missing_columns(tmp_path):

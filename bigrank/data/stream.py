@@ -23,10 +23,19 @@
    * ``drop_last=True``: ``steps = (N//W) // batch_size``; every batch is full and the
      ``N - W*steps*B`` rows at the end of the shares are skipped this epoch (different rows every epoch).
 
-Resume: ``state_dict()`` records the epoch and the number of batches handed out in it;
-``load_state_dict()`` continues with the next batch exactly, so an epoch interrupted and resumed yields the
-same batches as an uninterrupted one. The state moves to the next epoch as soon as the last batch of an
-epoch is handed out. ``set_epoch(e)`` moves to the start of epoch ``e`` unless the stream is already in
+Resume: ``state_dict()`` records where the epoch stands in terms that do not depend on the rank: the epoch,
+the world size its row sequence was laid out with, and the rows not yet handed out as intervals of that
+sequence. Every rank holds the same state. ``load_state_dict()`` continues with the next batch exactly when
+the world size and batch size are unchanged (an interrupted and resumed epoch yields the same batches as an
+uninterrupted one).
+
+Resume on another worker count (**the data position across a change of world size**): the rows of the epoch
+not yet handed out when the checkpoint was taken — for each old rank, the rest of its share, in rank order —
+form the epoch's *remaining sequence*; the new ranks split it into contiguous shares as in step 2 and read it
+in batches of their own batch size. So within an epoch no row is lost or repeated, whatever sequence of
+world sizes the epoch ran under (2 → 3 → 1 included); the global batch size may change too. The next epoch
+is laid out afresh with the current world size. The state moves to the next epoch as soon as the last batch
+of an epoch is handed out. ``set_epoch(e)`` moves to the start of epoch ``e`` unless the stream is already in
 epoch ``e`` (so a resumed trainer can call it without losing its place).
 
 Files are checked against the manifest when the stream is built (``validate_dataset``): a missing,
@@ -110,42 +119,65 @@ class ParquetStream:
         self._group_rows = np.asarray(group_rows, dtype=np.int64)
         self.num_rows = int(self._group_rows.sum())
         self.epoch = 0
-        self._step = 0
+        self._step = 0  # batches handed out in the current segment of the epoch
+        # The epoch's row sequence S0 is laid out by ``_layout_world_size`` ranks (module docstring); the current
+        # segment reads the intervals ``_remaining`` of S0 (None: all of it) split over this stream's ranks.
+        self._layout_world_size = self.world_size
+        self._remaining: list[tuple[int, int]] | None = None
         self._handles: dict[int, object] = {}
 
     # ----- the plan (identical on every rank) -----
+    def _segment_rows(self) -> int:
+        """Rows of the current segment's sequence (the whole split at the start of an epoch)."""
+        if self._remaining is None:
+            return self.num_rows
+        return sum(b - a for a, b in self._remaining)
+
     def share(self, rank: int | None = None) -> tuple[int, int]:
-        """Rows ``[start, stop)`` of the epoch's global row sequence owned by ``rank`` (default: own)."""
+        """Rows ``[start, stop)`` of the current segment's sequence owned by ``rank`` (default: own)."""
         rank = self.rank if rank is None else rank
-        return rank * self.num_rows // self.world_size, (rank + 1) * self.num_rows // self.world_size
+        rows = self._segment_rows()
+        return rank * rows // self.world_size, (rank + 1) * rows // self.world_size
+
+    def _segment_steps(self, rows: int) -> int:
+        if self.drop_last:
+            return (rows // self.world_size) // self.batch_size
+        return math.ceil(math.ceil(rows / self.world_size) / self.batch_size)
 
     def steps_per_epoch(self) -> int:
-        """Steps every rank runs per epoch (same value on all ranks; see the module docstring)."""
-        if self.drop_last:
-            return (self.num_rows // self.world_size) // self.batch_size
-        return math.ceil(math.ceil(self.num_rows / self.world_size) / self.batch_size)
+        """Steps every rank runs in a whole epoch laid out with this world size (see the module docstring)."""
+        return self._segment_steps(self.num_rows)
+
+    def steps_left_in_epoch(self) -> int:
+        """Steps every rank still runs in the current epoch (after a change of world size this can differ
+        by one from ``steps_per_epoch() - steps done``)."""
+        return self._segment_steps(self._segment_rows()) - self._step
 
     def __len__(self) -> int:
         return self.steps_per_epoch()
 
     def rows_per_epoch(self) -> int:
-        """Rows this rank yields per epoch."""
-        start, stop = self.share()
+        """Rows this rank yields per whole epoch."""
         if self.drop_last:
             return self.steps_per_epoch() * self.batch_size
-        return stop - start
+        return (self.rank + 1) * self.num_rows // self.world_size - self.rank * self.num_rows // self.world_size
 
     def _group_order(self, epoch: int) -> np.ndarray:
         if not self.shuffle:
             return np.arange(len(self._group_rows))
         return np.random.default_rng([self.seed, epoch, 0x57AE]).permutation(len(self._group_rows))
 
-    def _windows(self, epoch: int) -> list[list[tuple[int, int, int]]]:
-        """This rank's share as windows of pieces ``(group, lo, hi)`` (rows lo:hi of row group ``group``)."""
+    def _windows(
+        self, epoch: int, rank: int | None = None, world_size: int | None = None
+    ) -> list[list[tuple[int, int, int]]]:
+        """Rank ``rank``'s share of the epoch's layout by ``world_size`` ranks (defaults: this stream's) as
+        windows of pieces ``(group, lo, hi)`` (rows lo:hi of row group ``group``)."""
+        rank = self.rank if rank is None else rank
+        world_size = self.world_size if world_size is None else world_size
         order = self._group_order(epoch)
         sizes = self._group_rows[order]
         starts = np.concatenate([[0], np.cumsum(sizes)])
-        begin, end = self.share()
+        begin, end = rank * self.num_rows // world_size, (rank + 1) * self.num_rows // world_size
         windows, current, current_rows = [], [], 0
         first = int(np.searchsorted(starts, begin, side="right")) - 1
         for k in range(max(first, 0), len(order)):
@@ -166,15 +198,18 @@ class ParquetStream:
 
     # ----- state -----
     def state_dict(self) -> dict:
-        """Where the stream stands: the epoch and the batches already handed out in it, plus the settings
-        that must match on restore."""
+        """Where the epoch stands (the same on every rank, independent of the rank): the epoch, the world size
+        its sequence was laid out with, the intervals of that sequence the current segment reads, the
+        segment's world size and batch size and the batches handed out in it; plus the settings that must
+        match on restore."""
         return {
             "epoch": self.epoch,
             "step": self._step,
             "split": self.split,
-            "rank": self.rank,
             "world_size": self.world_size,
             "batch_size": self.batch_size,
+            "layout_world_size": self._layout_world_size,
+            "remaining": None if self._remaining is None else [list(interval) for interval in self._remaining],
             "seed": self.seed,
             "shuffle": self.shuffle,
             "shuffle_buffer": self.shuffle_buffer,
@@ -183,23 +218,44 @@ class ParquetStream:
         }
 
     def load_state_dict(self, state: dict) -> None:
-        """Continue from ``state`` (from ``state_dict()`` of a stream with the same settings)."""
-        for key in ("split", "rank", "world_size", "batch_size", "seed", "shuffle", "shuffle_buffer", "drop_last"):
+        """Continue from ``state`` (``state_dict()`` of a stream over the same split and settings; its world
+        size and batch size may differ from this stream's: the rest of the epoch is then re-split, see the
+        module docstring)."""
+        for key in ("split", "seed", "shuffle", "shuffle_buffer", "drop_last"):
             if key in state and state[key] != getattr(self, key):
                 raise ValueError(f"stream state has {key}={state[key]!r} but this stream has {getattr(self, key)!r}")
         if state.get("num_rows", self.num_rows) != self.num_rows:
             raise ValueError(f"stream state is for a split of {state['num_rows']} rows, this one has {self.num_rows}")
+        old_world, old_batch = int(state["world_size"]), int(state["batch_size"])
+        remaining = state.get("remaining")
+        remaining = None if remaining is None else [(int(a), int(b)) for a, b in remaining]
+        layout_world = int(state.get("layout_world_size", old_world))
+        rows = self.num_rows if remaining is None else sum(b - a for a, b in remaining)
+        old_steps = _steps(rows, old_world, old_batch, self.drop_last)
         step = int(state["step"])
-        if not 0 <= step <= self.steps_per_epoch():
-            raise ValueError(f"stream state step {step} is outside [0, {self.steps_per_epoch()}]")
+        if not 0 <= step <= old_steps:
+            raise ValueError(f"stream state step {step} is outside [0, {old_steps}]")
         self.epoch = int(state["epoch"])
-        self._step = step
+        if step >= old_steps:  # the epoch was finished: the next one is laid out with this world size
+            self.epoch, self._step, self._remaining, self._layout_world_size = self.epoch + 1, 0, None, self.world_size
+        elif (old_world, old_batch) == (self.world_size, self.batch_size):
+            self._step, self._remaining, self._layout_world_size = step, remaining, layout_world
+        else:  # re-split the rows the old ranks had not handed out yet
+            intervals = [(0, self.num_rows)] if remaining is None else remaining
+            rest = []
+            for rank in range(old_world):
+                # drop_last skips rows only in the segment that ends the epoch: the old shares' tails stay
+                lo, hi = rank * rows // old_world, (rank + 1) * rows // old_world
+                rest.extend(_take(intervals, min(lo + step * old_batch, hi), hi))
+            self._step, self._remaining, self._layout_world_size = 0, _merge(rest), layout_world
+        if self._remaining is None and self._step == 0:
+            self._layout_world_size = self.world_size
 
     def set_epoch(self, epoch: int) -> None:
         """Move to the start of ``epoch``; no-op when already in ``epoch`` (keeps a restored position)."""
         if int(epoch) != self.epoch:
             self.epoch = int(epoch)
-            self._step = 0
+            self._step, self._remaining, self._layout_world_size = 0, None, self.world_size
 
     # ----- reading -----
     def _read_piece(self, group: int, lo: int, hi: int) -> dict[str, np.ndarray]:
@@ -224,9 +280,10 @@ class ParquetStream:
             )
         return {name: table.column(name).to_numpy()[lo:hi] for name in self.columns}
 
-    def _read_window(self, epoch: int, window_index: int, pieces) -> dict[str, np.ndarray]:
+    def _read_window(self, epoch: int, rank: int, window_index: int, pieces) -> dict[str, np.ndarray]:
+        """Window ``window_index`` of layout rank ``rank``'s share, its rows permuted (seeded by the window)."""
         parts = [self._read_piece(*piece) for piece in pieces]
-        rng = np.random.default_rng([self.seed, epoch, self.rank, window_index, 0x5B0F])
+        rng = np.random.default_rng([self.seed, epoch, rank, window_index, 0x5B0F])
         four_byte = all(parts[0][name].dtype.itemsize == 4 for name in self.columns)
         if self.shuffle and len(self.columns) == 2 and four_byte:
             # Fast path for (user_id, item_id): rows packed into one 8-byte array and shuffled in place,
@@ -246,28 +303,54 @@ class ParquetStream:
             data = {name: values[permutation] for name, values in data.items()}
         return data
 
-    def _batches(self, epoch: int, first_step: int, stop_event: threading.Event | None = None):
-        """Numpy batches of ``epoch`` from step ``first_step`` to the end of the epoch."""
-        steps = self.steps_per_epoch()
-        end = self.rows_per_epoch()
-        position = min(first_step * self.batch_size, end)
-        windows = self._windows(epoch)
-        window_sizes = [sum(hi - lo for _, lo, hi in pieces) for pieces in windows]
-        window_starts = np.concatenate([[0], np.cumsum(window_sizes)]).astype(np.int64)
-        window = int(np.searchsorted(window_starts, position, side="right")) - 1
-        offset = position - int(window_starts[window]) if windows else 0
+    def _read_intervals(self, epoch: int, layout_world_size: int, intervals, stop_event=None):
+        """Yield the rows of the intervals ``[a, b)`` of the epoch's sequence (laid out by ``layout_world_size``
+        ranks: each rank's share, window-shuffled, in rank order) as dicts of numpy arrays, in order."""
+        bounds = [r * self.num_rows // layout_world_size for r in range(layout_world_size + 1)]
+        windows: dict[int, tuple[list, np.ndarray]] = {}
+        for a, b in intervals:
+            while a < b:
+                if stop_event is not None and stop_event.is_set():
+                    return
+                rank = int(np.searchsorted(bounds, a, side="right")) - 1
+                while bounds[rank + 1] <= a:  # skip empty shares
+                    rank += 1
+                if rank not in windows:
+                    pieces = self._windows(epoch, rank, layout_world_size)
+                    sizes = [sum(hi - lo for _, lo, hi in window) for window in pieces]
+                    windows[rank] = (pieces, np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64))
+                pieces, starts = windows[rank]
+                offset, stop = a - bounds[rank], min(b, bounds[rank + 1]) - bounds[rank]
+                window = int(np.searchsorted(starts, offset, side="right")) - 1
+                while offset < stop:
+                    data = self._read_window(epoch, rank, window, pieces[window])
+                    lo, hi = offset - int(starts[window]), min(stop, int(starts[window + 1])) - int(starts[window])
+                    yield (
+                        data if (lo, hi) == (0, len(data[self.columns[0]])) else {k: v[lo:hi] for k, v in data.items()}
+                    )
+                    offset = int(starts[window]) + hi
+                    window += 1
+                a = bounds[rank] + stop
+
+    def _batches(self, plan: tuple, stop_event: threading.Event | None = None):
+        """Numpy batches ``(step, batch)`` of the segment ``plan`` (from ``_plan()``) to its end."""
+        epoch, layout_world_size, remaining, first_step = plan
+        rows = self.num_rows if remaining is None else sum(b - a for a, b in remaining)
+        steps = self._segment_steps(rows)
+        begin, end = self.rank * rows // self.world_size, (self.rank + 1) * rows // self.world_size
+        if self.drop_last:
+            end = begin + steps * self.batch_size
+        position = min(begin + first_step * self.batch_size, end)
+        own = _take(remaining or [(0, self.num_rows)], position, end)
+        chunks = self._read_intervals(epoch, layout_world_size, own, stop_event)
         carry: list[dict[str, np.ndarray]] = []
         carry_rows = 0
         for step in range(first_step, steps):
-            size = max(0, min(self.batch_size, end - step * self.batch_size))
+            size = max(0, min(self.batch_size, end - begin - step * self.batch_size))
             while carry_rows < size:
-                data = self._read_window(epoch, window, windows[window])
-                if offset:
-                    data = {name: values[offset:] for name, values in data.items()}
-                    offset = 0
+                data = next(chunks)
                 carry.append(data)
                 carry_rows += len(data[self.columns[0]])
-                window += 1
             if len(carry) == 1:
                 merged = carry[0]
             elif carry:
@@ -285,11 +368,12 @@ class ParquetStream:
     def __iter__(self) -> Iterator[dict]:
         import torch
 
-        epoch, first_step, steps = self.epoch, self._step, self.steps_per_epoch()
-        if first_step >= steps:  # a restored state at the very end of an epoch
-            self.epoch, self._step = epoch + 1, 0
+        plan = (self.epoch, self._layout_world_size, self._remaining, self._step)
+        epoch, steps = self.epoch, self._segment_steps(self._segment_rows())
+        if self._step >= steps:  # a restored state at the very end of an epoch
+            self._next_epoch()
             return
-        source, stop_event, worker = self._start(epoch, first_step)
+        source, stop_event, worker = self._start(plan)
         try:
             for step, batch in source:
                 tensors = {}
@@ -300,7 +384,7 @@ class ParquetStream:
                 # The state moves past this batch before the caller sees it: a checkpoint taken while
                 # the batch is being trained on resumes at the next one.
                 if step + 1 >= steps:
-                    self.epoch, self._step = epoch + 1, 0
+                    self._next_epoch()
                 else:
                     self.epoch, self._step = epoch, step + 1
                 yield tensors
@@ -310,10 +394,13 @@ class ParquetStream:
                 _drain(source)
                 worker.join()
 
-    def _start(self, epoch: int, first_step: int):
+    def _next_epoch(self) -> None:
+        self.epoch, self._step, self._remaining, self._layout_world_size = self.epoch + 1, 0, None, self.world_size
+
+    def _start(self, plan: tuple):
         """The batch source: a background thread filling a bounded queue, or the plain generator."""
         if self.prefetch <= 0:
-            return self._batches(epoch, first_step), None, None
+            return self._batches(plan), None, None
         buffer: queue.Queue = queue.Queue(maxsize=self.prefetch)
         stop_event = threading.Event()
 
@@ -329,7 +416,7 @@ class ParquetStream:
 
         def produce():
             try:
-                for item in self._batches(epoch, first_step, stop_event):
+                for item in self._batches(plan, stop_event):
                     if not put(item):
                         return
                 put(_DONE)
@@ -362,6 +449,39 @@ class _QueueSource:
         if isinstance(item, BaseException):
             raise item
         return item
+
+
+def _steps(rows: int, world_size: int, batch_size: int, drop_last: bool) -> int:
+    if drop_last:
+        return (rows // world_size) // batch_size
+    return math.ceil(math.ceil(rows / world_size) / batch_size)
+
+
+def _take(intervals, lo: int, hi: int) -> list[tuple[int, int]]:
+    """Positions ``[lo, hi)`` of the concatenation of ``intervals`` as intervals of the underlying sequence."""
+    taken, start = [], 0
+    for a, b in intervals:
+        size = b - a
+        left, right = max(lo - start, 0), min(hi - start, size)
+        if left < right:
+            taken.append((a + left, a + right))
+        start += size
+        if start >= hi:
+            break
+    return taken
+
+
+def _merge(intervals) -> list[tuple[int, int]]:
+    """Adjacent intervals joined (order kept); empty ones dropped."""
+    merged: list[tuple[int, int]] = []
+    for a, b in intervals:
+        if b <= a:
+            continue
+        if merged and merged[-1][1] == a:
+            merged[-1] = (merged[-1][0], b)
+        else:
+            merged.append((a, b))
+    return merged
 
 
 def _drain(source) -> None:
