@@ -29,22 +29,29 @@ def tiny_dataset(tmp_path_factory):
     return root
 
 
-def checkpoint_parameters(checkpoint):
-    """(catalog [n, d], user table [users, d], user Adagrad states, item optimizer states, per-rank data-stream
-    states) of a trainer checkpoint, read in this process."""
+def read_checkpoint(checkpoint) -> dict:
+    """The whole state of a trainer checkpoint as one nested dict of full (unsharded) tensors, read in this
+    process: the one place the tests know the checkpoint layout (``bigrank.train.checkpoint``)."""
+    import tempfile
+
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-    rank_states = [torch.load(p, weights_only=False) for p in sorted(checkpoint.glob("rank-*.pt"))]
-    rank_states.sort(key=lambda s: s["start"])
-    catalog = torch.cat([s["catalog"] for s in rank_states])
-    flat = checkpoint.parent / f"{checkpoint.name}-tower.pt"
-    dcp_to_torch_save(checkpoint / "tower", flat)
-    tower = torch.load(flat, weights_only=False)
-    flat.unlink()
+    with tempfile.TemporaryDirectory() as tmp:
+        flat = f"{tmp}/checkpoint.pt"
+        dcp_to_torch_save(checkpoint, flat)
+        return torch.load(flat, weights_only=False)
+
+
+def checkpoint_parameters(checkpoint):
+    """(catalog [n, d], user table [users, d], user Adagrad states, item optimizer states (one dict of full
+    tensors), data-stream position) of a trainer checkpoint, read in this process."""
+    state = read_checkpoint(checkpoint)
+    tower = state["tower"]
     user_table = tower["model"]["tables.embedding_bags.user_table.weight"]
     accumulators = [v for k, v in _flatten(tower["optimizer"]) if k.endswith("momentum1")]
-    item_states = [s["item_optimizer"]["state"][0] for s in rank_states]
-    return catalog, user_table, accumulators, item_states, [s["stream"] for s in rank_states]
+    optimizer = state["catalog"]["optimizer"]
+    item_states = [dict(optimizer["rows"], **optimizer["scalars"])]
+    return state["catalog"]["weight"], user_table, accumulators, item_states, [state["stream"]["position"]]
 
 
 def _flatten(tree, prefix=""):

@@ -21,7 +21,9 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -246,6 +248,34 @@ def load_manifest(root: str | Path) -> dict:
             if key not in split:
                 raise ValueError(f"{path}: split {name!r} lacks {key!r}")
     return manifest
+
+
+@dataclass(frozen=True)
+class DatasetManifest:
+    """A dataset's ``manifest.json``, checked and typed: load it once (:meth:`load`) and pass it down.
+
+    ``splits`` maps a split name to its entry (``rows``, ``files``, ``file_rows``, ``row_groups``, ``file_bytes``);
+    ``raw`` is the whole JSON object (other keys: ``schema``, ``seed``, ``source``, ``generator`` …).
+    """
+
+    root: Path
+    num_users: int
+    num_items: int
+    splits: Mapping[str, Mapping[str, Any]]
+    raw: Mapping[str, Any]
+
+    @classmethod
+    def load(cls, root: str | Path) -> DatasetManifest:
+        """Read and check ``<root>/manifest.json`` (errors as :func:`load_manifest`)."""
+        raw = load_manifest(root)
+        return cls(Path(root), int(raw["num_users"]), int(raw["num_items"]), raw["splits"], raw)
+
+    def split(self, name: str) -> Mapping[str, Any]:
+        """The entry of split ``name``; ValueError naming the available splits when it is absent."""
+        return split_info(self.raw, name)
+
+    def rows(self, name: str) -> int:
+        return int(self.split(name)["rows"])
 
 
 def split_info(manifest: Mapping, split: str) -> dict:

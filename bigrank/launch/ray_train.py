@@ -1,4 +1,4 @@
-"""Run ``bigrank.train.loop.train_worker`` on Ray Train: an embedded local Ray runtime or an existing cluster.
+"""Run ``bigrank.train.workers.train_worker`` on Ray Train: an embedded local Ray runtime or an existing cluster.
 
 ``train_on_ray(config)`` builds a ``TorchTrainer`` with one Ray worker per training process:
 
@@ -163,7 +163,7 @@ def ray_worker_loop(config_dict: dict[str, Any]) -> None:
     import torch
     import torchrec  # noqa: F401 - registers fbgemm/torchrec operators in the worker, where they are used
 
-    from bigrank.train.loop import train_worker
+    from bigrank.train.workers import train_worker
 
     cpus = int(os.environ.get("OMP_NUM_THREADS") or 0)
     if cpus > 0:

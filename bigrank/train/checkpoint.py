@@ -1,16 +1,26 @@
-"""Atomic, resumable training checkpoints of the item-parallel model.
+"""Atomic, resumable training checkpoints through ``torch.distributed.checkpoint`` (DCP), on any worker count.
 
-Layout of ``RUN_DIR/checkpoints/step-00000120/`` (a checkpoint is complete iff ``trainer.json`` exists)::
+A checkpoint holds the state of every registered part of the trainer (the ``Stateful`` protocol of DCP:
+``state_dict()`` / ``load_state_dict()``), all written with one ``dcp.save``:
 
-    tower/               torch.distributed.checkpoint (DCP) of the row-wise sharded user tower and its fused
-                         optimizer state (Adagrad accumulators); each rank writes its own rows
-    rank-00000.pt …      one file per rank (torch.save): its catalog rows [start, stop), the item optimizer's
-                         state, the data stream's position, the torch RNG state
-    trainer.json         step, epoch, world size, loss-schedule state, last loss; written last
+    tower      the row-wise sharded torchrec user tower and its fused optimizer state (torchrec ShardedTensors)
+    catalog    the catalog rows and the item optimizer's row-aligned state (``row_sharded``: ShardedTensors
+               whose shards are each rank's rows ``[start, stop)`` of the global ``[num_items, ...]`` tensors)
+    stream     the data position (rank-independent, see ``bigrank.data.stream``)
+    loss       the loss schedule (warm-up / temperature)
+    train      step, first and last loss
+    rng.<r>    rank r's torch RNG state
+
+Because the sharded tensors carry their global offsets, DCP reshards them on load: a run saved by W workers
+resumes on W' workers, and evaluate/export load the same files on any worker count. Layout::
+
+    RUN_DIR/checkpoints/step-00000120/
+        *.distcp, .metadata     the DCP files (each rank writes its own shards)
+        trainer.json            step, epoch, world size, the model identity, last loss; written last
 
 The directory is written as ``step-….partial`` and renamed by rank 0 after every rank has finished, so a
-crash mid-save leaves no half checkpoint under the final name; ``keep`` complete checkpoints are kept.
-Resuming needs the same number of workers (the catalog and stream shares are per rank).
+crash mid-save leaves no half checkpoint under the final name (a checkpoint is complete iff ``trainer.json``
+exists); ``keep`` complete checkpoints are kept.
 """
 
 from __future__ import annotations
@@ -18,29 +28,49 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import warnings
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
 
 from bigrank.atomic import write_atomic
 
+__all__ = [
+    "Checkpointer",
+    "Stateful",
+    "checkpoint_path",
+    "latest_checkpoint",
+    "list_checkpoints",
+    "load_parts",
+    "read_trainer_state",
+    "remove_partial_checkpoints",
+    "row_sharded",
+    "save_parts",
+]
+
 CHECKPOINTS = "checkpoints"
 TRAINER_FILE = "trainer.json"
 _PREFIX = "step-"
 
 
+class Stateful(Protocol):
+    """A part of the trainer that a checkpoint saves and restores (DCP's protocol)."""
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+
+# ------------------------------------------------------------------------------------------------ paths
 def checkpoint_root(run_dir: str | os.PathLike) -> Path:
     return Path(run_dir) / CHECKPOINTS
 
 
 def checkpoint_path(run_dir: str | os.PathLike, step: int) -> Path:
     return checkpoint_root(run_dir) / f"{_PREFIX}{step:08d}"
-
-
-def rank_file(path: str | os.PathLike, rank: int) -> Path:
-    return Path(path) / f"rank-{rank:05d}.pt"
 
 
 def list_checkpoints(run_dir: str | os.PathLike) -> list[Path]:
@@ -75,115 +105,157 @@ def remove_partial_checkpoints(run_dir: str | os.PathLike) -> list[Path]:
 
 
 def read_trainer_state(path: str | os.PathLike) -> dict[str, Any]:
-    """``trainer.json`` of a checkpoint directory."""
+    """``trainer.json`` of a checkpoint directory (FileNotFoundError when the checkpoint is incomplete)."""
     file = Path(path) / TRAINER_FILE
     if not file.is_file():
         raise FileNotFoundError(f"{path} is not a complete checkpoint (no {TRAINER_FILE})")
     return json.loads(file.read_text())
 
 
-def _barrier(group) -> None:
-    if dist.is_initialized():
-        dist.barrier(group=group)
+# ---------------------------------------------------------------------------------------- sharded state
+def row_sharded(local: torch.Tensor, start: int, num_rows: int, group=None):
+    """``local`` (rows ``[start, start + len(local))`` of a global ``[num_rows, ...]`` tensor) as a
+    ShardedTensor that DCP saves with its global offset and reshards on load; it shares ``local``'s storage,
+    so a ``dcp.load`` into it writes ``local`` in place. Without a process group: ``local`` itself."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return local
+    from torch.distributed._shard.metadata import ShardMetadata
+    from torch.distributed._shard.sharded_tensor import Shard, init_from_local_shards
+
+    rank = dist.get_rank()  # ShardedTensor placements name global ranks
+    metadata = ShardMetadata(
+        shard_offsets=[int(start)] + [0] * (local.dim() - 1),
+        shard_sizes=list(local.shape),
+        placement=f"rank:{rank}/{local.device}",
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # ShardedTensor's deprecation notice (torchrec uses it too)
+        return init_from_local_shards(
+            [Shard(local, metadata)], [int(num_rows)] + list(local.shape[1:]), process_group=group
+        )
 
 
-def _rank(group) -> int:
-    return dist.get_rank(group) if dist.is_initialized() else 0
+def _dcp():
+    import torch.distributed.checkpoint as dcp
+
+    return dcp
 
 
-def save_checkpoint(
-    run_dir: str | os.PathLike,
-    step: int,
-    *,
-    tower,
-    rank_state: dict[str, Any],
-    trainer_state: dict[str, Any],
-    keep: int,
-    group=None,
-) -> Path:
-    """Write checkpoint ``step`` (collective: every rank calls it) and prune to the ``keep`` newest.
+def save_parts(path: str | os.PathLike, parts: Mapping[str, Stateful]) -> None:
+    """``dcp.save`` of ``{name: part.state_dict()}`` into the directory ``path`` (collective)."""
+    from bigrank.model.sharding import quiet_torchrec
+
+    state = {name: part.state_dict() for name, part in parts.items()}
+    with quiet_torchrec(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        _dcp().save(state, checkpoint_id=os.fspath(path))
+
+
+def load_parts(path: str | os.PathLike, parts: Mapping[str, Stateful]) -> None:
+    """Fill ``{name: part.state_dict()}`` from the DCP directory ``path`` and hand each part its state
+    (collective; sharded tensors are resharded to this run's layout)."""
+    from bigrank.model.sharding import quiet_torchrec
+
+    state = {name: part.state_dict() for name, part in parts.items()}
+    with quiet_torchrec(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        _dcp().load(state, checkpoint_id=os.fspath(path))
+    for name, part in parts.items():
+        part.load_state_dict(state[name])
+
+
+# ----------------------------------------------------------------------------------------- checkpointer
+class Checkpointer:
+    """Decides when to checkpoint, writes checkpoints atomically, finds and loads the newest one.
 
     Args:
-        tower: the ``DistributedModelParallel`` user tower (saved with DCP, each rank its rows).
-        rank_state: this rank's picklable state (catalog rows, item optimizer, stream, RNG).
-        trainer_state: JSON-ready replicated state, written by rank 0 as ``trainer.json`` (last).
-    Returns the checkpoint directory. An existing complete checkpoint of that step is left as it is.
+        run_dir: the run directory (``checkpoints/`` is created below it).
+        parts: the trainer's stateful parts by name; per-rank parts (RNG) are registered separately with
+            ``rank_parts`` because a checkpoint of W workers holds W of them.
+        every: steps between checkpoints (None: only at epoch ends and at the end).
+        keep: complete checkpoints kept (the oldest are removed).
+        identity: the settings a checkpoint's tensors depend on; loading a checkpoint of another identity
+            is refused naming the differing settings.
     """
-    from bigrank.model.sharding import save_tower_state
 
-    final = checkpoint_path(run_dir, step)
-    if (final / TRAINER_FILE).is_file():
+    def __init__(
+        self,
+        run_dir: str | os.PathLike,
+        parts: Mapping[str, Stateful],
+        *,
+        rank_parts: Mapping[str, Stateful] | None = None,
+        every: int | None,
+        keep: int,
+        identity: Mapping[str, Any],
+        group=None,
+    ):
+        self.run_dir = Path(run_dir)
+        self.parts = dict(parts)
+        self.rank_parts = dict(rank_parts or {})
+        self.every, self.keep = every, int(keep)
+        self.identity = dict(identity)
+        self.group = group
+        self.rank = dist.get_rank(group) if dist.is_initialized() else 0
+        self.world_size = dist.get_world_size(group) if dist.is_initialized() else 1
+        self.last: Path | None = None
+
+    def due(self, step: int, *, epoch_end: bool, last: bool) -> bool:
+        """Whether step ``step`` ends with a checkpoint: every ``every`` steps, at epoch ends and at the end."""
+        return last or epoch_end or bool(self.every and step % self.every == 0)
+
+    def _all_parts(self, world_size_saved: int | None = None) -> dict[str, Stateful]:
+        parts = dict(self.parts)
+        if world_size_saved is None or self.rank < world_size_saved:
+            parts.update({f"{name}.{self.rank}": part for name, part in self.rank_parts.items()})
+        return parts
+
+    def save(self, step: int, meta: Mapping[str, Any]) -> Path:
+        """Write checkpoint ``step`` (collective) and prune to the ``keep`` newest; returns its directory.
+        ``meta`` (JSON-ready, replicated) goes into ``trainer.json`` with the step, world size and identity.
+        An existing complete checkpoint of that step is left as it is."""
+        final = checkpoint_path(self.run_dir, step)
+        if (final / TRAINER_FILE).is_file():
+            self.last = final
+            return final
+        partial = final.with_name(final.name + ".partial")
+        if self.rank == 0:
+            if partial.exists():
+                shutil.rmtree(partial)  # left by a crash mid-save
+            partial.mkdir(parents=True)
+        self._barrier()
+        save_parts(partial, self._all_parts())
+        self._barrier()
+        if self.rank == 0:
+            state = dict(meta, step=int(step), world_size=self.world_size, model=self.identity)
+            write_atomic(partial / TRAINER_FILE, lambda tmp: tmp.write_text(json.dumps(state, indent=2) + "\n"))
+            if final.exists():  # an incomplete directory under the final name (a crash after a rename)
+                shutil.rmtree(final)
+            os.replace(partial, final)
+            for old in list_checkpoints(self.run_dir)[: -self.keep]:
+                shutil.rmtree(old, ignore_errors=True)
+        self._barrier()
+        self.last = final
         return final
-    partial = final.with_name(final.name + ".partial")
-    rank = _rank(group)
-    if rank == 0:
-        if partial.exists():
-            shutil.rmtree(partial)  # left by a crash mid-save
-        partial.mkdir(parents=True)
-    _barrier(group)
-    save_tower_state(tower, partial / "tower")
-    write_atomic(rank_file(partial, rank), lambda tmp: torch.save(rank_state, tmp))
-    _barrier(group)
-    if rank == 0:
-        state = dict(trainer_state, step=int(step))
-        write_atomic(partial / TRAINER_FILE, lambda tmp: tmp.write_text(json.dumps(state, indent=2) + "\n"))
-        if final.exists():  # an incomplete directory under the final name (should not happen): replace it
-            shutil.rmtree(final)
-        os.replace(partial, final)
-        for old in list_checkpoints(run_dir)[:-keep]:
-            shutil.rmtree(old, ignore_errors=True)
-    _barrier(group)
-    return final
 
+    def load(self, path: str | os.PathLike, parts: Mapping[str, Stateful] | None = None) -> dict[str, Any]:
+        """Load checkpoint ``path`` into ``parts`` (default: every registered part; collective) and return its
+        ``trainer.json``. Per-rank parts are restored only on the ranks the checkpoint has (a run resumed on
+        more workers starts the new ranks' RNG from the seed). Raises ValueError for another model's checkpoint."""
+        path = Path(path)
+        meta = read_trainer_state(path)
+        saved = meta.get("model")
+        if saved is not None and saved != self.identity:
+            changed = sorted(key for key in self.identity if saved.get(key) != self.identity[key])
+            raise ValueError(
+                f"{path} is a checkpoint of another model ({', '.join(changed)} differ from this config): "
+                "use a new run_dir, or restore those settings to resume"
+            )
+        if parts is None:
+            parts = self._all_parts(int(meta.get("world_size", self.world_size)))
+        load_parts(path, parts)
+        self.last = path
+        return meta
 
-def load_checkpoint(path: str | os.PathLike, *, tower, world_size: int, group=None) -> tuple[dict, dict]:
-    """Load a checkpoint into ``tower`` (collective) and return ``(trainer_state, this rank's rank_state)``.
-
-    Raises ValueError when it was written by a different number of workers, FileNotFoundError when incomplete.
-    """
-    from bigrank.model.sharding import load_tower_state
-
-    path = Path(path)
-    trainer_state = read_trainer_state(path)
-    saved = int(trainer_state.get("world_size", world_size))
-    if saved != world_size:
-        raise ValueError(
-            f"checkpoint {path} was written by {saved} workers; resume it with workers={saved} "
-            f"(this run has {world_size})"
-        )
-    load_tower_state(tower, path / "tower")
-    file = rank_file(path, _rank(group))
-    if not file.is_file():
-        raise FileNotFoundError(f"checkpoint {path} has no {file.name}")
-    rank_state = torch.load(file, map_location="cpu", weights_only=False)
-    return trainer_state, rank_state
-
-
-def load_weights_only(path: str | os.PathLike, *, tower, row_start: int, row_stop: int) -> tuple[dict, torch.Tensor]:
-    """Load only the parameters of a checkpoint, for any number of workers (evaluation, export).
-
-    The tower is resharded by DCP (collective); the catalog rows ``[row_start, row_stop)`` are cut from the
-    per-rank files that overlap them. Returns ``(trainer_state, catalog rows float[row_stop - row_start, d])``.
-    """
-    from bigrank.model.sharding import load_tower_state
-
-    path = Path(path)
-    trainer_state = read_trainer_state(path)
-    load_tower_state(tower, path / "tower")
-    pieces, covered = [], row_start
-    for file in sorted(path.glob("rank-*.pt")):
-        state = torch.load(file, map_location="cpu", weights_only=False)
-        lo, hi = max(row_start, int(state["start"])), min(row_stop, int(state["stop"]))
-        if lo < hi:
-            pieces.append((lo, state["catalog"][lo - int(state["start"]) : hi - int(state["start"])]))
-        del state
-    pieces.sort(key=lambda piece: piece[0])
-    for lo, rows in pieces:
-        if lo != covered:
-            break
-        covered += rows.shape[0]
-    if covered != row_stop:
-        raise ValueError(f"checkpoint {path} does not hold catalog rows [{covered}, {row_stop}) (missing rank files?)")
-    if not pieces:
-        return trainer_state, torch.empty(0)
-    return trainer_state, torch.cat([rows for _, rows in pieces])
+    def _barrier(self) -> None:
+        if dist.is_initialized():
+            dist.barrier(group=self.group)

@@ -1,7 +1,7 @@
 """CLI commands of the trainer: ``bigrank train``, ``bigrank evaluate``, ``bigrank export``.
 
 ``train`` hands the config to Ray Train (``bigrank.launch``: an embedded local Ray runtime, or the cluster of
-``--address``) or runs ``bigrank.train.loop.train_worker`` in ``workers`` local gloo processes
+``--address``) or runs ``bigrank.train.workers.train_worker`` in ``workers`` local gloo processes
 (``--launcher local``, no Ray). Running the same command again
 resumes from the run's newest checkpoint. ``evaluate`` and ``export`` load a run's newest checkpoint in the
 same number of local processes by default (``--workers N``: any number; the checkpoint is resharded).
@@ -120,7 +120,7 @@ def run_train(args: argparse.Namespace) -> int:
     else:
         if args.address:
             raise CommandError("--address needs the Ray launcher (drop --launcher local)")
-        from bigrank.train.loop import train_worker
+        from bigrank.train.workers import train_worker
 
         summary = _launch(train_worker, config.workers, (config,))[0]
     print(format_summary(summary))
@@ -155,7 +155,7 @@ def format_summary(summary: dict) -> str:
 
 def run_evaluate(args: argparse.Namespace) -> int:
     from bigrank.train.evaluate import format_eval_table
-    from bigrank.train.loop import evaluate_worker
+    from bigrank.train.workers import evaluate_worker
 
     config = _run_config(args.run_dir)
     workers = args.workers or config.workers
@@ -166,7 +166,7 @@ def run_evaluate(args: argparse.Namespace) -> int:
 
 
 def run_export(args: argparse.Namespace) -> int:
-    from bigrank.train.loop import export_worker
+    from bigrank.train.workers import export_worker
 
     config = _run_config(args.run_dir)
     out = str(Path(args.out).resolve())

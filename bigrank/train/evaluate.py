@@ -13,12 +13,17 @@ replicated too.
 Memory: the held-out and excluded items are streamed row group by row group and only those of the evaluated users
 are kept (for exclusion, only the items of this rank's shard), so sampling users bounds the memory; the score
 block ``[b, n_local]`` of one batch is capped by ``max_score_elements``.
+
+A trainer that evaluates repeatedly builds each split's :class:`EvaluationData` (users, relevant and excluded
+items) once with :func:`evaluation_data` and passes it to every :func:`evaluate_model` call: the dataset files are
+then read once per run, not once per evaluation.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -32,7 +37,16 @@ from bigrank.distributed.catalog import CatalogShard, distributed_topk
 from bigrank.distributed.collectives import group_size
 from bigrank.train.metrics import combine, metric_names, ranking_metrics
 
-__all__ = ["evaluate_model", "ranked_batches", "evaluation_users", "write_eval_json", "format_eval_table", "EVAL_NAME"]
+__all__ = [
+    "EVAL_NAME",
+    "EvaluationData",
+    "evaluate_model",
+    "evaluation_data",
+    "evaluation_users",
+    "format_eval_table",
+    "ranked_batches",
+    "write_eval_json",
+]
 
 EVAL_NAME = "eval.json"
 DEFAULT_KS = (10, 100, 1000)
@@ -97,6 +111,56 @@ def _items_of_users(
     return indptr, keys - rows * num_items
 
 
+@dataclass(frozen=True)
+class EvaluationData:
+    """What the evaluation of one split needs from the dataset, read once (:func:`evaluation_data`).
+
+    ``users`` int64[u] sorted (all users with an item in ``split``, or a sample of them); ``relevant`` the CSR
+    ``(indptr int64[u + 1], items int64)`` of their items in ``split``; ``excluded`` the CSR of their items in
+    ``exclude_splits`` restricted to the catalog rows ``item_range`` of this rank.
+    """
+
+    split: str
+    users: np.ndarray
+    candidate_users: int
+    relevant: tuple[np.ndarray, np.ndarray]
+    excluded: tuple[np.ndarray, np.ndarray]
+    item_range: tuple[int, int]
+    exclude_splits: tuple[str, ...]
+
+
+def evaluation_data(
+    data_root: str | Path,
+    split: str,
+    item_range: tuple[int, int],
+    *,
+    sample_users: int | None = None,
+    seed: int = 0,
+    exclude_splits: Sequence[str] = ("train",),
+) -> EvaluationData:
+    """Read what evaluating ``split`` needs (one pass over ``split``'s files for the users, one for their items,
+    one over ``exclude_splits``), for this rank's catalog rows ``item_range = (start, stop)``."""
+    manifest = layout.load_manifest(data_root)
+    num_users = int(manifest["num_users"])
+    for name in exclude_splits:
+        layout.split_info(manifest, name)
+    candidates = _users_with_items(data_root, split)
+    users = _sample(candidates, sample_users, seed)
+    if len(users) == 0:
+        raise ValueError(f"split {split!r} of {data_root} has no users to evaluate")
+    relevant = _items_of_users(data_root, [split], users, num_users)
+    excluded = _items_of_users(data_root, list(exclude_splits), users, num_users, item_range=tuple(item_range))
+    return EvaluationData(
+        split,
+        users,
+        len(candidates),
+        relevant,
+        excluded,
+        (int(item_range[0]), int(item_range[1])),
+        tuple(exclude_splits),
+    )
+
+
 def evaluate_model(
     user_vectors_fn: Callable[[torch.Tensor], torch.Tensor],
     shard: CatalogShard,
@@ -110,6 +174,7 @@ def evaluate_model(
     batch_size: int = 1024,
     exclude_splits: Sequence[str] = ("train",),
     max_score_elements: int = MAX_SCORE_ELEMENTS,
+    data: EvaluationData | None = None,
 ) -> dict:
     """Recall@K, AP@K and Accuracy of ranking the full catalog for the users of ``split``; collective.
 
@@ -127,6 +192,8 @@ def evaluate_model(
             item in ``split``.
         batch_size: users per batch (lowered when ``b x ceil(n / W)`` scores would exceed ``max_score_elements``).
         exclude_splits: splits whose items of the user are never recommended (its train items by default).
+        data: the split's :class:`EvaluationData` built earlier (then ``sample_users``, ``seed`` and
+            ``exclude_splits`` are those it was built with, and no dataset file is read).
 
     Returns ``{"accuracy", "recall@K", "ap@K" (for each K), "users", "skipped_users", "split", "num_items",
     "candidate_users", "sampled"}``, the same on every rank: ``users`` counts the users scored,
@@ -136,13 +203,22 @@ def evaluate_model(
     ks = sorted({int(k) for k in ks})
     if not ks or ks[0] < 1:
         raise ValueError(f"ks must be positive cut-offs, got {ks}")
-    manifest = layout.load_manifest(data_root)
-    num_users = int(manifest["num_users"])
-    candidates = _users_with_items(data_root, split)
-    users = _sample(candidates, sample_users, seed)
-    if len(users) == 0:
-        raise ValueError(f"split {split!r} of {data_root} has no users to evaluate")
-    relevant_indptr, relevant_items = _items_of_users(data_root, [split], users, num_users)
+    if data is None:
+        data = evaluation_data(
+            data_root,
+            split,
+            (shard.start, shard.stop),
+            sample_users=sample_users,
+            seed=seed,
+            exclude_splits=exclude_splits,
+        )
+    elif (data.split, data.item_range) != (split, (shard.start, shard.stop)):
+        raise ValueError(
+            f"evaluation data of split {data.split!r}, rows {data.item_range} do not fit split {split!r}, "
+            f"rows {(shard.start, shard.stop)}"
+        )
+    users = data.users
+    relevant_indptr, relevant_items = data.relevant
     results = []
     batches = ranked_batches(
         user_vectors_fn,
@@ -152,8 +228,9 @@ def evaluate_model(
         max(ks),
         group=group,
         batch_size=batch_size,
-        exclude_splits=exclude_splits,
+        exclude_splits=data.exclude_splits,
         max_score_elements=max_score_elements,
+        excluded=data.excluded,
     )
     for first, last, top_ids in batches:
         relevant = (
@@ -168,8 +245,8 @@ def evaluate_model(
         skipped_users=total["skipped_users"],
         split=split,
         num_items=shard.num_items,
-        candidate_users=len(candidates),
-        sampled=len(users) < len(candidates),
+        candidate_users=data.candidate_users,
+        sampled=len(users) < data.candidate_users,
     )
     return summary
 
@@ -185,6 +262,7 @@ def ranked_batches(
     batch_size: int = 1024,
     exclude_splits: Sequence[str] = ("train",),
     max_score_elements: int = MAX_SCORE_ELEMENTS,
+    excluded: tuple[np.ndarray, np.ndarray] | None = None,
 ) -> Iterator[tuple[int, int, torch.Tensor]]:
     """Rank the full catalog for ``users`` batch by batch; collective (same arguments on every rank).
 
@@ -193,7 +271,8 @@ def ranked_batches(
     with fewer eligible items), replicated on every rank. Scores are ``user_vectors_fn(ids) @ shard.weight.T``
     on the local rows and the ranking is ``distributed_topk`` (ties: lower id first), all under ``no_grad``.
     The number of users per batch, ``min(batch_size, max_score_elements // ceil(n / W))``, depends only on
-    figures every rank shares, so all ranks run the same batches.
+    figures every rank shares, so all ranks run the same batches. ``excluded``: the CSR of the users' excluded
+    items within this rank's rows when already read (``EvaluationData.excluded``).
     """
     if batch_size < 1:
         raise ValueError(f"batch_size must be positive, got {batch_size}")
@@ -208,9 +287,11 @@ def ranked_batches(
     users = np.asarray(users, dtype=np.int64)
     if len(users) and (users.min() < 0 or users.max() >= num_users):
         raise ValueError(f"user ids must lie in [0, {num_users}) for dataset {data_root}")
-    excluded_indptr, excluded_items = _items_of_users(
-        data_root, list(exclude_splits), users, num_users, item_range=(shard.start, shard.stop)
-    )
+    if excluded is None:
+        excluded = _items_of_users(
+            data_root, list(exclude_splits), users, num_users, item_range=(shard.start, shard.stop)
+        )
+    excluded_indptr, excluded_items = excluded
     widest_shard = math.ceil(num_items / group_size(group))
     rows_per_batch = max(1, min(int(batch_size), int(max_score_elements) // max(widest_shard, 1)))
     weight = shard.weight.detach()

@@ -4,7 +4,7 @@
 initialises a gloo process group in each (free TCP port on 127.0.0.1), runs ``fn(*args)`` and returns the
 per-rank results. When any rank raises or dies (even by ``os._exit``), the others are killed at once (they
 would otherwise wait forever in a collective) and :class:`WorkerError` is raised with that rank's traceback.
-Ray Train replaces this module on clusters; the worker functions (``bigrank.train.loop``) are the same.
+Ray Train replaces this module on clusters; the worker functions (``bigrank.train.workers``) are the same.
 """
 
 from __future__ import annotations

@@ -1,0 +1,57 @@
+"""When and how the trainer evaluates: full-catalog ranking metrics, with each split's data read once per run."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from bigrank.config import Config
+from bigrank.train.evaluate import EvaluationData, evaluate_model, evaluation_data
+from bigrank.train.model import Model, user_vectors_fn
+
+__all__ = ["Evaluator"]
+
+
+class Evaluator:
+    """Runs ``evaluate_model`` on the model of this rank (collective) and decides when it is due.
+
+    The users, relevant items and excluded (train) items of a split are read from the dataset the first time
+    the split is evaluated and reused afterwards (keyed by the user sample), so evaluating every epoch costs
+    the scoring only.
+    """
+
+    def __init__(self, config: Config, model: Model, group):
+        self.config, self.model, self.group = config, model, group
+        self._data: dict[tuple[str, int | None], EvaluationData] = {}
+
+    def due(self, epoch: int, *, epoch_end: bool, last: bool) -> bool:
+        """Evaluate during training after epoch ``epoch`` (1-based count of finished epochs) every
+        ``eval.every_epochs`` epochs, except after the last step (the final evaluation covers it)."""
+        every = self.config.eval.every_epochs
+        return bool(every) and epoch_end and not last and epoch % every == 0
+
+    def data(self, split: str, sample_users: int | None) -> EvaluationData:
+        key = (split, sample_users)
+        if key not in self._data:
+            shard = self.model.shard
+            self._data[key] = evaluation_data(
+                self.config.data.root,
+                split,
+                (shard.start, shard.stop),
+                sample_users=sample_users,
+                seed=self.config.seed,
+            )
+        return self._data[key]
+
+    def evaluate(self, split: str, sample_users: int | None | str = "config") -> dict[str, Any]:
+        """Recall@K, AP@K and Accuracy of ``split`` (``eval.sample_users`` unless given)."""
+        sample = self.config.eval.sample_users if sample_users == "config" else sample_users
+        return evaluate_model(
+            user_vectors_fn(self.model),
+            self.model.shard,
+            self.config.data.root,
+            split,
+            list(self.config.eval.ks),
+            group=self.group,
+            batch_size=self.config.eval.batch_size,
+            data=self.data(split, sample),
+        )

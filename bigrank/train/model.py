@@ -1,0 +1,113 @@
+"""The item-parallel model of one rank: the torchrec-sharded user tower and this rank's catalog shard.
+
+::
+
+    users         int64[b]                      a rank's batch (b = B / W)
+    u_local       = user_vectors(model, users)  float[b, d]   row-wise sharded torchrec table (+ history bag)
+    V_r           = model.shard.weight           float[n_r, d] this rank's catalog rows [start_r, stop_r)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from bigrank.config import Config
+from bigrank.data.manifest import DatasetManifest
+from bigrank.distributed.catalog import CatalogShard
+
+__all__ = ["Model", "build_model", "model_identity", "user_vectors", "user_vectors_fn"]
+
+
+@dataclass
+class Model:
+    """The item-parallel model of one rank: the sharded user tower and the catalog shard."""
+
+    tower: Any  # DistributedModelParallel around bigrank.model.towers.UserTower
+    shard: CatalogShard
+    plan: Any
+    num_users: int
+    num_items: int
+    history: tuple[np.ndarray, np.ndarray] | None  # (indptr, items) CSR of the train split, when used
+
+    @property
+    def user_module(self):
+        return self.tower.module
+
+
+def build_model(config: Config, group, manifest: DatasetManifest | None = None) -> Model:
+    """Build the sharded user tower and this rank's catalog shard (collective)."""
+    from bigrank.data.stream import read_user_items
+    from bigrank.model.sharding import shard_row_wise
+    from bigrank.model.towers import UserTower
+
+    manifest = manifest or DatasetManifest.load(config.data.root)
+    model_cfg = config.model
+    tower = UserTower(
+        manifest.num_users,
+        model_cfg.dim,
+        num_items=manifest.num_items if model_cfg.history else None,
+        history=model_cfg.history,
+        init_std=model_cfg.init_std,
+        seed=config.seed,
+        device="meta",
+    )
+    dmp, plan = shard_row_wise(
+        tower, optimizer=config.optim.user_optimizer, lr=config.optim.user_lr, process_group=group
+    )
+    shard = CatalogShard(
+        manifest.num_items, model_cfg.dim, group, init_std=model_cfg.item_init_std, seed=config.seed + 1
+    )
+    history = read_user_items(config.data.root, "train", manifest.num_users) if model_cfg.history else None
+    return Model(dmp, shard, plan, manifest.num_users, manifest.num_items, history)
+
+
+def model_identity(config: Config, model: Model) -> dict[str, Any]:
+    """The settings a checkpoint's tensors depend on (a resume with other values cannot load them)."""
+    return {
+        "model.dim": config.model.dim,
+        "model.history": config.model.history,
+        "dataset users": model.num_users,
+        "dataset items": model.num_items,
+        "optim.user_optimizer": config.optim.user_optimizer,
+        "optim.item_optimizer": config.optim.item_optimizer,
+    }
+
+
+def _history_bags(history, user_ids: torch.Tensor, exclude: torch.Tensor | None):
+    """``(values, lengths)`` of each user's train items, minus the row's own positive ``exclude`` (training:
+    the bag must not contain the item being predicted). Unknown users (id < 0) get an empty bag."""
+    indptr, items = history
+    parts, lengths = [], []
+    excluded = exclude.tolist() if exclude is not None else None
+    for k, user in enumerate(user_ids.tolist()):
+        row = items[indptr[user] : indptr[user + 1]] if user >= 0 else items[:0]
+        if excluded is not None:
+            row = row[row != excluded[k]]
+        parts.append(row)
+        lengths.append(len(row))
+    values = np.concatenate(parts).astype(np.int64) if parts else np.empty(0, np.int64)
+    return torch.from_numpy(values), torch.tensor(lengths, dtype=torch.int64)
+
+
+def user_vectors(model: Model, user_ids: torch.Tensor, *, pad_to: int | None = None, exclude=None) -> torch.Tensor:
+    """User vectors float32[len(user_ids), d] (collective: every rank calls it with the same ``pad_to``).
+
+    ``exclude``: int64[b] item to leave out of each user's history bag (training); ids < 0 are unknown users.
+    """
+    history = None if model.history is None else _history_bags(model.history, user_ids, exclude)
+    features = model.user_module.features(user_ids, history, pad_to=pad_to)
+    return model.tower(features)[: user_ids.numel()]
+
+
+def user_vectors_fn(model: Model):
+    """``fn(user_ids int64[b]) -> float[b, d]`` for evaluation (no grad; callers pad collectively)."""
+
+    def fn(user_ids: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            return user_vectors(model, torch.as_tensor(user_ids, dtype=torch.int64))
+
+    return fn

@@ -1,0 +1,440 @@
+"""The Trainer: every rank of an initialised process group runs ``Trainer(config).train()``.
+
+One step on rank r of W (global batch B, local batch b = B/W)::
+
+    users, items  = the rank's next batch of (user, item) train pairs         ParquetStream, same steps on all ranks
+    u_local       = tower(users)              [b, d]                           torchrec row-wise sharded user table
+    U             = all_gather_rows(u_local)  [B, d]      (backward: reduce-scatter of dL/dU to the owners)
+    target        = all-gathered items        [B]         global item ids
+    loss          = L(U @ V_r^T, target; group, offset=start_r)               V_r: this rank's catalog rows
+    loss.backward(); item_optimizer.step()                 the fused user-table optimizer updates in backward
+
+The loss is the loss of the global batch, replicated on every rank; the catalog rows get exactly their
+gradient of it, so no gradient all-reduce is needed.
+
+The trainer's parts each do one job: the stream (data position), the model (tower + catalog shard), the item
+optimizer, the step loss, the :class:`~bigrank.train.checkpoint.Checkpointer` (when to save; every stateful
+part registered once and saved/loaded generically through DCP, so a run resumes on any worker count), the
+:class:`~bigrank.train.evaluator.Evaluator` (when to evaluate; each split's data read once) and the
+:class:`RunLog` (``metrics.jsonl`` + TensorBoard). Process-group setup is the launcher's job (the local
+launcher, Ray Train).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from bigrank.atomic import write_text_atomic
+from bigrank.config import Config, config_from_dict, save_config
+from bigrank.data.manifest import DatasetManifest
+from bigrank.data.stream import ParquetStream
+from bigrank.distributed.collectives import all_gather_no_grad, all_gather_rows
+from bigrank.train.checkpoint import Checkpointer, latest_checkpoint, remove_partial_checkpoints
+from bigrank.train.evaluate import write_eval_json
+from bigrank.train.evaluator import Evaluator
+from bigrank.train.losses import StepLoss
+from bigrank.train.model import build_model, model_identity, user_vectors
+from bigrank.train.state import CatalogState, LossState, RNGState, StreamState, TowerState, TrainState
+
+__all__ = ["ItemOptimizer", "RunLog", "Trainer", "as_config", "require_process_group"]
+
+
+def as_config(config: Config | dict) -> Config:
+    """A Config from a Config or its ``to_dict()`` (what Ray passes as ``train_loop_config``)."""
+    return config if isinstance(config, Config) else config_from_dict(config)
+
+
+def require_process_group():
+    """``(group, rank, world_size)`` of the initialised default process group (RuntimeError when none)."""
+    if not dist.is_initialized():
+        raise RuntimeError(
+            "bigrank's workers need an initialised torch.distributed process group: start them with "
+            "bigrank.train.launcher.launch_local (or Ray Train)"
+        )
+    group = dist.group.WORLD
+    return group, dist.get_rank(group), dist.get_world_size(group)
+
+
+# ----------------------------------------------------------------------------------------- item optimizer
+class ItemOptimizer:
+    """The catalog shard's optimizer (``optim.item_optimizer``: torch.optim SGD, Adagrad or Adam on the rows).
+
+    Its state is exposed for checkpoints as row-aligned tensors (``row_state``: ``[n_local, ...]``, saved
+    row-sharded) and scalars (``scalar_state``: the step count), created up front so that a checkpoint can be
+    loaded into it before the first step.
+    """
+
+    def __init__(self, config: Config, weight: torch.nn.Parameter):
+        optim = config.optim
+        self.weight = weight
+        if optim.item_optimizer == "sgd":
+            self.inner = torch.optim.SGD([weight], lr=optim.item_lr, weight_decay=optim.weight_decay)
+        elif optim.item_optimizer == "adagrad":
+            self.inner = torch.optim.Adagrad([weight], lr=optim.item_lr, weight_decay=optim.weight_decay)
+        else:
+            self.inner = torch.optim.Adam([weight], lr=optim.item_lr, weight_decay=optim.weight_decay)
+            self.inner.state[weight] = {  # torch creates Adam's state lazily; a checkpoint needs it now
+                "step": torch.tensor(0.0),
+                "exp_avg": torch.zeros_like(weight, memory_format=torch.preserve_format),
+                "exp_avg_sq": torch.zeros_like(weight, memory_format=torch.preserve_format),
+            }
+
+    def zero_grad(self) -> None:
+        self.inner.zero_grad(set_to_none=True)
+
+    def step(self) -> None:
+        self.inner.step()
+
+    def _state(self) -> dict[str, torch.Tensor]:
+        return self.inner.state.get(self.weight, {})
+
+    def row_state(self) -> dict[str, torch.Tensor]:
+        rows = self.weight.shape[0]
+        return {k: v for k, v in self._state().items() if torch.is_tensor(v) and v.dim() >= 1 and v.shape[0] == rows}
+
+    def scalar_state(self) -> dict[str, torch.Tensor]:
+        row_names = set(self.row_state())
+        return {k: v for k, v in self._state().items() if torch.is_tensor(v) and k not in row_names}
+
+    def after_load(self) -> None:
+        pass  # the checkpoint wrote the state tensors in place
+
+
+# ------------------------------------------------------------------------------------------- run records
+class RunLog:
+    """Rank 0's records: ``metrics.jsonl`` (one JSON object per line) and TensorBoard events."""
+
+    def __init__(self, run_dir: Path, enabled: bool, resume_step: int):
+        self.enabled = enabled
+        self.path = run_dir / "metrics.jsonl"
+        self.writer = None
+        if not enabled:
+            return
+        if self.path.exists():  # a resumed run: drop what was logged after the checkpoint it resumes from
+            kept = [line for line in self.path.read_text().splitlines() if _step_of(line) <= resume_step]
+            write_text_atomic(self.path, "".join(line + "\n" for line in kept))
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.writer = SummaryWriter(str(run_dir / "tensorboard"), purge_step=resume_step or None)
+        except ImportError:  # tensorboard is optional
+            self.writer = None
+
+    def write(self, record: dict[str, Any], prefix: str) -> None:
+        if not self.enabled:
+            return
+        with open(self.path, "a") as handle:
+            handle.write(json.dumps(record) + "\n")
+        if self.writer is not None:
+            for key, value in record.items():
+                if key not in ("step", "epoch", "type", "split") and isinstance(value, int | float):
+                    self.writer.add_scalar(f"{prefix}/{key}", value, record["step"])
+            self.writer.flush()
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+
+
+def _step_of(line: str) -> int:
+    try:
+        return int(json.loads(line).get("step", 0))
+    except (ValueError, AttributeError):
+        return 0
+
+
+class _Window:
+    """Loss and throughput over the steps since the last log record (time of steps only, data wait included)."""
+
+    def __init__(self):
+        self.loss, self.steps, self.seconds = 0.0, 0, 0.0
+
+    def add(self, loss: float, seconds: float) -> None:
+        self.loss, self.steps, self.seconds = self.loss + loss, self.steps + 1, self.seconds + seconds
+
+
+# ---------------------------------------------------------------------------------------------- trainer
+class Trainer:
+    """Train (or resume) the run of ``config`` in this process; every rank of the group builds one.
+
+    Needs ``torch.distributed`` initialised (gloo on CPU) with any number of ranks dividing
+    ``train.batch_size``; resumes from the newest complete checkpoint of ``run_dir``, whatever worker count
+    wrote it (the data position is re-split as ``bigrank.data.stream`` documents).
+    """
+
+    def __init__(self, config: Config | dict):
+        from bigrank.model.sharding import format_plan, silence_torchrec_step_warnings, write_plan
+
+        self.config = config = as_config(config)
+        self.group, self.rank, self.world_size = require_process_group()
+        silence_torchrec_step_warnings()
+        train_cfg = config.train
+        if train_cfg.batch_size % self.world_size:
+            raise ValueError(
+                f"train.batch_size={train_cfg.batch_size} is not divisible by the {self.world_size} workers"
+            )
+        self.run_dir = Path(config.run_dir)
+        if self.rank == 0:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            save_config(config, self.run_dir / "config.yaml")
+            remove_partial_checkpoints(self.run_dir)
+        dist.barrier(self.group)
+        torch.manual_seed(config.seed * 1_000 + self.rank)
+
+        self.manifest = DatasetManifest.load(config.data.root)
+        self.model = model = build_model(config, self.group, self.manifest)
+        if self.rank == 0:
+            plan_text = format_plan(model.plan)
+            print(f"sharding plan ({self.world_size} workers):\n{plan_text}", flush=True)
+            (self.run_dir / "plan.txt").write_text(plan_text + "\n")
+            write_plan(model.plan, self.run_dir / "plan.json")
+        self.local_batch = train_cfg.batch_size // self.world_size
+        self.stream = ParquetStream(
+            config.data.root,
+            "train",
+            self.local_batch,
+            rank=self.rank,
+            world_size=self.world_size,
+            seed=config.seed,
+            shuffle_buffer=config.data.shuffle_buffer,
+            drop_last=train_cfg.drop_last,
+            prefetch=config.data.prefetch,
+        )
+        if self.stream.steps_per_epoch() < 1:
+            raise ValueError(f"train split too small: no full step of {train_cfg.batch_size} rows (train.batch_size)")
+        shard = model.shard
+        self.item_optimizer = ItemOptimizer(config, shard.weight)
+        self.step_loss = StepLoss(
+            config.loss,
+            num_items=model.num_items,
+            shard_start=shard.start,
+            shard_stop=shard.stop,
+            item_counts=_item_counts(config.data.root, shard.start, shard.stop) if self._needs_counts() else None,
+            seed=config.seed,
+            rank=self.rank,
+        )
+        self.state = TrainState()
+        self.checkpointer = Checkpointer(
+            self.run_dir,
+            {
+                "tower": TowerState(model.tower),
+                "catalog": CatalogState(shard, self.item_optimizer),
+                "stream": StreamState(self.stream),
+                "loss": LossState(self.step_loss),
+                "train": self.state,
+            },
+            rank_parts={"rng": RNGState()},
+            every=train_cfg.checkpoint_every,
+            keep=train_cfg.keep_checkpoints,
+            identity=model_identity(config, model),
+            group=self.group,
+        )
+        self.evaluator = Evaluator(config, model, self.group)
+        self.eval_history: list[dict] = []
+
+    def _needs_counts(self) -> bool:
+        return self.config.loss.sampler == "popularity" and self.config.loss.candidates == "sampled"
+
+    # ----- the loop -----
+    def train(self) -> dict[str, Any]:
+        """Train until ``train.epochs`` epochs (or ``train.max_steps`` steps) are done; returns the summary."""
+        resumed_from = self.resume()
+        self.log = RunLog(self.run_dir, self.rank == 0, self.state.step)
+        progress = self._progress_bar()
+        window, examples, train_seconds = _Window(), 0, 0.0
+        tick = time.perf_counter()
+        try:
+            while not self.finished():
+                epoch = self.stream.epoch
+                for batch in self.stream:
+                    loss, rows = self.train_step(batch)
+                    seconds = time.perf_counter() - tick
+                    window.add(loss, seconds)
+                    examples, train_seconds = examples + rows, train_seconds + seconds
+                    epoch_end, last = self.stream.epoch != epoch, self.finished()
+                    if self.state.step % self.config.train.log_every == 0 or last:
+                        self._log_train(window, progress)
+                        window = _Window()
+                    progress.update(1)
+                    if self.evaluator.due(self.stream.epoch, epoch_end=epoch_end, last=last):
+                        self._evaluate_during_training()
+                    if self.checkpointer.due(self.state.step, epoch_end=epoch_end, last=last):
+                        self.save_checkpoint()
+                    if last:
+                        break
+                    tick = time.perf_counter()
+            if self.checkpointer.last is None or self.checkpointer.last.name != f"step-{self.state.step:08d}":
+                self.save_checkpoint()
+        finally:
+            progress.close()
+        final_eval = self._final_evaluation(examples)
+        self.log.close()
+        dist.barrier(self.group)
+        return self._summary(resumed_from, examples, train_seconds, final_eval)
+
+    def train_step(self, batch: dict[str, torch.Tensor]) -> tuple[float, int]:
+        """One optimisation step on the global batch; returns ``(loss, rows of the global batch)``."""
+        _fail_once(self.config, self.run_dir, self.state.step + 1, self.rank)
+        users, items = batch["user_id"], batch["item_id"]
+        local_vectors = user_vectors(self.model, users, pad_to=self.local_batch, exclude=items)
+        global_vectors = all_gather_rows(local_vectors, self.group)
+        target = all_gather_no_grad(items, self.group)
+        loss = self.step_loss(
+            global_vectors,
+            target,
+            self.model.shard.weight,
+            group=self.group,
+            chunk_size=self.config.train.chunk_size,
+            step=self.state.step,
+        )
+        if self.config.debug.nan_at_step == self.state.step + 1:
+            loss = loss * float("nan")
+        value = float(loss.detach())
+        if not math.isfinite(value):
+            last = self.checkpointer.last
+            where = f"the last good checkpoint is {last}" if last else "no checkpoint yet"
+            raise FloatingPointError(
+                f"loss is {value} at step {self.state.step + 1} (epoch {self.stream.epoch}); {where}. "
+                "Lower optim.item_lr / optim.user_lr or check the data; the run stopped before updating."
+            )
+        self.item_optimizer.zero_grad()
+        loss.backward()
+        self.item_optimizer.step()
+        self.step_loss.after_step()
+        self.state.step += 1
+        self.state.first_loss = value if self.state.first_loss is None else self.state.first_loss
+        self.state.last_loss = value
+        return value, int(target.numel())
+
+    def finished(self) -> bool:
+        max_steps = self.config.train.max_steps
+        return self.stream.epoch >= self.config.train.epochs or (max_steps is not None and self.state.step >= max_steps)
+
+    # ----- checkpoints -----
+    def resume(self) -> Path | None:
+        """Load the newest complete checkpoint of the run, if any (collective); returns its path."""
+        path = latest_checkpoint(self.run_dir)
+        if path is None:
+            return None
+        meta = self.checkpointer.load(path)
+        if self.rank == 0:
+            saved = meta.get("world_size", self.world_size)
+            note = "" if saved == self.world_size else f", written by {saved} workers, now {self.world_size}"
+            print(f"resuming from {path} (step {self.state.step}{note})", flush=True)
+        return path
+
+    def save_checkpoint(self) -> Path:
+        meta = {"epoch": self.stream.epoch, "last_loss": self.state.last_loss, "first_loss": self.state.first_loss}
+        return self.checkpointer.save(self.state.step, meta)
+
+    # ----- records -----
+    def epochs_done(self) -> float:
+        return self.state.step / self.stream.steps_per_epoch()
+
+    def _progress_bar(self):
+        from tqdm import tqdm
+
+        cfg = self.config.train
+        left = self.stream.steps_left_in_epoch() + (cfg.epochs - self.stream.epoch - 1) * self.stream.steps_per_epoch()
+        total = self.state.step + max(left, 0)
+        if cfg.max_steps is not None:
+            total = min(total, cfg.max_steps)
+        return tqdm(
+            total=total,
+            initial=self.state.step,
+            disable=self.rank != 0 or not cfg.progress,
+            desc="train",
+            unit="step",
+            mininterval=0.1 if sys.stderr.isatty() else 30.0,  # logs (Ray, files) get a line every 30 s
+        )
+
+    def _log_train(self, window: _Window, progress) -> None:
+        record = {
+            "type": "train",
+            "step": self.state.step,
+            "epoch": self.epochs_done(),
+            "loss": window.loss / window.steps,
+            "examples_per_s": window.steps * self.config.train.batch_size / max(window.seconds, 1e-9),
+            "lr": self.config.optim.item_lr,
+            "user_lr": self.config.optim.user_lr,
+        }
+        if self.step_loss.temperature is not None:
+            record["temperature"] = self.step_loss.temperature
+        self.log.write(record, "train")
+        progress.set_postfix(loss=f"{record['loss']:.4f}", ex_s=f"{record['examples_per_s']:.0f}")
+
+    def _evaluate_during_training(self) -> None:
+        split = self.config.eval.splits[0]
+        results = self.evaluator.evaluate(split)
+        record = {"type": "eval", "split": split, "step": self.state.step, "epoch": self.stream.epoch, **results}
+        self.log.write(record, f"eval_{split}")
+        self.eval_history.append(record)
+
+    def _final_evaluation(self, examples: int) -> dict[str, dict]:
+        final: dict[str, dict] = {}
+        if not self.config.eval.at_end or not (examples or not (self.run_dir / "eval.json").exists()):
+            return final
+        for split in self.config.eval.splits:
+            results = self.evaluator.evaluate(split)
+            final[split] = dict(results, step=self.state.step, epoch=self.epochs_done())
+            self.log.write(
+                {"type": "eval", "split": split, "step": self.state.step, "epoch": self.epochs_done(), **results},
+                f"eval_{split}",
+            )
+        if self.rank == 0:
+            write_eval_json(self.run_dir, final)
+        return final
+
+    def _summary(self, resumed_from, examples: int, train_seconds: float, final_eval: dict) -> dict[str, Any]:
+        last = self.checkpointer.last
+        return {
+            "run_dir": str(self.run_dir),
+            "steps": self.state.step,
+            "steps_per_epoch": self.stream.steps_per_epoch(),
+            "epochs": self.epochs_done(),
+            "world_size": self.world_size,
+            "first_loss": self.state.first_loss,
+            "last_loss": self.state.last_loss,
+            "examples": examples,
+            "examples_per_s": examples / train_seconds if train_seconds else None,
+            "train_seconds": train_seconds,
+            "checkpoint": str(last) if last else None,
+            "resumed_from": str(resumed_from) if resumed_from else None,
+            "eval": final_eval or None,
+            "eval_history": self.eval_history,
+        }
+
+
+def _item_counts(root: str, start: int, stop: int) -> torch.Tensor:
+    """Train interactions of items ``[start, stop)`` (popularity sampler), read row group by row group."""
+    import numpy as np
+
+    from bigrank.data.stream import iter_row_groups
+
+    counts = np.zeros(stop - start, dtype=np.int64)
+    for group in iter_row_groups(root, "train", columns=("item_id",)):
+        items = group["item_id"].astype(np.int64)
+        items = items[(items >= start) & (items < stop)] - start
+        counts += np.bincount(items, minlength=stop - start)
+    return torch.from_numpy(counts)
+
+
+def _fail_once(config: Config, run_dir: Path, step: int, rank: int) -> None:
+    """Test switch ``debug.fail_at_step``: rank ``fail_rank`` dies (no clean-up) the first time it reaches the step."""
+    debug = config.debug
+    if debug.fail_at_step != step or rank != debug.fail_rank:
+        return
+    marker = run_dir / f".debug-failed-at-{step}"
+    if marker.exists():
+        return
+    marker.write_text(f"rank {rank} exited on purpose at step {step}\n")
+    os._exit(17)

@@ -1,0 +1,114 @@
+"""The functions every rank runs, after the launcher (local processes or Ray Train) set up the process group:
+``train_worker`` (a :class:`~bigrank.train.trainer.Trainer`), ``evaluate_worker`` and ``export_worker`` (load a
+checkpoint on any number of workers: the checkpoint reshards through DCP)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+
+from bigrank.config import Config
+from bigrank.train.checkpoint import Checkpointer, latest_checkpoint
+from bigrank.train.evaluate import write_eval_json
+from bigrank.train.evaluator import Evaluator
+from bigrank.train.model import Model, build_model, model_identity
+from bigrank.train.state import CatalogWeights, TowerState
+from bigrank.train.trainer import Trainer, as_config, require_process_group
+
+__all__ = ["evaluate_worker", "export_worker", "load_trained_model", "train_worker"]
+
+
+def train_worker(config: Config | dict) -> dict[str, Any]:
+    """Train (or resume) the run of ``config`` in this process (every rank calls it); returns the summary
+    (same on every rank): steps, epochs, first/last loss, examples/s, the final checkpoint, the evaluation.
+    Raises FloatingPointError when the loss is NaN/inf (naming the step and the last good checkpoint)."""
+    return Trainer(config).train()
+
+
+def load_trained_model(config: Config, checkpoint: str | None = None) -> tuple[Model, dict, Path]:
+    """The model of a checkpoint (default: the run's newest) on this process group, any worker count
+    (collective). Returns ``(model, trainer.json of the checkpoint, its path)``."""
+    from bigrank.model.sharding import silence_torchrec_step_warnings
+
+    group, _, _ = require_process_group()
+    silence_torchrec_step_warnings()
+    path = Path(checkpoint) if checkpoint else latest_checkpoint(config.run_dir)
+    if path is None:
+        raise FileNotFoundError(f"no complete checkpoint in {Path(config.run_dir) / 'checkpoints'}")
+    model = build_model(config, group)
+    parts = {"tower": TowerState(model.tower), "catalog": CatalogWeights(model.shard)}
+    checkpointer = Checkpointer(config.run_dir, parts, every=None, keep=1, identity=model_identity(config, model))
+    meta = checkpointer.load(path, parts)
+    return model, meta, path
+
+
+def evaluate_worker(
+    config: Config | dict, checkpoint: str | None = None, splits: list[str] | None = None, sample_users=None
+) -> dict[str, Any]:
+    """Evaluate a checkpoint (default: the newest) on ``splits`` (default ``eval.splits``); rank 0 writes
+    ``RUN_DIR/eval.json`` with one section per split. Collective. Returns the sections."""
+    config = as_config(config)
+    model, meta, path = load_trained_model(config, checkpoint)
+    group, rank, _ = require_process_group()
+    evaluator = Evaluator(config, model, group)
+    sample = config.eval.sample_users if sample_users is None else sample_users
+    results = {}
+    for split in splits or config.eval.splits:
+        values = evaluator.evaluate(split, sample)
+        results[split] = dict(values, step=int(meta["step"]), epoch=meta.get("epoch"), checkpoint=str(path))
+    if rank == 0:
+        write_eval_json(Path(config.run_dir), results)
+    dist.barrier(group)
+    return results
+
+
+def export_worker(
+    config: Config | dict,
+    out_dir: str,
+    checkpoint: str | None = None,
+    index: tuple[str, ...] = (),
+    quantize: tuple[str, ...] = (),
+) -> dict[str, Any]:
+    """Write the user (and history) and item embeddings of a checkpoint (default: the newest) with
+    ``bigrank.export.writer.export_embeddings``, each rank its own rows. Collective; returns the export
+    manifest (rank 0) or None."""
+    from bigrank.export.writer import export_embeddings
+    from bigrank.model.sharding import local_table_rows, local_user_rows
+    from bigrank.model.towers import HISTORY_TABLE
+
+    config = as_config(config)
+    model, meta, path = load_trained_model(config, checkpoint)
+    group, rank, world_size = require_process_group()
+    user_start, user_stop, user_rows = local_user_rows(model.user_module)
+    history_rows = None
+    if config.model.history:
+        start, stop, rows = local_table_rows(model.user_module, HISTORY_TABLE)
+        history_rows = (start, stop, rows.detach().clone())
+    shard = model.shard
+    info = {
+        "run_dir": config.run_dir,
+        "checkpoint": str(path),
+        "step": int(meta["step"]),
+        "dim": config.model.dim,
+        "loss": config.loss.name,
+        "has_history": config.model.history,
+        "num_users": model.num_users,
+        "num_items": model.num_items,
+    }
+    manifest = export_embeddings(
+        out_dir,
+        rank=rank,
+        world_size=world_size,
+        group=group,
+        item_rows=(shard.start, shard.stop, shard.weight.detach().clone()),
+        user_rows=(user_start, user_stop, user_rows.detach().clone()),
+        dataset_root=config.data.root,
+        model_info=info,
+        quantize=tuple(quantize),
+        history_rows=history_rows,
+        index=tuple(index),
+    )
+    dist.barrier(group)
+    return {"out": str(out_dir), "checkpoint": str(path), "manifest": manifest}
