@@ -215,9 +215,12 @@ def all_reduce_max(x: torch.Tensor, group: dist.ProcessGroup | None = None) -> t
     return out
 
 
-def all_gather_no_grad(x: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
-    """Concatenate ``x`` from all ranks along dim 0 without autograd (evaluation, thresholds, checks)."""
+def all_gather_no_grad(
+    x: torch.Tensor, group: dist.ProcessGroup | None = None, sizes: list[int] | None = None
+) -> torch.Tensor:
+    """Concatenate ``x`` from all ranks along dim 0 without autograd (evaluation, thresholds, checks);
+    ``sizes`` (per-rank rows) skips the size exchange when the caller knows them."""
     if not is_distributed(group):
         return x.detach()
-    gathered, _ = _all_gather_dim0(x.detach(), group, None)
+    gathered, _ = _all_gather_dim0(x.detach(), group, sizes)
     return gathered

@@ -286,8 +286,8 @@ class Trainer:
         _fail_once(self.config, self.run_dir, self.state.step + 1, self.rank)
         users, items = batch["user_id"], batch["item_id"]
         local_vectors = user_vectors(self.model, users, pad_to=self.local_batch, exclude=items)
-        global_vectors = all_gather_rows(local_vectors, self.group)
-        target = all_gather_no_grad(items, self.group)
+        target, sizes = self._gather_targets(items)
+        global_vectors = all_gather_rows(local_vectors, self.group, sizes=sizes)
         loss = self.step_loss(
             global_vectors,
             target,
@@ -314,6 +314,16 @@ class Trainer:
         self.state.first_loss = value if self.state.first_loss is None else self.state.first_loss
         self.state.last_loss = value
         return value, int(target.numel())
+
+    def _gather_targets(self, items: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
+        """The global batch's positives int64[B'] and every rank's row count, in one all-gather: each rank sends
+        its items padded to the local batch with -1 (the last batch of an epoch can be smaller, even empty)."""
+        padded = torch.full((self.local_batch,), -1, dtype=torch.int64, device=items.device)
+        padded[: items.numel()] = items
+        gathered = all_gather_no_grad(padded, self.group, sizes=[self.local_batch] * self.world_size)
+        valid = gathered >= 0
+        sizes = valid.view(self.world_size, self.local_batch).sum(dim=1).tolist()
+        return gathered[valid], sizes
 
     def finished(self) -> bool:
         max_steps = self.config.train.max_steps
