@@ -7,6 +7,15 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
+
+from bigrank.data import manifest as layout
+from bigrank.data import synthetic
+from bigrank.data.expansion import expand_ratings, parse_multiplier
+from bigrank.data.movielens import ingest, read_ratings
+from bigrank.data.stream import iter_row_groups
+from bigrank.errors import CommandError
+
 
 def register(subparsers) -> None:
     """Add the data sub-commands to the ``bigrank`` parser."""
@@ -62,14 +71,8 @@ def register(subparsers) -> None:
 
 def load_seed_pairs(path: str | Path):
     """(users, items, num_users, num_items) of a seed: a bigrank dataset (all splits) or MovieLens ratings."""
-    import numpy as np
-
-    from bigrank.data import manifest as layout
-
     path = Path(path)
     if (path / layout.MANIFEST_NAME).is_file():
-        from bigrank.data.stream import iter_row_groups
-
         manifest = layout.load_manifest(path)
         users, items = [], []
         for split in manifest["splits"]:
@@ -79,8 +82,6 @@ def load_seed_pairs(path: str | Path):
         users, items = np.concatenate(users), np.concatenate(items)
         num_users, num_items = manifest["num_users"], manifest["num_items"]
     else:
-        from bigrank.data.movielens import read_ratings
-
         ratings = read_ratings(path)
         _, users = np.unique(ratings["user"], return_inverse=True)
         _, items = np.unique(ratings["item"], return_inverse=True)
@@ -90,20 +91,16 @@ def load_seed_pairs(path: str | Path):
 
 
 def run_generate(args: argparse.Namespace) -> int:
-    from bigrank.cli import CommandError
-
     started = time.perf_counter()
     if args.preset:
         if args.expand or args.target_ratings is not None:
             raise CommandError("--expand and --target-ratings go with --seed-ratings, not --preset")
-        from bigrank.data.synthetic import generate
-
-        manifest = generate(args.preset, args.out, seed=args.seed, resume=args.resume, progress=not args.no_progress)
+        manifest = synthetic.generate(
+            args.preset, args.out, seed=args.seed, resume=args.resume, progress=not args.no_progress
+        )
     else:
         if not args.expand:
             raise CommandError("--seed-ratings needs --expand AxB (e.g. --expand 16x32)")
-        from bigrank.data.expansion import expand_ratings, parse_multiplier
-
         multiplier = parse_multiplier(args.expand)
         users, items, num_users, num_items = load_seed_pairs(args.seed_ratings)
         manifest = expand_ratings(
@@ -126,16 +123,12 @@ def run_generate(args: argparse.Namespace) -> int:
 
 
 def run_ingest(args: argparse.Namespace) -> int:
-    from bigrank.data.movielens import ingest
-
     manifest = ingest(args.path, args.out, split=args.split, seed=args.seed)
     print(format_manifest(manifest, args.out))
     return 0
 
 
 def run_data_info(args: argparse.Namespace) -> int:
-    from bigrank.data import manifest as layout
-
     manifest = layout.validate_dataset(args.root) if args.check else layout.load_manifest(args.root)
     print(format_manifest(manifest, args.root))
     if args.check:
