@@ -2,9 +2,9 @@
 
 Each part of bigrank registers its own sub-commands: a module listed in ``COMMAND_MODULES`` exposes
 ``register(subparsers)``, which adds parsers whose ``func`` attribute runs the command and returns an exit
-code. The commands that start work call the run layer (``bigrank.run``). Optional heavy libraries (ray,
-torchrec, faiss, matplotlib, tensorboard) are imported where they are used; torch is imported with the
-command modules. Errors a user can fix (``bigrank.errors``) print one line and exit with status 2.
+code. The commands that start work call the run layer (``bigrank.run``), imported when the command runs:
+registering the commands imports no torch, ray or pyarrow, so ``bigrank --help`` starts at once. Errors a user
+can fix (``bigrank.errors``) print one line and exit with status 2.
 """
 
 from __future__ import annotations

@@ -26,7 +26,7 @@ from bigrank.data.manifest import load_manifest
 from bigrank.errors import CommandError, ConfigError
 from bigrank.launch.jobs import CONFIG_ENV
 from bigrank.launch.ray_train import train_on_ray
-from bigrank.losses.registry import check_loss_config
+from bigrank.losses.build import check_loss_config
 from bigrank.train.evaluate import format_eval_table
 from bigrank.train.launcher import WorkerError, launch_local
 from bigrank.train.loop import evaluate_worker, export_worker, train_worker

@@ -11,6 +11,8 @@ line of each edge.
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 PACKAGE_DIR = Path(__file__).resolve().parents[1] / "bigrank"
@@ -174,3 +176,18 @@ def test_the_bigrank_package_has_no_import_cycles():
     cycles = find_cycles(graph)
     report = "\n\n".join(describe(graph, cycle) for cycle in cycles)
     assert not cycles, f"{len(cycles)} import cycle(s) in bigrank:\n{report}"
+
+
+def test_the_cli_parser_and_a_config_load_without_torch(tmp_path):
+    """`bigrank --help`, `bigrank submit/status` only parse arguments and configs: they must not pay torch's
+    import (seconds); the loss registry and its parameter dataclasses are torch-free for that reason."""
+    config = tmp_path / "run.yaml"
+    config.write_text("data: {root: data/x}\nrun_dir: runs/x\nloss: {name: rankmax, params: {k: 3}}\n")
+    code = (
+        "import sys; from bigrank.cli import build_parser; from bigrank.config import load_config; "
+        f"build_parser(); c = load_config({str(config)!r}); assert c.loss.params['k'] == 3; "
+        "heavy = sorted(m for m in ('torch', 'ray', 'pyarrow', 'torchrec', 'faiss') if m in sys.modules); "
+        "print(heavy)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.strip() == "[]", out.stdout + out.stderr

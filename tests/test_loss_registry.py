@@ -14,7 +14,8 @@ import torch
 from bigrank.config import LossConfig, config_from_dict
 from bigrank.errors import ConfigError
 from bigrank.losses import registry
-from bigrank.losses.registry import LOSSES, CandidateLoss, build_loss, check_loss_config, parse_params
+from bigrank.losses.build import CandidateLoss, build_loss, check_loss_config
+from bigrank.losses.registry import LOSSES, parse_params
 
 REPO = Path(__file__).resolve().parents[1]
 

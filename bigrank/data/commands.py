@@ -7,14 +7,10 @@ import sys
 import time
 from pathlib import Path
 
-import numpy as np
-
-from bigrank.data import manifest as layout
-from bigrank.data import synthetic
-from bigrank.data.expansion import expand_ratings, parse_multiplier
-from bigrank.data.movielens import ingest, read_ratings
-from bigrank.data.stream import iter_row_groups
 from bigrank.errors import CommandError
+
+# The generators and readers (numpy, torch, pyarrow) are imported when a command runs, not when the CLI registers its
+# commands, so that `bigrank --help` starts in a fraction of a second.
 
 
 def register(subparsers) -> None:
@@ -72,6 +68,12 @@ def register(subparsers) -> None:
 def load_seed_pairs(path: str | Path):
     """(users, items, num_users, num_items) of a seed: a bigrank dataset (all splits) or MovieLens ratings."""
     path = Path(path)
+    import numpy as np
+
+    from bigrank.data import manifest as layout
+    from bigrank.data.movielens import read_ratings
+    from bigrank.data.stream import iter_row_groups
+
     if (path / layout.MANIFEST_NAME).is_file():
         manifest = layout.load_manifest(path)
         users, items = [], []
@@ -91,6 +93,9 @@ def load_seed_pairs(path: str | Path):
 
 
 def run_generate(args: argparse.Namespace) -> int:
+    from bigrank.data import synthetic
+    from bigrank.data.expansion import expand_ratings, parse_multiplier
+
     started = time.perf_counter()
     if args.preset:
         if args.expand or args.target_ratings is not None:
@@ -123,12 +128,16 @@ def run_generate(args: argparse.Namespace) -> int:
 
 
 def run_ingest(args: argparse.Namespace) -> int:
+    from bigrank.data.movielens import ingest
+
     manifest = ingest(args.path, args.out, split=args.split, seed=args.seed)
     print(format_manifest(manifest, args.out))
     return 0
 
 
 def run_data_info(args: argparse.Namespace) -> int:
+    from bigrank.data import manifest as layout
+
     manifest = layout.validate_dataset(args.root) if args.check else layout.load_manifest(args.root)
     print(format_manifest(manifest, args.root))
     if args.check:

@@ -47,8 +47,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from bigrank.config import Config
 from bigrank.errors import CommandError
 from bigrank.launch.jobs import read_auth_token
@@ -179,6 +177,7 @@ def ray_worker_loop(worker: Callable[[dict], dict], config_dict: dict[str, Any])
     logging.getLogger().setLevel(logging.WARNING)
 
     import ray.train
+    import torch  # the workers' imports: the driver of a cluster run needs neither torch nor torchrec
     import torchrec  # noqa: F401 - registers fbgemm/torchrec operators in the worker, where they are used
 
     cpus = int(os.environ.get("OMP_NUM_THREADS") or 0)

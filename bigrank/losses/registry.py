@@ -1,16 +1,20 @@
 """The one list of training losses: name → kind, parameters (``bigrank.losses.params``) and module.
 
 Everything that needs to know which losses exist reads :data:`LOSSES`: config validation
-(``bigrank.config``: ``loss.name`` choices, ``loss.params`` keys, types and values), the trainer
-(:func:`build_loss`, used by ``bigrank.train.losses.StepLoss``), the pre-flight of every entry point
-(``bigrank.run.prepare_run``) and the docs (:func:`markdown_table`, pasted in ``docs/architecture.md``).
+(``bigrank.config``: ``loss.name`` choices, ``loss.params`` keys, types and values), the trainer and the
+pre-flight of every entry point (``bigrank.losses.build.build_loss``, used by
+``bigrank.train.losses.StepLoss`` and ``bigrank.run.prepare_run``) and the docs (:func:`markdown_table`,
+pasted in ``docs/architecture.md``).
+
+This module imports no torch: a spec names its module and function by import path, resolved on first use
+(``spec.module``, ``spec.function``), so loading a config (``bigrank --help``, ``bigrank submit``) stays light.
 
 Kinds:
     * ``full_catalog``: the module is called ``(scores [B, n] or ChunkedScores, target int64[B], *, group,
       offset)`` over every item of the (item-parallel) catalog;
     * ``candidate``: the module is called ``(scores [B, C], labels bool [B, C], mask, *, group)`` over
-      candidate columns (the whole local shard, or sampled items); :class:`CandidateLoss` gives them one call
-      ``(..., group, log_q)``, ``log_q`` reaching sampled softmax only.
+      candidate columns (the whole local shard, or sampled items); ``bigrank.losses.build.CandidateLoss``
+      gives them one call ``(..., group, log_q)``, ``log_q`` reaching sampled softmax only.
 
 A loss's parameters in a config (``loss.params``) are the fields of its ``*Params`` dataclass; the defaults
 are the dataclass's, which ``tests/test_loss_registry.py`` checks against the loss function's and module's
@@ -20,15 +24,14 @@ own defaults.
 from __future__ import annotations
 
 import dataclasses
-import inspect
+import importlib
 import re
 import types
 import typing
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
-
-from torch import nn
+from functools import cached_property
+from typing import Any
 
 from bigrank.errors import ConfigError
 from bigrank.losses.params import (
@@ -41,23 +44,6 @@ from bigrank.losses.params import (
     SoftNDCGParams,
     SparsemaxParams,
 )
-from bigrank.losses.rankmax import RankmaxLoss, rankmax_loss
-from bigrank.losses.sampled import SampledSoftmaxLoss, sampled_softmax_loss
-from bigrank.losses.softmax import SoftmaxLoss, softmax_loss
-from bigrank.losses.softndcg import SoftNDCGLoss, softrank_ndcg_loss
-from bigrank.losses.softrank import (
-    PAUCAtBudgetLoss,
-    RecallAtQuantileLoss,
-    SmoothAPLoss,
-    pauc_at_budget_loss,
-    recall_at_quantile_loss,
-    smooth_ap_loss,
-)
-from bigrank.losses.sparsemax import SparsemaxLoss, sparsemax_loss
-from bigrank.losses.warmup import LossWarmupWrapper
-
-if TYPE_CHECKING:  # annotations only: bigrank.config imports this module
-    from bigrank.config import LossConfig
 
 __all__ = [
     "CANDIDATE",
@@ -65,10 +51,7 @@ __all__ = [
     "FULL_CATALOG",
     "FULL_CATALOG_LOSSES",
     "LOSSES",
-    "CandidateLoss",
     "LossSpec",
-    "build_loss",
-    "check_loss_config",
     "markdown_table",
     "parse_params",
 ]
@@ -77,42 +60,83 @@ FULL_CATALOG = "full_catalog"
 CANDIDATE = "candidate"
 
 
+def _resolve(path: str):
+    """``"package.module:Name"`` → the object (imports the module)."""
+    module, _, name = path.partition(":")
+    return getattr(importlib.import_module(module), name)
+
+
 @dataclass(frozen=True)
 class LossSpec:
-    """One loss: its config ``name``, ``kind`` (full_catalog | candidate), ``params`` dataclass, ``module``
-    class (built as ``module(**params)``) and the plain ``function`` the module wraps."""
+    """One loss: its config ``name``, ``kind`` (full_catalog | candidate), ``params`` dataclass, and the import
+    paths of its ``module`` class (built as ``module(**params)``) and of the plain ``function`` it wraps."""
 
     name: str
     kind: str
     params: type
-    module: type[nn.Module]
-    function: Callable
+    module_path: str
+    function_path: str
     summary: str
+
+    @cached_property
+    def module(self) -> type:
+        """The loss's ``nn.Module`` class (imports torch and the loss's module)."""
+        return _resolve(self.module_path)
+
+    @cached_property
+    def function(self) -> Callable:
+        """The loss function the module wraps."""
+        return _resolve(self.function_path)
+
+
+def _spec(name, kind, params, module, function, summary) -> LossSpec:
+    return LossSpec(name, kind, params, f"bigrank.losses.{module}", f"bigrank.losses.{function}", summary)
 
 
 LOSSES: dict[str, LossSpec] = {
     spec.name: spec
     for spec in (
-        LossSpec("rankmax", FULL_CATALOG, RankmaxParams, RankmaxLoss, rankmax_loss, "Rankmax (Kong et al. 2020)"),
-        LossSpec("softmax", FULL_CATALOG, SoftmaxParams, SoftmaxLoss, softmax_loss, "softmax cross-entropy"),
-        LossSpec("sparsemax", FULL_CATALOG, SparsemaxParams, SparsemaxLoss, sparsemax_loss, "sparsemax loss"),
-        LossSpec("smooth_ap", CANDIDATE, SmoothAPParams, SmoothAPLoss, smooth_ap_loss, "Smooth-AP"),
-        LossSpec(
+        _spec("rankmax", FULL_CATALOG, RankmaxParams, "rankmax:RankmaxLoss", "rankmax:rankmax_loss", "Rankmax"),
+        _spec("softmax", FULL_CATALOG, SoftmaxParams, "softmax:SoftmaxLoss", "softmax:softmax_loss", "softmax"),
+        _spec(
+            "sparsemax",
+            FULL_CATALOG,
+            SparsemaxParams,
+            "sparsemax:SparsemaxLoss",
+            "sparsemax:sparsemax_loss",
+            "sparsemax",
+        ),
+        _spec("smooth_ap", CANDIDATE, SmoothAPParams, "softrank:SmoothAPLoss", "softrank:smooth_ap_loss", "Smooth-AP"),
+        _spec(
             "recall_at_quantile",
             CANDIDATE,
             RecallAtQuantileParams,
-            RecallAtQuantileLoss,
-            recall_at_quantile_loss,
+            "softrank:RecallAtQuantileLoss",
+            "softrank:recall_at_quantile_loss",
             "soft Recall@quantile",
         ),
-        LossSpec("pauc_at_budget", CANDIDATE, PAUCAtBudgetParams, PAUCAtBudgetLoss, pauc_at_budget_loss, "partial AUC"),
-        LossSpec("softrank_ndcg", CANDIDATE, SoftNDCGParams, SoftNDCGLoss, softrank_ndcg_loss, "SoftRank NDCG"),
-        LossSpec(
+        _spec(
+            "pauc_at_budget",
+            CANDIDATE,
+            PAUCAtBudgetParams,
+            "softrank:PAUCAtBudgetLoss",
+            "softrank:pauc_at_budget_loss",
+            "partial AUC over a false-positive band",
+        ),
+        _spec(
+            "softrank_ndcg",
+            CANDIDATE,
+            SoftNDCGParams,
+            "softndcg:SoftNDCGLoss",
+            "softndcg:softrank_ndcg_loss",
+            "SoftRank NDCG",
+        ),
+        _spec(
             "sampled_softmax",
             CANDIDATE,
             SampledSoftmaxParams,
-            SampledSoftmaxLoss,
-            sampled_softmax_loss,
+            "sampled:SampledSoftmaxLoss",
+            "sampled:sampled_softmax_loss",
             "sampled softmax with the logQ correction",
         ),
     )
@@ -171,73 +195,6 @@ def parse_params(name: str, raw: dict[str, Any], key: str = "loss.params") -> di
     except ValueError as error:
         raise ConfigError(f"{key} ({name}): {error}") from None
     return dataclasses.asdict(params)
-
-
-class CandidateLoss(nn.Module):
-    """A candidate loss with the common call ``(scores [B, C], labels bool [B, C], mask, *, group, log_q)``.
-
-    ``log_q`` reaches ``sampled_softmax`` only (the soft-rank losses take no proposal correction);
-    ``temperature`` is the wrapped loss's (the one ``LossWarmupWrapper`` anneals).
-    """
-
-    def __init__(self, name: str, params: dict):
-        super().__init__()
-        spec = LOSSES[name]
-        if spec.kind != CANDIDATE:
-            raise ValueError(f"{name!r} is a {spec.kind} loss, not a candidate loss")
-        self.name = name
-        self.takes_log_q = "log_q" in inspect.signature(spec.module.forward).parameters
-        self.inner = spec.module(**params)
-
-    @property
-    def temperature(self) -> float:
-        return float(self.inner.temperature)
-
-    @temperature.setter
-    def temperature(self, value: float) -> None:
-        self.inner.temperature = value
-
-    def forward(self, scores, labels, mask=None, *, group=None, log_q=None):
-        if self.takes_log_q:
-            return self.inner(scores, labels, mask, group=group, log_q=log_q)
-        return self.inner(scores, labels, mask, group=group)
-
-
-def _module(name: str, params: dict, key: str) -> nn.Module:
-    params = parse_params(name, params, key)
-    try:
-        if LOSSES[name].kind == FULL_CATALOG:
-            return LOSSES[name].module(**params)
-        return CandidateLoss(name, params)
-    except ValueError as error:
-        raise ConfigError(f"{key} ({name}): {error}") from None
-
-
-def build_loss(config: LossConfig) -> nn.Module:
-    """The loss module of the ``loss`` config section: the named loss, wrapped in ``LossWarmupWrapper`` when
-    ``loss.warmup`` is set. Errors are ConfigErrors naming the key."""
-    main = _module(config.name, config.params, "loss.params")
-    if config.warmup is None:
-        return main
-    warm = config.warmup
-    warmup_loss = _module(warm.loss, warm.params, "loss.warmup.params")
-    try:
-        return LossWarmupWrapper(
-            warmup_loss,
-            main,
-            warmup_steps=warm.steps,
-            temp_start=warm.temp_start,
-            temp_end=warm.temp_end,
-            temp_decay_steps=warm.temp_decay_steps,
-            blend_steps=warm.blend_steps,
-        )
-    except ValueError as error:
-        raise ConfigError(f"loss.warmup: {error}") from None
-
-
-def check_loss_config(config: LossConfig) -> None:
-    """Build the loss once, so that any bad value is a ConfigError naming the key before a process starts."""
-    build_loss(config)
 
 
 def markdown_table() -> str:

@@ -16,7 +16,7 @@ the (replicated) loss of the global batch:
     accidental hit (labelled positive). ``log_q`` is the expected number of draws of each column under the
     rank's proposal (Yi et al. RecSys 2019), used by ``sampled_softmax`` only.
 
-The loss module comes from the loss registry (``bigrank.losses.registry.build_loss``).
+The loss module comes from the loss registry (``bigrank.losses.build.build_loss``).
 Optional warm-up (``loss.warmup``): :class:`bigrank.losses.warmup.LossWarmupWrapper` from the warm-up loss to
 the main loss with a geometric temperature schedule; its step counter is checkpointed (``state_dict``).
 """
@@ -27,7 +27,8 @@ import torch
 
 from bigrank.config import LossConfig
 from bigrank.data.samplers import PopularitySampler, UniformSampler
-from bigrank.losses.registry import FULL_CATALOG_LOSSES, build_loss
+from bigrank.losses.build import build_loss
+from bigrank.losses.registry import FULL_CATALOG_LOSSES
 
 __all__ = ["StepLoss"]
 
