@@ -45,8 +45,12 @@ def _config(root, run_dir, **ray):
 def two_node_cluster(monkeypatch):
     """A Ray head and a worker node with one CPU each; yields (cluster, worker_node); shuts both down."""
     import ray
+    import ray._private.ray_constants as ray_constants
     from ray.cluster_utils import Cluster
 
+    # ray.init rewrites 127.0.0.1 in a cluster address to this machine's public address, where the test
+    # cluster's GCS does not listen; with this flag off it keeps the loopback address (driver side only).
+    monkeypatch.setattr(ray_constants, "ENABLE_RAY_CLUSTER", False)
     # A fixed-size group that cannot be placed fails after this many seconds (Ray's default: 60).
     monkeypatch.setenv("RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S", "15")
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "node_ip_address": "127.0.0.1"})
@@ -54,6 +58,7 @@ def two_node_cluster(monkeypatch):
     cluster.wait_for_nodes()
     ray.init(
         address=cluster.address,
+        _node_ip_address="127.0.0.1",  # the driver too: Ray would otherwise pick the machine's public address
         runtime_env={"env_vars": {"GLOO_SOCKET_IFNAME": "lo", "PYTHONPATH": os.environ.get("PYTHONPATH", "")}},
         logging_config=ray.LoggingConfig(log_level="ERROR"),
     )

@@ -33,7 +33,8 @@ Elastic recovery (``ray.min_workers``). Ray Train 2.60 (Train v2, the default) t
 back to ``workers`` when resources return, checked every ``elastic_resize_monitor_interval_s``). The worker
 function resumes from the newest checkpoint on whatever worker count it gets. Without ``ray.min_workers`` the
 group size is fixed, and a restart that cannot place ``workers`` workers fails after Ray's worker-group start
-timeout (``RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S``, 60 s); the error then says to set ``ray.min_workers``.
+timeout (``RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S``, 60 s) has passed ``max(1, ray.max_failures) + 1`` times
+(Ray itself would wait forever, for an autoscaler); the error then says to set ``ray.min_workers``.
 """
 
 from __future__ import annotations
@@ -200,6 +201,14 @@ def scaling_workers(config: Config) -> int | tuple[int, int]:
     return (minimum, config.workers)
 
 
+def _placement_retries(config: Config) -> int:
+    """How many times a worker group that cannot be placed (fewer free CPUs/GPUs than it needs: a node gone)
+    is retried, each after Ray's start timeout, before the run fails. Ray's default (-1) waits forever, for an
+    autoscaler; bigrank allows as many such retries as restarts (``ray.max_failures``, at least one), so that
+    a cluster that lost a node for good ends with an error saying what to do."""
+    return -1 if config.ray.max_failures == -1 else max(1, config.ray.max_failures)
+
+
 def _failure_message(config: Config, error: BaseException) -> str:
     """The error of a failed Ray run; when the worker group could not be placed again, say how to go on."""
     message = f"Ray training of {config.run_dir} failed: {error}"
@@ -249,7 +258,10 @@ def train_on_ray(config: Config, worker: Callable[[dict], dict], *, address: str
     ray_start_seconds = time.perf_counter() - started
     print(f"ray ready in {ray_start_seconds:.1f} s", flush=True)
     try:
-        where = "an embedded local Ray runtime" if address is None else f"the Ray cluster at {address}"
+        if address is not None:
+            where = f"the Ray cluster at {address}"
+        else:
+            where = "an embedded local Ray runtime" if owns_runtime else "this process's Ray runtime"
         num_workers = scaling_workers(config)
         count = f"{num_workers[0]} to {num_workers[1]}" if isinstance(num_workers, tuple) else str(num_workers)
         print(f"training {config.run_dir} on {where}: {count} workers", flush=True)
@@ -261,7 +273,9 @@ def train_on_ray(config: Config, worker: Callable[[dict], dict], *, address: str
             run_config=RunConfig(
                 name=_run_name(config),
                 storage_path=storage_path,
-                failure_config=FailureConfig(max_failures=config.ray.max_failures),
+                failure_config=FailureConfig(
+                    max_failures=config.ray.max_failures, controller_failure_limit=_placement_retries(config)
+                ),
                 checkpoint_config=CheckpointConfig(num_to_keep=config.train.keep_checkpoints),
                 logging_config=LoggingConfig(log_level="WARNING"),
             ),
