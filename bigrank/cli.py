@@ -2,8 +2,9 @@
 
 Each part of bigrank registers its own sub-commands: a module listed in ``COMMAND_MODULES`` exposes
 ``register(subparsers)``, which adds parsers whose ``func`` attribute runs the command and returns an exit
-code. Modules are imported only when the CLI starts, and heavy libraries (torch, ray, pyarrow) are imported
-inside the command functions so that `bigrank --help` stays fast.
+code. The commands that start work call the run layer (``bigrank.run``), imported when the command runs:
+registering the commands imports no torch, ray or pyarrow, so ``bigrank --help`` starts at once. Errors a user
+can fix (``bigrank.errors``) print one line and exit with status 2.
 """
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ import argparse
 import importlib
 import sys
 
+from bigrank.errors import CommandError
+
 COMMAND_MODULES = [
     "bigrank.data.commands",
     "bigrank.train.plot",
@@ -19,10 +22,6 @@ COMMAND_MODULES = [
     "bigrank.export.commands",
     "bigrank.launch.commands",
 ]
-
-
-class CommandError(Exception):
-    """An error the user can fix; printed without a traceback and exits with status 2."""
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -49,8 +48,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    # Under `python -m bigrank.cli` this file runs as __main__, with a CommandError class of its own; the
-    # commands raise bigrank.cli.CommandError, so run the imported module's main.
-    from bigrank.cli import main as _main
-
-    sys.exit(_main())
+    sys.exit(main())

@@ -6,8 +6,9 @@ Override values are parsed as YAML scalars (``--set train.max_steps=50``, ``--se
 ``--set eval.ks=[10,100]``). The resolved configuration (defaults filled in, ``data.root`` and ``run_dir``
 made absolute) is what the trainer saves as ``RUN_DIR/config.yaml``; loading that file gives the same config.
 
-Loss parameters are checked per loss (``LOSS_PARAMS``): ``loss.params`` may only hold the named loss's
-parameters; their values are checked again when the loss is built (``bigrank.train.losses``).
+Losses come from the loss registry (``bigrank.losses.registry``): ``loss.name`` is one of its names and
+``loss.params`` may only hold that loss's parameters (its ``*Params`` dataclass), merged over their defaults
+and checked there (types and values), with errors naming the dotted key (``loss.params.k``).
 """
 
 from __future__ import annotations
@@ -24,40 +25,24 @@ from typing import Any
 import yaml
 
 from bigrank.atomic import write_text_atomic
+from bigrank.errors import ConfigError
+from bigrank.losses.registry import CANDIDATE_LOSSES, FULL_CATALOG_LOSSES, LOSSES, parse_params
 
-# Full-catalog losses score every item (rows of the item-parallel catalog); candidate losses take
-# (scores [B, C], labels bool [B, C], mask) over candidate columns: the whole local shard or sampled items.
-FULL_CATALOG_LOSSES = ("rankmax", "softmax", "sparsemax")
-CANDIDATE_LOSSES = ("smooth_ap", "recall_at_quantile", "pauc_at_budget", "softrank_ndcg", "sampled_softmax")
-# Each loss's parameters with their defaults (the defaults of the loss functions in bigrank.losses).
-LOSS_PARAMS: dict[str, dict[str, Any]] = {
-    "rankmax": {"k": 1, "margin": 1.0},
-    "softmax": {},
-    "sparsemax": {"support_guess": 64},
-    "smooth_ap": {"temperature": 0.01},
-    "recall_at_quantile": {"quantile": 0.005, "temperature": 0.01},
-    "pauc_at_budget": {
-        "alpha": 0.0,
-        "beta": 0.005,
-        "temperature": 0.1,
-        "tau_scale": "iqr",
-        "n_knots": 2,
-        "scale_sample_size": 8192,
-    },
-    "softrank_ndcg": {"sigma": 0.1, "k": None, "num_candidates": 64},
-    "sampled_softmax": {"temperature": 1.0},
-}
-# Parameters whose value may be null (None) although the default is not, or the reverse.
-_NULLABLE_PARAMS = {("softrank_ndcg", "k"), ("softrank_ndcg", "num_candidates")}
-_INT_PARAMS = {("softrank_ndcg", "k"), ("softrank_ndcg", "num_candidates")}
-
+__all__ = [
+    "Config",
+    "ConfigError",
+    "add_override_argument",
+    "apply_overrides",
+    "config_from_dict",
+    "dump_config",
+    "load_config",
+    "parse_override",
+    "save_config",
+    "validate",
+]
 
 # Numbers in exponent notation without a dot ("1e-3"), which YAML 1.1 (PyYAML) leaves as strings.
 _EXPONENT_NUMBER = re.compile(r"[-+]?[0-9]+(\.[0-9]*)?[eE][-+]?[0-9]+")
-
-
-class ConfigError(ValueError):
-    """A configuration problem; the message names the dotted key."""
 
 
 def _choices(*values: str, doc: str = "") -> dict:
@@ -92,7 +77,7 @@ class WarmupConfig:
 
 @dataclass
 class LossConfig:
-    name: str = field(default="softmax", metadata=_choices(*FULL_CATALOG_LOSSES, *CANDIDATE_LOSSES))
+    name: str = field(default="softmax", metadata=_choices(*LOSSES))
     params: dict[str, Any] = field(default_factory=dict)
     # Candidate losses only: the whole local catalog shard, or sampled negatives plus each row's positive
     # (null: sampled for sampled_softmax, catalog otherwise).
@@ -142,6 +127,9 @@ class RayConfig:
     cpus_per_worker: float = 1.0
     gpus_per_worker: float = 0.0
     max_failures: int = 0  # worker-group restarts from the last checkpoint
+    # Elastic recovery: when fewer than `workers` workers can be placed after a failure (a node gone), go on
+    # from the last checkpoint with as many as fit, down to this many (null: always exactly `workers`).
+    min_workers: int | None = None
     storage_path: str | None = None
 
 
@@ -260,33 +248,6 @@ def _check(condition: bool, key: str, message: str) -> None:
         raise ConfigError(f"{key} {message}")
 
 
-def check_loss_params(name: str, params: dict, key: str) -> dict[str, Any]:
-    """``params`` of loss ``name`` merged over its defaults; unknown parameters and wrong types are errors."""
-    defaults = LOSS_PARAMS[name]
-    for param in params:
-        if param not in defaults:
-            accepted = ", ".join(defaults) or "no parameters"
-            raise ConfigError(f"unknown key '{key}.{param}': loss {name!r} accepts {accepted}")
-    merged = dict(defaults)
-    for param, value in params.items():
-        where = f"{key}.{param}"
-        default = defaults[param]
-        if value is None:
-            _check((name, param) in _NULLABLE_PARAMS, where, "must not be null")
-        elif (name, param) in _INT_PARAMS or (isinstance(default, int) and not isinstance(default, bool)):
-            _check(isinstance(value, int) and not isinstance(value, bool), where, f"must be an integer, got {value!r}")
-        elif isinstance(default, float):
-            if isinstance(value, str) and _EXPONENT_NUMBER.fullmatch(value.strip()):
-                value = float(value)
-            ok = isinstance(value, int | float) and not isinstance(value, bool)
-            _check(ok, where, f"must be a number, got {value!r}")
-            value = float(value)
-        elif isinstance(default, str):
-            _check(isinstance(value, str), where, f"must be a string, got {value!r}")
-        merged[param] = value
-    return merged
-
-
 def validate(config: Config) -> Config:
     """Cross-field and range checks; raises ConfigError naming the key. Returns ``config``."""
     _check(bool(config.data.root), "data.root", "must be set (a dataset directory)")
@@ -298,7 +259,7 @@ def validate(config: Config) -> Config:
     _check(model.init_std is None or model.init_std > 0, "model.init_std", "must be > 0 or null")
     _check(model.item_init_std > 0, "model.item_init_std", "must be > 0")
     loss = config.loss
-    config.loss.params = check_loss_params(loss.name, loss.params, "loss.params")
+    config.loss.params = parse_params(loss.name, loss.params, "loss.params")
     if loss.name in FULL_CATALOG_LOSSES:
         _check(loss.candidates in (None, "catalog"), "loss.candidates", f"must be catalog for {loss.name!r}")
         _check(loss.warmup is None, "loss.warmup", f"is for candidate losses, not {loss.name!r}")
@@ -310,7 +271,7 @@ def validate(config: Config) -> Config:
         warm = loss.warmup
         _check(warm.loss in CANDIDATE_LOSSES, "loss.warmup.loss", f"must be one of {', '.join(CANDIDATE_LOSSES)}")
         _check(loss.name in CANDIDATE_LOSSES, "loss.warmup", "needs a candidate main loss")
-        warm.params = check_loss_params(warm.loss, warm.params, "loss.warmup.params")
+        warm.params = parse_params(warm.loss, warm.params, "loss.warmup.params")
         for name in ("steps", "blend_steps"):
             _check(getattr(warm, name) >= 0, f"loss.warmup.{name}", "must be >= 0")
         _check(warm.temp_decay_steps >= 1, "loss.warmup.temp_decay_steps", "must be >= 1")
@@ -351,6 +312,19 @@ def validate(config: Config) -> Config:
     _check(config.ray.cpus_per_worker > 0, "ray.cpus_per_worker", "must be > 0")
     _check(config.ray.gpus_per_worker >= 0, "ray.gpus_per_worker", "must be >= 0")
     _check(config.ray.max_failures >= -1, "ray.max_failures", "must be >= -1 (-1: unlimited)")
+    min_workers = config.ray.min_workers
+    _check(
+        min_workers is None or 1 <= min_workers <= config.workers,
+        "ray.min_workers",
+        f"must be between 1 and workers ({config.workers}) or null, got {min_workers}",
+    )
+    if min_workers is not None:  # an elastic restart may run on any count in [min_workers, workers]
+        for count in range(min_workers, config.workers):
+            _check(
+                train.batch_size % count == 0,
+                "ray.min_workers",
+                f"({min_workers}) allows {count} workers, which do not divide train.batch_size ({train.batch_size})",
+            )
     debug = config.debug
     _check(debug.fail_at_step is None or debug.fail_at_step >= 1, "debug.fail_at_step", "must be >= 1 or null")
     _check(0 <= debug.fail_rank, "debug.fail_rank", "must be >= 0")

@@ -17,10 +17,17 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import sys
 import time
 from pathlib import Path
+
+from bigrank import cli, run
+from bigrank.config import add_override_argument, load_config
+from bigrank.errors import CommandError
+from bigrank.export.recommend import Recommender, SeenItems
+from bigrank.train.evaluate import format_eval_table
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIG = REPO / "configs" / "demo.yaml"
@@ -40,39 +47,28 @@ def _relative(path: Path) -> str:
 
 def generate(data_root: Path) -> None:
     """The ``demo`` preset into ``data_root`` unless a finished dataset (manifest.json) is there."""
-    from bigrank.cli import main
-
     if (data_root / "manifest.json").is_file():
         print(f"\n== data: {_relative(data_root)} already exists (delete it to regenerate)")
         return
     started = _step("generate the demo dataset", f"bigrank generate --preset demo --out {_relative(data_root)}")
-    if main(["generate", "--preset", "demo", "--out", str(data_root)]) != 0:
+    if cli.main(["generate", "--preset", "demo", "--out", str(data_root)]) != 0:
         raise SystemExit("generating the demo dataset failed")
     print(f"({time.perf_counter() - started:.0f} s)")
 
 
 def train(config) -> dict:
     """Train ``config`` on an embedded Ray runtime (Ray Train TorchTrainer, gloo); returns the summary."""
-    from bigrank.data.manifest import load_manifest
-    from bigrank.launch.ray_train import train_on_ray
-    from bigrank.train.commands import format_summary
-    from bigrank.train.losses import check_loss_config
-
-    check_loss_config(config.loss)
-    load_manifest(config.data.root)
     started = _step(
         f"train {config.loss.name} with {config.workers} workers on an embedded Ray runtime",
         f"bigrank train {_relative(CONFIG)} --launcher ray",
     )
-    summary = train_on_ray(config, address=None)
-    print(format_summary(summary))
+    summary = run.train(config, launcher="ray")  # the pre-flight, then Ray Train
+    print(run.format_summary(summary))
     print(f"(training {time.perf_counter() - started:.0f} s, of which Ray start {summary['ray_start_seconds']:.0f} s)")
     return summary
 
 
 def show_evaluation(run_dir: Path) -> dict:
-    from bigrank.train.evaluate import format_eval_table
-
     path = run_dir / "eval.json"
     _step("evaluation (full catalog, held-out splits)", f"cat {_relative(path)}   # or: bigrank evaluate ...")
     if not path.is_file():
@@ -83,18 +79,14 @@ def show_evaluation(run_dir: Path) -> dict:
 
 
 def export(run_dir: Path, out: Path) -> None:
-    from bigrank.cli import main
-
     started = _step("export the embeddings", f"bigrank export {_relative(run_dir)} --out {_relative(out)}")
-    if main(["export", str(run_dir), "--out", str(out)]) != 0:
+    if cli.main(["export", str(run_dir), "--out", str(out)]) != 0:
         raise SystemExit("export failed")
     print(f"({time.perf_counter() - started:.0f} s)")
 
 
 def recommend(out: Path, data_root: Path, user: int, k: int = 10) -> list[dict]:
     """Top-``k`` items of ``user`` it did not rate in train; marks the items it rated in valid/test."""
-    from bigrank.export.recommend import Recommender, SeenItems
-
     _step(
         f"top {k} recommendations of user {user}",
         f"bigrank recommend {_relative(out)} --user {user} -k {k} --exclude-seen {_relative(data_root)} "
@@ -114,20 +106,12 @@ def recommend(out: Path, data_root: Path, user: int, k: int = 10) -> list[dict]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from bigrank.config import add_override_argument
-
     parser = argparse.ArgumentParser(prog="python -m pipelines.demo", description=__doc__.splitlines()[0])
     add_override_argument(parser)
     parser.add_argument("--user", type=int, default=0, help="user whose recommendations are shown (default 0)")
     parser.add_argument("--fresh", action="store_true", help="delete the run directory first (train from scratch)")
     args = parser.parse_args(argv)
-
-    import os
-
     os.chdir(REPO)  # configs/demo.yaml's paths (data/demo, runs/demo) are relative to the repository root
-    from bigrank.cli import CommandError
-    from bigrank.config import load_config
-
     started = time.perf_counter()
     try:
         config = load_config(CONFIG, args.overrides)

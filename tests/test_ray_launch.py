@@ -14,7 +14,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from bigrank import run
+from bigrank.cli import main
 from bigrank.config import config_from_dict, save_config
+from bigrank.launch.ray_train import RayConnectionError, RayTrainingError, init_ray
 from tests.conftest import checkpoint_parameters
 
 pytestmark = pytest.mark.slow
@@ -45,8 +48,6 @@ def ray_runtime(tiny_dataset, tmp_path_factory):
     """One embedded Ray runtime for the module (train_on_ray reuses it instead of starting its own)."""
     import ray
 
-    from bigrank.launch.ray_train import init_ray
-
     assert init_ray(_config(tiny_dataset, tmp_path_factory.mktemp("unused")))
     try:
         yield ray
@@ -62,11 +63,8 @@ def _records(run_dir, kind):
 def test_a_worker_killed_mid_epoch_is_restarted_and_ends_like_an_uninterrupted_run(
     ray_runtime, tiny_dataset, tmp_path, capsys
 ):
-    from bigrank.cli import main
-    from bigrank.launch import train_on_ray
-
     straight_dir = tmp_path / "straight"
-    straight = train_on_ray(_config(tiny_dataset, straight_dir))
+    straight = run.train(_config(tiny_dataset, straight_dir), launcher="ray")
     assert straight["steps"] == 14 and straight["world_size"] == 2 and straight["resumed_from"] is None
     steps_per_epoch = straight["steps_per_epoch"]
     assert steps_per_epoch == 8  # the failure below (step 11) is mid-epoch, 3 steps after checkpoint 8
@@ -106,11 +104,9 @@ def test_a_worker_killed_mid_epoch_is_restarted_and_ends_like_an_uninterrupted_r
 
 
 def test_a_failure_beyond_max_failures_fails_the_run_with_the_worker_error(ray_runtime, tiny_dataset, tmp_path):
-    from bigrank.launch.ray_train import RayTrainingError, train_on_ray
-
     config = _config(tiny_dataset, tmp_path / "run", ray={"max_failures": 0}, debug={"fail_at_step": 2})
     with pytest.raises(RayTrainingError, match="failed"):
-        train_on_ray(config)
+        run.train(config, launcher="ray")
     assert (tmp_path / "run" / ".debug-failed-at-2").is_file()
 
 
@@ -121,10 +117,8 @@ def _free_port() -> int:
 
 
 def test_an_address_where_nothing_listens_fails_at_once_naming_it(tiny_dataset, tmp_path):
-    from bigrank.launch.ray_train import RayConnectionError, train_on_ray
-
     address = f"127.0.0.1:{_free_port()}"
     started = time.monotonic()
     with pytest.raises(RayConnectionError, match=f"cannot reach the Ray cluster at {address}"):
-        train_on_ray(_config(tiny_dataset, tmp_path / "run"), address=address)
+        run.train(_config(tiny_dataset, tmp_path / "run"), launcher="ray", address=address)
     assert time.monotonic() - started < 20  # not Ray's minute-long connection retries

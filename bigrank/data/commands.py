@@ -7,6 +7,11 @@ import sys
 import time
 from pathlib import Path
 
+from bigrank.errors import CommandError
+
+# The generators and readers (numpy, torch, pyarrow) are imported when a command runs, not when the CLI registers its
+# commands, so that `bigrank --help` starts in a fraction of a second.
+
 
 def register(subparsers) -> None:
     """Add the data sub-commands to the ``bigrank`` parser."""
@@ -62,14 +67,14 @@ def register(subparsers) -> None:
 
 def load_seed_pairs(path: str | Path):
     """(users, items, num_users, num_items) of a seed: a bigrank dataset (all splits) or MovieLens ratings."""
+    path = Path(path)
     import numpy as np
 
     from bigrank.data import manifest as layout
+    from bigrank.data.movielens import read_ratings
+    from bigrank.data.stream import iter_row_groups
 
-    path = Path(path)
     if (path / layout.MANIFEST_NAME).is_file():
-        from bigrank.data.stream import iter_row_groups
-
         manifest = layout.load_manifest(path)
         users, items = [], []
         for split in manifest["splits"]:
@@ -79,8 +84,6 @@ def load_seed_pairs(path: str | Path):
         users, items = np.concatenate(users), np.concatenate(items)
         num_users, num_items = manifest["num_users"], manifest["num_items"]
     else:
-        from bigrank.data.movielens import read_ratings
-
         ratings = read_ratings(path)
         _, users = np.unique(ratings["user"], return_inverse=True)
         _, items = np.unique(ratings["item"], return_inverse=True)
@@ -90,20 +93,19 @@ def load_seed_pairs(path: str | Path):
 
 
 def run_generate(args: argparse.Namespace) -> int:
-    from bigrank.cli import CommandError
+    from bigrank.data import synthetic
+    from bigrank.data.expansion import expand_ratings, parse_multiplier
 
     started = time.perf_counter()
     if args.preset:
         if args.expand or args.target_ratings is not None:
             raise CommandError("--expand and --target-ratings go with --seed-ratings, not --preset")
-        from bigrank.data.synthetic import generate
-
-        manifest = generate(args.preset, args.out, seed=args.seed, resume=args.resume, progress=not args.no_progress)
+        manifest = synthetic.generate(
+            args.preset, args.out, seed=args.seed, resume=args.resume, progress=not args.no_progress
+        )
     else:
         if not args.expand:
             raise CommandError("--seed-ratings needs --expand AxB (e.g. --expand 16x32)")
-        from bigrank.data.expansion import expand_ratings, parse_multiplier
-
         multiplier = parse_multiplier(args.expand)
         users, items, num_users, num_items = load_seed_pairs(args.seed_ratings)
         manifest = expand_ratings(

@@ -32,10 +32,13 @@ import json
 import shutil
 import sys
 import time
+import warnings
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
+import torch
+from tqdm import tqdm
 
 from bigrank.data import manifest as layout
 
@@ -58,9 +61,6 @@ def randomized_svd(users, items, num_users, num_items, rank, oversample=10, powe
     Randomized range finder with power iterations (Halko, Martinsson & Tropp 2011, Alg. 4.4), using
     torch CSR sparse products. Returns ``(u, s, vt)``: (m x rank), (rank,) descending, (rank x n), float64.
     """
-    import warnings
-
-    import torch
 
     def csr(rows, cols, shape):
         order = np.argsort(rows, kind="stable")
@@ -262,8 +262,6 @@ def expand_ratings(
     num_blocks = rows * cols
     done = {b for b in range(num_blocks) if (out / WORK_DIR / "blocks" / f"block-{b:05d}.json").is_file()}
     expected = expected_ratings(reduced, len(users))
-    from tqdm import tqdm
-
     bar = tqdm(
         total=num_blocks,
         initial=len(done),

@@ -22,6 +22,8 @@ import io
 from pathlib import Path
 
 import numpy as np
+import pyarrow as pa
+import pyarrow.csv as csv
 
 from bigrank.data import manifest as layout
 
@@ -48,9 +50,6 @@ def read_ratings(path: str | Path) -> dict[str, np.ndarray]:
 
     Returns ``{"user": int64, "item": int64, "rating": float32, "timestamp": int64}``, each (N,).
     """
-    import pyarrow as pa
-    import pyarrow.csv as csv
-
     path = find_ratings_file(path)
     names = ["user", "item", "rating", "timestamp"]
     types = {"user": pa.int64(), "item": pa.int64(), "rating": pa.float32(), "timestamp": pa.int64()}
@@ -93,8 +92,6 @@ def read_movies(ratings_path: Path) -> dict[str, np.ndarray] | None:
     if not path.is_file():
         return None
     if path.name == "movies.csv":
-        import pyarrow.csv as csv
-
         table = csv.read_csv(path)  # the first header field may read "movieId" or "Id"
         ids = table.column(0).to_numpy().astype(np.int64)
         titles = np.asarray(table.column(1).to_pylist(), dtype=object)

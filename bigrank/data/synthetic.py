@@ -40,6 +40,7 @@ from pathlib import Path
 import numpy as np
 
 from bigrank.data import manifest as layout
+from bigrank.data.expansion import expand_ratings
 
 TRUTH_NAME = "truth.npz"
 
@@ -249,8 +250,6 @@ def generate(preset: str, out: str | Path, seed: int = 0, resume: bool = False, 
         )
     if expand is None:
         return write_seed_dataset(seed_ratings, out, seed, source=f"synthetic:{preset}", generator=generator)
-    from bigrank.data.expansion import expand_ratings
-
     return expand_ratings(
         seed_ratings.users,
         seed_ratings.items,

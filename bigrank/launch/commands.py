@@ -9,7 +9,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from bigrank.config import add_override_argument
+from bigrank.config import add_override_argument, load_config
+from bigrank.launch import jobs
 
 
 def _add_address(parser: argparse.ArgumentParser) -> None:
@@ -59,32 +60,18 @@ def register(subparsers) -> None:
     stop.set_defaults(func=run_stop)
 
 
-def _jobs_call(fn, *args, **kwargs):
-    """Run a bigrank.launch.jobs function; its JobsError becomes a CommandError (message, exit status 2)."""
-    from bigrank.cli import CommandError
-    from bigrank.launch.jobs import JobsError
-
-    try:
-        return fn(*args, **kwargs)
-    except JobsError as error:
-        raise CommandError(str(error)) from None
-
-
 def run_submit(args: argparse.Namespace) -> int:
-    from bigrank.config import load_config
-    from bigrank.launch import jobs
-
     config = load_config(args.config, args.overrides)
     address = jobs.normalize_address(args.address) if (args.address or "").strip() else args.address
-    job_id = _jobs_call(jobs.submit_training, config, address, python=args.python, submission_id=args.job_id)
+    job_id = jobs.submit_training(config, address, python=args.python, submission_id=args.job_id)
     where = address or "RAY_ADDRESS"
     print(f"submitted job {job_id} to {where} (run dir {config.run_dir})", flush=True)
     if not args.wait:
         print(f"follow it with: bigrank logs {job_id} --follow --address {where}")
         return 0
     try:
-        _jobs_call(jobs.follow_logs, address, job_id)
-        status = _jobs_call(jobs.wait_for_job, address, job_id)
+        jobs.follow_logs(address, job_id)
+        status = jobs.wait_for_job(address, job_id)
     except KeyboardInterrupt:
         print(f"\nstopped following; job {job_id} keeps running (bigrank stop {job_id} to stop it)", file=sys.stderr)
         return 130
@@ -93,9 +80,7 @@ def run_submit(args: argparse.Namespace) -> int:
 
 
 def run_status(args: argparse.Namespace) -> int:
-    from bigrank.launch import jobs
-
-    info = _jobs_call(jobs.job_status, args.address, args.job)
+    info = jobs.job_status(args.address, args.job)
     print(f"job         {info['job']}")
     print(f"status      {info['status']}")
     if info.get("message"):
@@ -108,18 +93,14 @@ def run_status(args: argparse.Namespace) -> int:
 
 
 def run_logs(args: argparse.Namespace) -> int:
-    from bigrank.launch import jobs
-
     if args.follow:
-        _jobs_call(jobs.follow_logs, args.address, args.job)
+        jobs.follow_logs(args.address, args.job)
     else:
-        sys.stdout.write(_jobs_call(jobs.job_logs, args.address, args.job))
+        sys.stdout.write(jobs.job_logs(args.address, args.job))
     return 0
 
 
 def run_stop(args: argparse.Namespace) -> int:
-    from bigrank.launch import jobs
-
-    stopped = _jobs_call(jobs.stop_job, args.address, args.job)
+    stopped = jobs.stop_job(args.address, args.job)
     print(f"job {args.job}: {'stop requested' if stopped else 'was not running'}")
     return 0

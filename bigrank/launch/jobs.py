@@ -7,8 +7,8 @@
     env_vars      BIGRANK_JOB_CONFIG = the resolved config as YAML (``--set`` overrides applied, relative
                   paths made absolute on the submitting machine).
 
-and runs the entrypoint ``python -m bigrank.launch.jobs`` (``run_job_entrypoint``), which trains that
-config with Ray Train on the cluster the job runs in (``bigrank.launch.ray_train.train_on_ray``). Paths in
+and runs the entrypoint ``python -m bigrank.run`` (``bigrank.run.main``), which trains that config with Ray
+Train on the cluster the job runs in (the run layer's ``train``, with its pre-flight). Paths in
 the config must therefore exist on the cluster: on one machine (or NFS) the resolved local paths do; for a
 remote cluster point ``data.root`` / ``run_dir`` at shared storage (``--set data.root=/mnt/shared/...``).
 
@@ -20,6 +20,7 @@ becomes an error that says where to put the token.
 
 from __future__ import annotations
 
+import asyncio
 import os
 import shlex
 import socket
@@ -29,8 +30,12 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
+from bigrank.config import dump_config
+from bigrank.errors import CommandError
+
 __all__ = [
     "CONFIG_ENV",
+    "ENTRYPOINT_MODULE",
     "JobsError",
     "TERMINAL_STATUSES",
     "connect",
@@ -46,6 +51,8 @@ __all__ = [
 ]
 
 CONFIG_ENV = "BIGRANK_JOB_CONFIG"
+# The module a submitted job runs (``python -m ...``): the run layer's Jobs entrypoint.
+ENTRYPOINT_MODULE = "bigrank.run"
 TERMINAL_STATUSES = ("SUCCEEDED", "FAILED", "STOPPED")
 # Left out of the uploaded working directory (Ray's limit is 100 MiB; data and runs live on shared storage).
 # gitignore syntax: the leading "/" anchors a name at the project root ("data" alone would also drop the
@@ -65,7 +72,7 @@ _CONNECT_TIMEOUT_S = 5.0
 _AGENT_WAIT_S = 60.0
 
 
-class JobsError(RuntimeError):
+class JobsError(CommandError):
     """A Jobs API problem the user can fix (unreachable address, missing token, unknown job)."""
 
 
@@ -167,12 +174,10 @@ def submit_training(
 ) -> str:
     """Submit a training job for ``config`` (a resolved Config); returns the submission id.
 
-    The entrypoint is ``{python} -m bigrank.launch.jobs``: ``python`` must be the cluster's interpreter with
+    The entrypoint is ``{python} -m bigrank.run``: ``python`` must be the cluster's interpreter with
     the pinned stack. Default: this interpreter for a head on this machine (127.0.0.1 / localhost), else
     ``python`` from the cluster's PATH (the images in docker/ put theirs first).
     """
-    from bigrank.config import dump_config
-
     client = connect(address)
     if python is None:
         host = urlparse(normalize_address(address)).hostname
@@ -194,7 +199,7 @@ def submit_training(
                 client,
                 "submit",
                 client.submit_job,
-                entrypoint=f"{shlex.quote(python)} -m bigrank.launch.jobs",
+                entrypoint=f"{shlex.quote(python)} -m {ENTRYPOINT_MODULE}",
                 submission_id=submission_id,
                 runtime_env=runtime_env,
                 metadata={"bigrank_run_dir": config.run_dir},
@@ -228,8 +233,6 @@ def job_logs(address: str | None, job_id: str) -> str:
 
 def follow_logs(address: str | None, job_id: str, out=None) -> None:
     """Print the job's log as it grows until the job ends (the Jobs API's log stream)."""
-    import asyncio
-
     out = out or sys.stdout
     client = connect(address)
     _call(client, f"logs of {job_id}", client.get_job_info, job_id)  # unknown job → clear error
@@ -259,40 +262,3 @@ def stop_job(address: str | None, job_id: str) -> bool:
     """Ask the cluster to stop the job; True when it was running."""
     client = connect(address)
     return bool(_call(client, f"stop {job_id}", client.stop_job, job_id))
-
-
-# --------------------------------------------------------------------------------------- job entrypoint
-def run_job_entrypoint() -> int:
-    """What a submitted job runs: train the config of ``BIGRANK_JOB_CONFIG`` on the job's Ray cluster."""
-    import yaml
-
-    from bigrank.config import config_from_dict
-    from bigrank.data.manifest import load_manifest
-    from bigrank.launch.ray_train import train_on_ray
-    from bigrank.train.commands import format_summary
-    from bigrank.train.losses import check_loss_config
-
-    text = os.environ.get(CONFIG_ENV)
-    if not text:
-        print(f"bigrank job: {CONFIG_ENV} is not set (submit with `bigrank submit`)", file=sys.stderr)
-        return 2
-    import bigrank.data
-
-    # Which copy of the code runs: the working directory shipped with the job, not an installed bigrank.
-    print(f"bigrank code: {Path(bigrank.data.__file__).resolve().parents[1]}", flush=True)
-    config = config_from_dict(yaml.safe_load(text))
-    check_loss_config(config.loss)
-    load_manifest(config.data.root)  # a dataset missing on the cluster is named here, before Ray starts
-    summary = train_on_ray(config)
-    print(format_summary(summary), flush=True)
-    return 0
-
-
-if __name__ == "__main__":
-    from bigrank.cli import CommandError
-
-    try:
-        sys.exit(run_job_entrypoint())
-    except (CommandError, FileNotFoundError, ValueError) as error:
-        print(f"bigrank job: error: {error}", file=sys.stderr)
-        sys.exit(2)

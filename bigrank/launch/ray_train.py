@@ -1,8 +1,9 @@
-"""Run ``bigrank.train.workers.train_worker`` on Ray Train: an embedded local Ray runtime or an existing cluster.
+"""Run a training worker function on Ray Train: an embedded local Ray runtime or an existing cluster.
 
-``train_on_ray(config)`` builds a ``TorchTrainer`` with one Ray worker per training process:
+``train_on_ray(config, worker)`` (called by the run layer, ``bigrank.run.train``, with
+``bigrank.train.workers.train_worker``) builds a ``TorchTrainer`` with one Ray worker per training process:
 
-    ScalingConfig(num_workers=config.workers, CPU/GPU per worker from config.ray)
+    ScalingConfig(num_workers=config.workers, or (ray.min_workers, workers): elastic; CPU/GPU per worker)
     TorchConfig(backend="nccl" when GPUs are requested, "gloo" otherwise)
     RunConfig(storage_path=config.ray.storage_path, failure_config=FailureConfig(config.ray.max_failures))
 
@@ -25,20 +26,41 @@ trainer's own (DCP user tables + per-rank catalog rows, renamed into place once 
 writes its part of one directory; copying every intermediate checkpoint into Ray's storage would double the
 I/O of large runs for no gain. The final checkpoint is reported to Ray Train
 (``ray.train.report(summary, checkpoint=...)``), so ``Result.checkpoint`` names a usable copy of it.
+
+Elastic recovery (``ray.min_workers``). Ray Train 2.60 (Train v2, the default) takes
+``ScalingConfig(num_workers=(min, max))``: when the worker group restarts after a failure and only
+``m < workers`` workers fit on the cluster (a node gone), it starts ``m >= min_workers`` workers (and grows
+back to ``workers`` when resources return, checked every ``elastic_resize_monitor_interval_s``). The worker
+function resumes from the newest checkpoint on whatever worker count it gets. Without ``ray.min_workers`` the
+group size is fixed, and a restart that cannot place ``workers`` workers fails after Ray's worker-group start
+timeout (``RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S``, 60 s) has passed ``max(1, ray.max_failures) + 1`` times
+(Ray itself would wait forever, for an autoscaler); the error then says to set ``ray.min_workers``.
 """
 
 from __future__ import annotations
 
+import functools
+import logging
 import os
 import socket
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from bigrank.cli import CommandError
 from bigrank.config import Config
+from bigrank.errors import CommandError
+from bigrank.launch.jobs import read_auth_token
 
-__all__ = ["RayConnectionError", "RayTrainingError", "init_ray", "resolve_address", "ray_worker_loop", "train_on_ray"]
+__all__ = [
+    "RayConnectionError",
+    "RayTrainingError",
+    "init_ray",
+    "resolve_address",
+    "ray_worker_loop",
+    "scaling_workers",
+    "train_on_ray",
+]
 
 # Environment of the embedded runtime's workers: gloo must use the loopback interface there.
 _LOCAL_ENV = {"GLOO_SOCKET_IFNAME": "lo"}
@@ -133,8 +155,6 @@ def _use_token_auth() -> bool:
     """Turn on Ray's token authentication for joining a cluster when a token is at hand and RAY_AUTH_MODE is
     unset: Ray 2.60 heads started with `ray start` require it, and ray.init does not switch it on by itself
     for an existing cluster. Returns whether token mode is on."""
-    from bigrank.launch.jobs import read_auth_token
-
     mode = os.environ.get("RAY_AUTH_MODE")
     if mode is not None:
         return mode.lower() == "token"
@@ -150,25 +170,21 @@ def _use_token_auth() -> bool:
     return True
 
 
-def ray_worker_loop(config_dict: dict[str, Any]) -> None:
-    """The function each Ray Train worker runs: ``train_worker`` on the process group Ray Train set up,
-    then one ``ray.train.report`` of the run summary with the final checkpoint (rank 0 attaches it)."""
-    import logging
-
+def ray_worker_loop(worker: Callable[[dict], dict], config_dict: dict[str, Any]) -> None:
+    """The function each Ray Train worker runs: ``worker(config_dict)`` (the trainer) on the process group Ray
+    Train set up, then one ``ray.train.report`` of its summary with the final checkpoint (rank 0 attaches it)."""
     # Ray Train sets the workers' root logger to INFO, where fbgemm logs every library it loads and every
     # table's full argument list.
     logging.getLogger().setLevel(logging.WARNING)
 
     import ray.train
-    import torch
+    import torch  # the workers' imports: the driver of a cluster run needs neither torch nor torchrec
     import torchrec  # noqa: F401 - registers fbgemm/torchrec operators in the worker, where they are used
-
-    from bigrank.train.workers import train_worker
 
     cpus = int(os.environ.get("OMP_NUM_THREADS") or 0)
     if cpus > 0:
         torch.set_num_threads(cpus)  # Ray sets OMP_NUM_THREADS to the worker's CPUs; torch may not read it late
-    summary = train_worker(config_dict)
+    summary = worker(config_dict)
     context = ray.train.get_context()
     checkpoint = None
     if context.get_world_rank() == 0 and summary.get("checkpoint"):
@@ -177,16 +193,49 @@ def ray_worker_loop(config_dict: dict[str, Any]) -> None:
     ray.train.report(dict(summary), checkpoint=checkpoint, checkpoint_dir_name=f"bigrank-step-{step:08d}")
 
 
+def scaling_workers(config: Config) -> int | tuple[int, int]:
+    """``ScalingConfig.num_workers`` of ``config``: ``workers``, or ``(ray.min_workers, workers)`` (elastic)."""
+    minimum = config.ray.min_workers
+    if minimum is None or minimum >= config.workers:
+        return config.workers
+    return (minimum, config.workers)
+
+
+def _placement_retries(config: Config) -> int:
+    """How many times a worker group that cannot be placed (fewer free CPUs/GPUs than it needs: a node gone)
+    is retried, each after Ray's start timeout, before the run fails. Ray's default (-1) waits forever, for an
+    autoscaler; bigrank allows as many such retries as restarts (``ray.max_failures``, at least one), so that
+    a cluster that lost a node for good ends with an error saying what to do."""
+    return -1 if config.ray.max_failures == -1 else max(1, config.ray.max_failures)
+
+
+def _failure_message(config: Config, error: BaseException) -> str:
+    """The error of a failed Ray run; when the worker group could not be placed again, say how to go on."""
+    message = f"Ray training of {config.run_dir} failed: {error}"
+    if "WorkerGroupStartupTimeoutError" in f"{type(error).__name__} {error!r}" or "startup timed out" in str(error):
+        if config.ray.min_workers is None:
+            message += (
+                f"; fewer than workers={config.workers} workers could be placed (a node gone?): set "
+                "ray.min_workers to go on from the last checkpoint on the workers that are left"
+            )
+        else:
+            message += f"; fewer than ray.min_workers={config.ray.min_workers} workers could be placed"
+    return message
+
+
 def _run_name(config: Config) -> str:
     return Path(config.run_dir).name or "bigrank"
 
 
-def train_on_ray(config: Config, *, address: str | None = None) -> dict[str, Any]:
-    """Train ``config`` with Ray Train and return the run summary of ``train_worker`` (rank 0's).
+def train_on_ray(config: Config, worker: Callable[[dict], dict], *, address: str | None = None) -> dict[str, Any]:
+    """Run ``worker(config.to_dict())`` on every Ray Train worker and return rank 0's run summary.
 
     Args:
-        config: a validated Config; ``workers`` Ray workers each get ``ray.cpus_per_worker`` CPUs and
-            ``ray.gpus_per_worker`` GPUs; ``ray.max_failures`` worker-group restarts are allowed.
+        config: a validated Config; ``workers`` Ray workers (``ray.min_workers`` to ``workers`` after a
+            restart, when set) each get ``ray.cpus_per_worker`` CPUs and ``ray.gpus_per_worker`` GPUs;
+            ``ray.max_failures`` worker-group restarts are allowed.
+        worker: a module-level function (pickled to the workers) taking the config dict and returning the
+            run summary, on an initialised ``torch.distributed`` group: ``bigrank.train.workers.train_worker``.
         address: the cluster to join (overrides ``config.ray.address`` and ``RAY_ADDRESS``); None and
             neither set: an embedded local runtime on 127.0.0.1.
     Returns the summary dict (steps, losses, examples/s, checkpoint, eval, …) plus ``ray_checkpoint``
@@ -209,17 +258,24 @@ def train_on_ray(config: Config, *, address: str | None = None) -> dict[str, Any
     ray_start_seconds = time.perf_counter() - started
     print(f"ray ready in {ray_start_seconds:.1f} s", flush=True)
     try:
-        where = "an embedded local Ray runtime" if address is None else f"the Ray cluster at {address}"
-        print(f"training {config.run_dir} on {where}: {config.workers} workers", flush=True)
+        if address is not None:
+            where = f"the Ray cluster at {address}"
+        else:
+            where = "an embedded local Ray runtime" if owns_runtime else "this process's Ray runtime"
+        num_workers = scaling_workers(config)
+        count = f"{num_workers[0]} to {num_workers[1]}" if isinstance(num_workers, tuple) else str(num_workers)
+        print(f"training {config.run_dir} on {where}: {count} workers", flush=True)
         trainer = TorchTrainer(
-            ray_worker_loop,
+            functools.partial(ray_worker_loop, worker),
             train_loop_config=config.to_dict(),
             torch_config=TorchConfig(backend="nccl" if use_gpu else "gloo"),
-            scaling_config=ScalingConfig(num_workers=config.workers, use_gpu=use_gpu, resources_per_worker=resources),
+            scaling_config=ScalingConfig(num_workers=num_workers, use_gpu=use_gpu, resources_per_worker=resources),
             run_config=RunConfig(
                 name=_run_name(config),
                 storage_path=storage_path,
-                failure_config=FailureConfig(max_failures=config.ray.max_failures),
+                failure_config=FailureConfig(
+                    max_failures=config.ray.max_failures, controller_failure_limit=_placement_retries(config)
+                ),
                 checkpoint_config=CheckpointConfig(num_to_keep=config.train.keep_checkpoints),
                 logging_config=LoggingConfig(log_level="WARNING"),
             ),
@@ -227,17 +283,13 @@ def train_on_ray(config: Config, *, address: str | None = None) -> dict[str, Any
         try:
             result = trainer.fit()
         except Exception as error:  # Ray wraps the worker's exception (TrainingFailedError)
-            raise RayTrainingError(f"Ray training of {config.run_dir} failed: {error}") from error
+            raise RayTrainingError(_failure_message(config, error)) from error
         summary = dict(result.metrics or {})
         if result.error is not None:
-            raise RayTrainingError(f"Ray training of {config.run_dir} failed: {result.error}")
+            raise RayTrainingError(_failure_message(config, result.error))
         summary["ray_checkpoint"] = result.checkpoint.path if result.checkpoint else None
         summary["ray_start_seconds"] = ray_start_seconds
         return summary
     finally:
         if owns_runtime:
             ray.shutdown()
-
-
-# The name bigrank.train.commands looks up.
-train_with_ray = train_on_ray

@@ -7,44 +7,51 @@ Full catalog (every item scored; single process or item-parallel with ``group=``
 Soft-rank and sampled (scores over candidate columns, ``labels`` marking positives): ``smooth_ap_loss``,
 ``recall_at_quantile_loss``, ``pauc_at_budget_loss`` (the ``imbalanced-losses`` family), ``softrank_ndcg_loss``
 (Taylor et al. 2008), ``sampled_softmax_loss`` (logQ correction), and ``LossWarmupWrapper``.
+
+``bigrank.losses.registry`` lists the losses by config name with their parameters (``bigrank.losses.params``)
+and ``bigrank.losses.build`` builds the configured one. The names below are loaded on first use (PEP 562):
+the config reads the registry and its parameter dataclasses, which need no torch, so that commands which only
+parse a config (``bigrank --help``, ``bigrank submit``) do not pay torch's import.
 """
 
-from bigrank.losses.rankmax import RankmaxLoss, rankmax, rankmax_loss
-from bigrank.losses.sampled import SampledSoftmaxLoss, sampled_softmax_loss
-from bigrank.losses.scores import ChunkedScores
-from bigrank.losses.softmax import SoftmaxLoss, softmax_loss
-from bigrank.losses.softndcg import SoftNDCGLoss, rank_distributions, softrank_ndcg_loss
-from bigrank.losses.softrank import (
-    PAUCAtBudgetLoss,
-    RecallAtQuantileLoss,
-    SmoothAPLoss,
-    pauc_at_budget_loss,
-    recall_at_quantile_loss,
-    smooth_ap_loss,
-)
-from bigrank.losses.sparsemax import SparsemaxLoss, sparsemax, sparsemax_loss
-from bigrank.losses.warmup import LossWarmupWrapper
+from __future__ import annotations
 
-__all__ = [
-    "ChunkedScores",
-    "LossWarmupWrapper",
-    "PAUCAtBudgetLoss",
-    "RankmaxLoss",
-    "RecallAtQuantileLoss",
-    "SampledSoftmaxLoss",
-    "SmoothAPLoss",
-    "SoftNDCGLoss",
-    "SoftmaxLoss",
-    "SparsemaxLoss",
-    "pauc_at_budget_loss",
-    "rank_distributions",
-    "rankmax",
-    "rankmax_loss",
-    "recall_at_quantile_loss",
-    "sampled_softmax_loss",
-    "smooth_ap_loss",
-    "softmax_loss",
-    "softrank_ndcg_loss",
-    "sparsemax",
-    "sparsemax_loss",
-]
+import importlib
+
+_EXPORTS = {
+    "ChunkedScores": "bigrank.losses.scores",
+    "LossWarmupWrapper": "bigrank.losses.warmup",
+    "PAUCAtBudgetLoss": "bigrank.losses.softrank",
+    "RankmaxLoss": "bigrank.losses.rankmax",
+    "RecallAtQuantileLoss": "bigrank.losses.softrank",
+    "SampledSoftmaxLoss": "bigrank.losses.sampled",
+    "SmoothAPLoss": "bigrank.losses.softrank",
+    "SoftNDCGLoss": "bigrank.losses.softndcg",
+    "SoftmaxLoss": "bigrank.losses.softmax",
+    "SparsemaxLoss": "bigrank.losses.sparsemax",
+    "pauc_at_budget_loss": "bigrank.losses.softrank",
+    "rank_distributions": "bigrank.losses.softndcg",
+    "rankmax": "bigrank.losses.rankmax",
+    "rankmax_loss": "bigrank.losses.rankmax",
+    "recall_at_quantile_loss": "bigrank.losses.softrank",
+    "sampled_softmax_loss": "bigrank.losses.sampled",
+    "smooth_ap_loss": "bigrank.losses.softrank",
+    "softmax_loss": "bigrank.losses.softmax",
+    "softrank_ndcg_loss": "bigrank.losses.softndcg",
+    "sparsemax": "bigrank.losses.sparsemax",
+    "sparsemax_loss": "bigrank.losses.sparsemax",
+}
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'bigrank.losses' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # later lookups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_EXPORTS))

@@ -1,10 +1,13 @@
-"""Training: the distributed trainer loop, checkpoints, the local launcher, losses by config, evaluation.
+"""Training: the Trainer and its parts, checkpoints, the local launcher, the step loss, evaluation.
 
-* ``loop.train_worker(config) -> summary`` — runs inside every worker process of an initialised
-  ``torch.distributed`` group (local launcher or Ray Train); resumes from the run's newest checkpoint.
+* ``workers.train_worker(config) -> summary`` — runs ``trainer.Trainer(config).train()`` inside every worker
+  process of an initialised ``torch.distributed`` group (local launcher or Ray Train); resumes from the run's
+  newest checkpoint on any worker count. ``workers.evaluate_worker`` / ``export_worker`` load a checkpoint on any
+  worker count.
+* ``trainer`` — the loop; ``state`` — its stateful parts; ``checkpoint`` — the Checkpointer (DCP, atomic);
+  ``evaluator`` — when to evaluate, each split's data read once; ``model`` — tower + catalog shard of a rank.
 * ``launcher.launch_local(fn, world_size, args)`` — N local gloo processes, failures reported with the rank's
   traceback.
-* ``checkpoint`` — atomic per-step checkpoints (DCP user tower + per-rank catalog rows and states).
 * ``losses.StepLoss`` — the configured loss (full-catalog or candidate losses, samplers, warm-up).
 * ``commands`` — ``bigrank train | evaluate | export``.
 

@@ -1,8 +1,8 @@
 """CLI commands of the trainer: ``bigrank train``, ``bigrank evaluate``, ``bigrank export``.
 
-``train`` hands the config to Ray Train (``bigrank.launch``: an embedded local Ray runtime, or the cluster of
-``--address``) or runs ``bigrank.train.workers.train_worker`` in ``workers`` local gloo processes
-(``--launcher local``, no Ray). Running the same command again
+Each parses its arguments and calls the run layer (``bigrank.run``): ``train`` runs the pre-flight and hands
+the config to Ray Train (an embedded local Ray runtime, or the cluster of ``--address``) or to ``workers``
+local gloo processes (``--launcher local``, no Ray). Running the same command again
 resumes from the run's newest checkpoint. ``evaluate`` and ``export`` load a run's newest checkpoint in the
 same number of local processes by default (``--workers N``: any number; the checkpoint is resharded).
 """
@@ -11,10 +11,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
-from bigrank.config import add_override_argument
+from bigrank.config import add_override_argument, load_config
 
 
 def register(subparsers) -> None:
@@ -73,107 +72,41 @@ def register(subparsers) -> None:
     export.set_defaults(func=run_export)
 
 
-def _run_config(run_dir: str):
-    from bigrank.config import load_config
-
-    path = Path(run_dir) / "config.yaml"
-    if not path.is_file():
-        raise FileNotFoundError(f"{run_dir} is not a run directory (no config.yaml)")
-    return load_config(path)
-
-
-def _launch(fn, workers: int, args: tuple):
-    """Run ``fn`` in local processes; a worker's error becomes a CommandError with its message (and its
-    traceback on stderr when it is not a plain user error)."""
-    from bigrank.cli import CommandError
-    from bigrank.train.launcher import WorkerError, launch_local
-
-    try:
-        return launch_local(fn, workers, args)
-    except WorkerError as error:
-        expected = ("ValueError", "FileNotFoundError", "FloatingPointError", "ConfigError", "RuntimeError")
-        if error.error_type not in expected and error.traceback:
-            print(error.traceback, file=sys.stderr)
-        raise CommandError(str(error)) from None
-
-
+# The run layer (torch, the trainer) is imported when a command runs, not when the CLI registers its commands:
+# `bigrank --help` and the Ray Jobs commands then start in a fraction of a second instead of seconds.
 def run_train(args: argparse.Namespace) -> int:
-    import importlib.util
-
-    from bigrank.cli import CommandError
-    from bigrank.config import load_config
-    from bigrank.data.manifest import load_manifest
-    from bigrank.train.losses import check_loss_config
+    from bigrank import run
 
     config = load_config(args.config, args.overrides)
-    check_loss_config(config.loss)
-    load_manifest(config.data.root)  # a missing dataset is reported here, before any process starts
-    if args.launcher == "ray":
-        if importlib.util.find_spec("bigrank.launch") is None:
-            raise CommandError("the Ray launcher (bigrank.launch) is not available yet; use --launcher local")
-        import bigrank.launch as launch
-
-        train_with_ray = getattr(launch, "train_with_ray", None)
-        if train_with_ray is None:
-            raise CommandError("the Ray launcher (bigrank.launch.train_with_ray) is not available yet")
-        summary = train_with_ray(config, address=args.address)
-    else:
-        if args.address:
-            raise CommandError("--address needs the Ray launcher (drop --launcher local)")
-        from bigrank.train.workers import train_worker
-
-        summary = _launch(train_worker, config.workers, (config,))[0]
-    print(format_summary(summary))
+    summary = run.train(config, launcher=args.launcher, address=args.address)
+    print(run.format_summary(summary))
     return 0
 
 
-def format_summary(summary: dict) -> str:
-    """A few lines about a finished training run (and its evaluation table when there is one)."""
-
-    def number(value, spec):
-        return "-" if value is None else format(value, spec)
-
-    lines = [
-        f"run dir        {summary['run_dir']}",
-        f"steps          {summary['steps']} ({number(summary.get('epochs'), '.2f')} epochs, "
-        f"{summary.get('world_size')} workers)",
-        f"loss           first {number(summary.get('first_loss'), '.4f')}  "
-        f"last {number(summary.get('last_loss'), '.4f')}",
-        f"examples/s     {number(summary.get('examples_per_s'), ',.0f')}",
-        f"checkpoint     {summary.get('checkpoint')}",
-    ]
-    if summary.get("resumed_from"):
-        lines.append(f"resumed from   {summary['resumed_from']}")
-    if summary.get("eval"):
-        from bigrank.train.evaluate import format_eval_table
-
-        lines += ["", format_eval_table(summary["eval"])]
-    elif not summary.get("eval_available", True):
-        lines.append("evaluation     skipped (bigrank.train.evaluate is not available)")
-    return "\n".join(lines)
-
-
 def run_evaluate(args: argparse.Namespace) -> int:
+    from bigrank import run
     from bigrank.train.evaluate import format_eval_table
-    from bigrank.train.workers import evaluate_worker
 
-    config = _run_config(args.run_dir)
-    workers = args.workers or config.workers
-    results = _launch(evaluate_worker, workers, (config, args.checkpoint, args.splits, args.sample_users))[0]
+    config = run.load_run_config(args.run_dir)
+    results = run.evaluate(
+        config, checkpoint=args.checkpoint, splits=args.splits, sample_users=args.sample_users, workers=args.workers
+    )
     print(format_eval_table(results))
     print(f"written to {Path(config.run_dir) / 'eval.json'}")
     return 0
 
 
 def run_export(args: argparse.Namespace) -> int:
-    from bigrank.train.workers import export_worker
+    from bigrank import run
 
-    config = _run_config(args.run_dir)
+    config = run.load_run_config(args.run_dir)
     out = str(Path(args.out).resolve())
-    workers = args.workers or config.workers
-    result = _launch(export_worker, workers, (config, out, args.checkpoint, tuple(args.index), tuple(args.quantize)))
-    manifest = result[0].get("manifest") or {}
-    print(f"exported {result[0]['checkpoint']} to {out}")
+    result = run.export(
+        config, out, checkpoint=args.checkpoint, index=tuple(args.index), quantize=tuple(args.quantize),
+        workers=args.workers,
+    )  # fmt: skip
+    manifest = result.get("manifest") or {}
+    print(f"exported {result['checkpoint']} to {out}")
     if manifest:
         figures = {k: manifest[k] for k in ("num_users", "num_items", "dim") if k in manifest}
         if figures:

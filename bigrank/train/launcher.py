@@ -18,6 +18,10 @@ import time
 import traceback
 from typing import Any
 
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
 __all__ = ["WorkerError", "free_port", "launch_local"]
 
 
@@ -46,11 +50,7 @@ def _worker(rank: int, world_size: int, port: int, threads: int, fn, args, resul
         LOCAL_WORLD_SIZE=str(world_size),
         GLOO_SOCKET_IFNAME=os.environ.get("GLOO_SOCKET_IFNAME", "lo"),
     )
-    import torch.distributed as dist
-
     try:
-        import torch
-
         torch.set_num_threads(threads)
         dist.init_process_group(
             "gloo",
@@ -81,8 +81,6 @@ def launch_local(fn, world_size: int, args: tuple = (), *, timeout: float | None
     torch threads (at least 1). Raises :class:`WorkerError` for the first rank that fails, TimeoutError after
     ``timeout`` seconds (None: no limit); never leaves a process behind.
     """
-    import torch.multiprocessing as mp
-
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
     ctx = mp.get_context("spawn")

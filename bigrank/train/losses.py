@@ -16,6 +16,7 @@ the (replicated) loss of the global batch:
     accidental hit (labelled positive). ``log_q`` is the expected number of draws of each column under the
     rank's proposal (Yi et al. RecSys 2019), used by ``sampled_softmax`` only.
 
+The loss module comes from the loss registry (``bigrank.losses.build.build_loss``).
 Optional warm-up (``loss.warmup``): :class:`bigrank.losses.warmup.LossWarmupWrapper` from the warm-up loss to
 the main loss with a geometric temperature schedule; its step counter is checkpointed (``state_dict``).
 """
@@ -23,95 +24,13 @@ the main loss with a geometric temperature schedule; its step counter is checkpo
 from __future__ import annotations
 
 import torch
-from torch import nn
 
-from bigrank.config import FULL_CATALOG_LOSSES, ConfigError, LossConfig, check_loss_params
+from bigrank.config import LossConfig
+from bigrank.data.samplers import PopularitySampler, UniformSampler
+from bigrank.losses.build import build_loss
+from bigrank.losses.registry import FULL_CATALOG_LOSSES
 
-__all__ = ["CandidateLoss", "StepLoss", "check_loss_config"]
-
-
-def _full_catalog_module(name: str, params: dict) -> nn.Module:
-    from bigrank.losses import RankmaxLoss, SoftmaxLoss, SparsemaxLoss
-
-    if name == "rankmax":
-        return RankmaxLoss(k=params["k"], margin=params["margin"])
-    if name == "softmax":
-        return SoftmaxLoss()
-    return SparsemaxLoss(support_guess=params["support_guess"])
-
-
-class CandidateLoss(nn.Module):
-    """A candidate loss with the common call ``(scores [B, C], labels bool [B, C], mask, *, group, log_q)``.
-
-    ``log_q`` reaches ``sampled_softmax`` only (the soft-rank losses take no proposal correction);
-    ``temperature`` is the wrapped loss's (the one ``LossWarmupWrapper`` anneals).
-    """
-
-    def __init__(self, name: str, params: dict):
-        super().__init__()
-        from bigrank.losses.sampled import SampledSoftmaxLoss
-        from bigrank.losses.softndcg import SoftNDCGLoss
-        from bigrank.losses.softrank import PAUCAtBudgetLoss, RecallAtQuantileLoss, SmoothAPLoss
-
-        classes = {
-            "smooth_ap": SmoothAPLoss,
-            "recall_at_quantile": RecallAtQuantileLoss,
-            "pauc_at_budget": PAUCAtBudgetLoss,
-            "softrank_ndcg": SoftNDCGLoss,
-            "sampled_softmax": SampledSoftmaxLoss,
-        }
-        self.name = name
-        self.inner = classes[name](**params)
-
-    @property
-    def temperature(self) -> float:
-        return float(self.inner.temperature)
-
-    @temperature.setter
-    def temperature(self, value: float) -> None:
-        self.inner.temperature = value
-
-    def forward(self, scores, labels, mask=None, *, group=None, log_q=None):
-        if self.name == "sampled_softmax":
-            return self.inner(scores, labels, mask, group=group, log_q=log_q)
-        return self.inner(scores, labels, mask, group=group)
-
-
-def _build_module(config: LossConfig) -> nn.Module:
-    """The loss module of ``config`` (constructor errors are re-raised as ConfigError naming the key)."""
-    try:
-        if config.name in FULL_CATALOG_LOSSES:
-            return _full_catalog_module(config.name, config.params)
-        main = CandidateLoss(config.name, config.params)
-    except ValueError as error:
-        raise ConfigError(f"loss.params ({config.name}): {error}") from None
-    if config.warmup is None:
-        return main
-    from bigrank.losses.warmup import LossWarmupWrapper
-
-    warm = config.warmup
-    try:
-        warmup_loss = CandidateLoss(warm.loss, warm.params)
-    except ValueError as error:
-        raise ConfigError(f"loss.warmup.params ({warm.loss}): {error}") from None
-    try:
-        return LossWarmupWrapper(
-            warmup_loss,
-            main,
-            warmup_steps=warm.steps,
-            temp_start=warm.temp_start,
-            temp_end=warm.temp_end,
-            temp_decay_steps=warm.temp_decay_steps,
-            blend_steps=warm.blend_steps,
-        )
-    except ValueError as error:
-        raise ConfigError(f"loss.warmup: {error}") from None
-
-
-def check_loss_config(config: LossConfig) -> None:
-    """Build the loss once to surface bad parameter values (ConfigError naming the key) before any spawn."""
-    config.params = check_loss_params(config.name, config.params, "loss.params")
-    _build_module(config)
+__all__ = ["StepLoss"]
 
 
 class StepLoss:
@@ -138,15 +57,13 @@ class StepLoss:
         rank: int = 0,
     ):
         self.config = config
-        self.module = _build_module(config)
+        self.module = build_loss(config)
         self.full_catalog = config.name in FULL_CATALOG_LOSSES
         self.start, self.stop = int(shard_start), int(shard_stop)
         self.seed, self.rank = int(seed), int(rank)
         self.sampler = None
         self.num_samples = 0
         if not self.full_catalog and config.candidates == "sampled" and self.stop > self.start:
-            from bigrank.data.samplers import PopularitySampler, UniformSampler
-
             local = self.stop - self.start
             # Draws proportional to the shard size keep q_j comparable across ranks (same n_r / s_r).
             self.num_samples = max(1, round(config.num_negatives * local / num_items))

@@ -22,8 +22,11 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from collections.abc import Sequence
 from pathlib import Path
+
+import yaml
 
 METRICS_NAME = "metrics.jsonl"
 CONFIG_NAME = "config.yaml"
@@ -102,8 +105,6 @@ def run_label(run_dir: str | Path) -> str:
     path = run_dir / CONFIG_NAME
     if not path.is_file():
         return name
-    import yaml
-
     try:
         config = yaml.safe_load(path.read_text())
     except yaml.YAMLError:
@@ -154,9 +155,7 @@ def plot_runs(run_dirs: Sequence[str | Path], out: str | Path, *, title: str | N
     Raises FileNotFoundError/ValueError (naming the run) when a run has no or a bad ``metrics.jsonl`` or nothing
     to plot.
     """
-    import os
-
-    import matplotlib
+    import matplotlib  # optional and slow to import: only for this command
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

@@ -1,0 +1,162 @@
+"""The run layer: one pre-flight and one way to start each job, shared by every entry point.
+
+    prepare_run(config)                   the loss is built once (bad values: ConfigError naming the key) and
+                                          the dataset manifest is read (a missing dataset: FileNotFoundError
+                                          naming the path), before any process or Ray runtime starts
+    train(config, launcher, address)      prepare_run, then the Ray launcher (bigrank.launch.ray_train) or the
+                                          local one (bigrank.train.launcher) running bigrank.train.workers's worker
+    evaluate(...), export(...)            a run's checkpoint in local processes
+
+Callers: the ``bigrank train | evaluate | export`` commands (``bigrank.train.commands``), a job submitted with
+``bigrank submit`` (``python -m bigrank.run``, :func:`main`), and ``pipelines/demo.py``. The launchers are
+leaves: they take the worker function and know nothing of commands.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from bigrank.config import Config, config_from_dict, load_config
+from bigrank.data.manifest import load_manifest
+from bigrank.errors import CommandError, ConfigError
+from bigrank.launch.jobs import CONFIG_ENV
+from bigrank.launch.ray_train import train_on_ray
+from bigrank.losses.build import check_loss_config
+from bigrank.train.evaluate import format_eval_table
+from bigrank.train.launcher import WorkerError, launch_local
+from bigrank.train.workers import evaluate_worker, export_worker, train_worker
+
+__all__ = ["LAUNCHERS", "evaluate", "export", "format_summary", "load_run_config", "main", "prepare_run", "train"]
+
+LAUNCHERS = ("ray", "local")
+# Worker errors whose message says it all (no traceback printed): bad input the user can fix.
+_PLAIN_ERRORS = ("ValueError", "FileNotFoundError", "FloatingPointError", "ConfigError", "RuntimeError")
+
+
+def prepare_run(config: Config):
+    """The pre-flight of every run: build the loss once and read the dataset's manifest.
+
+    Raises ConfigError (a bad loss parameter, naming the key) or FileNotFoundError (no dataset at
+    ``data.root``) before anything is spawned. Returns the manifest.
+    """
+    check_loss_config(config.loss)
+    return load_manifest(config.data.root)
+
+
+def load_run_config(run_dir: str | os.PathLike) -> Config:
+    """The resolved config a run saved (``RUN_DIR/config.yaml``)."""
+    path = Path(run_dir) / "config.yaml"
+    if not path.is_file():
+        raise FileNotFoundError(f"{run_dir} is not a run directory (no config.yaml)")
+    return load_config(path)
+
+
+def _launch_local(fn, workers: int, args: tuple) -> list[Any]:
+    """``fn(*args)`` in ``workers`` local processes; a worker's error becomes a CommandError with its message
+    (and its traceback on stderr when it is not a plain user error)."""
+    try:
+        return launch_local(fn, workers, args)
+    except WorkerError as error:
+        if error.error_type not in _PLAIN_ERRORS and error.traceback:
+            print(error.traceback, file=sys.stderr)
+        raise CommandError(str(error)) from None
+
+
+def train(config: Config, *, launcher: str = "ray", address: str | None = None) -> dict[str, Any]:
+    """Train ``config`` (resuming from the run's newest checkpoint); returns rank 0's run summary.
+
+    ``launcher``: "ray" (Ray Train on an embedded runtime, or the cluster of ``address`` / ``ray.address`` /
+    ``RAY_ADDRESS``) or "local" (``workers`` plain local gloo processes; ``address`` must be None).
+    """
+    if launcher not in LAUNCHERS:
+        raise CommandError(f"unknown launcher {launcher!r}; choose one of {', '.join(LAUNCHERS)}")
+    if launcher == "local" and address:
+        raise CommandError("--address needs the Ray launcher (drop --launcher local)")
+    prepare_run(config)
+    if launcher == "ray":
+        return train_on_ray(config, train_worker, address=address)
+    return _launch_local(train_worker, config.workers, (config,))[0]
+
+
+def evaluate(
+    config: Config,
+    *,
+    checkpoint: str | None = None,
+    splits: list[str] | None = None,
+    sample_users: int | None = None,
+    workers: int | None = None,
+) -> dict[str, dict]:
+    """Evaluate a checkpoint of the run of ``config`` (default: the newest) in ``workers`` local processes
+    (default: the run's); writes ``RUN_DIR/eval.json`` and returns its sections."""
+    return _launch_local(evaluate_worker, workers or config.workers, (config, checkpoint, splits, sample_users))[0]
+
+
+def export(
+    config: Config,
+    out: str | os.PathLike,
+    *,
+    checkpoint: str | None = None,
+    index: tuple[str, ...] = (),
+    quantize: tuple[str, ...] = (),
+    workers: int | None = None,
+) -> dict[str, Any]:
+    """Export the embeddings of a checkpoint (default: the newest) to ``out`` in ``workers`` local processes;
+    returns rank 0's result (``out``, ``checkpoint``, ``manifest``)."""
+    args = (config, str(out), checkpoint, tuple(index), tuple(quantize))
+    return _launch_local(export_worker, workers or config.workers, args)[0]
+
+
+def format_summary(summary: dict) -> str:
+    """A few lines about a finished training run (and its evaluation table when there is one)."""
+
+    def number(value, spec):
+        return "-" if value is None else format(value, spec)
+
+    lines = [
+        f"run dir        {summary['run_dir']}",
+        f"steps          {summary['steps']} ({number(summary.get('epochs'), '.2f')} epochs, "
+        f"{summary.get('world_size')} workers)",
+        f"loss           first {number(summary.get('first_loss'), '.4f')}  "
+        f"last {number(summary.get('last_loss'), '.4f')}",
+        f"examples/s     {number(summary.get('examples_per_s'), ',.0f')}",
+        f"checkpoint     {summary.get('checkpoint')}",
+    ]
+    if summary.get("resumed_from"):
+        lines.append(f"resumed from   {summary['resumed_from']}")
+    if summary.get("eval"):
+        lines += ["", format_eval_table(summary["eval"])]
+    return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------------- Ray Jobs entrypoint
+def run_job() -> int:
+    """What a job submitted with ``bigrank submit`` runs: train the config of ``BIGRANK_JOB_CONFIG`` with Ray
+    Train on the cluster the job runs in."""
+    text = os.environ.get(CONFIG_ENV)
+    if not text:
+        print(f"bigrank job: {CONFIG_ENV} is not set (submit with `bigrank submit`)", file=sys.stderr)
+        return 2
+    # Which copy of the code runs: the working directory shipped with the job, not an installed bigrank.
+    print(f"bigrank code: {Path(__file__).resolve().parent}", flush=True)
+    config = config_from_dict(yaml.safe_load(text))
+    summary = train(config, launcher="ray")
+    print(format_summary(summary), flush=True)
+    return 0
+
+
+def main() -> int:
+    """``python -m bigrank.run``: the Ray Jobs entrypoint; user errors print one line and exit with 2."""
+    try:
+        return run_job()
+    except (CommandError, ConfigError, FileNotFoundError, ValueError) as error:
+        print(f"bigrank job: error: {error}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

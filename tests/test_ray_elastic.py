@@ -1,0 +1,109 @@
+"""Elastic recovery on Ray: a two-node Ray cluster (``ray.cluster_utils.Cluster``: a head and a worker node,
+one CPU each, on this machine) loses its worker node in the middle of a 2-worker run.
+
+* with ``ray.min_workers: 1`` the worker group restarts with the one worker that still fits and the run
+  finishes from its last checkpoint (needs the trainer to resume on a different worker count);
+* without it the restart cannot place 2 workers, and the error says to set ``ray.min_workers``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from bigrank import run
+from bigrank.config import config_from_dict
+from bigrank.launch.ray_train import RayTrainingError
+
+pytestmark = pytest.mark.slow
+
+MAX_STEPS = 120  # long enough that the node is gone well before the end (~0.05 s a step here)
+
+
+def _config(root, run_dir, **ray):
+    raw = {
+        "data": {"root": str(root), "shuffle_buffer": 256},
+        "run_dir": str(run_dir),
+        "seed": 5,
+        "workers": 2,
+        "model": {"dim": 8},
+        "loss": {"name": "softmax"},
+        "train": {"batch_size": 200, "epochs": 100, "max_steps": MAX_STEPS, "checkpoint_every": 4, "log_every": 1},
+        "eval": {"every_epochs": None, "ks": [10], "splits": ["valid"]},
+        "ray": {"max_failures": 1, "cpus_per_worker": 1.0, **ray},
+    }
+    raw["train"]["progress"] = False
+    return config_from_dict(raw)
+
+
+@pytest.fixture
+def two_node_cluster(monkeypatch):
+    """A Ray head and a worker node with one CPU each; yields (cluster, worker_node); shuts both down."""
+    import ray
+    import ray._private.ray_constants as ray_constants
+    from ray.cluster_utils import Cluster
+
+    # ray.init rewrites 127.0.0.1 in a cluster address to this machine's public address, where the test
+    # cluster's GCS does not listen; with this flag off it keeps the loopback address (driver side only).
+    monkeypatch.setattr(ray_constants, "ENABLE_RAY_CLUSTER", False)
+    # A fixed-size group that cannot be placed fails after this many seconds (Ray's default: 60).
+    monkeypatch.setenv("RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S", "15")
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "node_ip_address": "127.0.0.1"})
+    worker_node = cluster.add_node(num_cpus=1, node_ip_address="127.0.0.1")
+    cluster.wait_for_nodes()
+    ray.init(
+        address=cluster.address,
+        _node_ip_address="127.0.0.1",  # the driver too: Ray would otherwise pick the machine's public address
+        runtime_env={"env_vars": {"GLOO_SOCKET_IFNAME": "lo", "PYTHONPATH": os.environ.get("PYTHONPATH", "")}},
+        logging_config=ray.LoggingConfig(log_level="ERROR"),
+    )
+    try:
+        yield cluster, worker_node
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+
+
+def _remove_node_after_first_checkpoint(cluster, node, run_dir: Path) -> threading.Thread:
+    """Removes ``node`` (its workers die with it) once the run has a complete checkpoint."""
+
+    def watch() -> None:
+        deadline = time.monotonic() + 600
+        while time.monotonic() < deadline:
+            if (run_dir / "checkpoints" / "step-00000004").is_dir():
+                cluster.remove_node(node)
+                return
+            time.sleep(0.05)
+
+    thread = threading.Thread(target=watch, daemon=True)
+    thread.start()
+    return thread
+
+
+def test_a_group_restarted_on_fewer_workers_finishes_when_min_workers_allows(two_node_cluster, tiny_dataset, tmp_path):
+    cluster, worker_node = two_node_cluster
+    run_dir = tmp_path / "run"
+    watcher = _remove_node_after_first_checkpoint(cluster, worker_node, run_dir)
+    summary = run.train(_config(tiny_dataset, run_dir, min_workers=1), launcher="ray")
+    watcher.join(timeout=5)
+    assert len(cluster.list_all_nodes()) == 1  # the worker node is gone
+    assert summary["steps"] == MAX_STEPS
+    assert summary["world_size"] == 1  # finished on the worker that was left
+    assert summary["resumed_from"]  # from the last checkpoint of the 2-worker group
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    steps = [r["step"] for r in map(json.loads, lines) if r["type"] == "train"]
+    assert steps == list(range(1, MAX_STEPS + 1))  # no finished step lost, none trained twice
+
+
+def test_without_min_workers_a_group_that_no_longer_fits_fails_saying_so(two_node_cluster, tiny_dataset, tmp_path):
+    cluster, worker_node = two_node_cluster
+    run_dir = tmp_path / "run"
+    watcher = _remove_node_after_first_checkpoint(cluster, worker_node, run_dir)
+    with pytest.raises(RayTrainingError, match="set ray.min_workers"):
+        run.train(_config(tiny_dataset, run_dir), launcher="ray")
+    watcher.join(timeout=5)
