@@ -124,6 +124,12 @@ class TrainConfig:
     chunk_size: int | str | None = None  # items scored at once by full-catalog losses (null: the whole shard;
     # "auto": blocks of about 2^22 scores, bounded memory and usually faster on CPU)
     progress: bool = True  # tqdm bar on rank 0
+    # One device per worker: cuda:LOCAL_RANK (local launcher) or Ray's GPU; auto = cuda when
+    # ray.gpus_per_worker > 0 (Ray) or the local launcher sees a GPU (bigrank.devices).
+    device: str = field(default="auto", metadata=_choices("auto", "cpu", "cuda"))
+    # Score GEMM: fp32; tf32 (CUDA tensor cores, fp32 tensors); bf16 (bf16 scores, fp32 parameters and
+    # gradients); the losses' statistics (thresholds, sums, log-sum-exp) are accumulated in float64 always.
+    precision: str = field(default="fp32", metadata=_choices("fp32", "tf32", "bf16"))
 
 
 @dataclass
@@ -338,6 +344,11 @@ def validate(config: Config) -> Config:
         or (isinstance(train.chunk_size, int) and train.chunk_size >= 1),
         "train.chunk_size",
         'must be >= 1, "auto" or null',
+    )
+    _check(
+        not (train.device == "cpu" and train.precision == "tf32"),
+        "train.precision",
+        "tf32 is a CUDA tensor-core mode: use fp32 or bf16 with train.device=cpu",
     )
     ev = config.eval
     _check(ev.every_epochs is None or ev.every_epochs >= 0, "eval.every_epochs", "must be >= 0 or null")
