@@ -105,7 +105,10 @@ class LossConfig:
 
 @dataclass
 class OptimConfig:
-    user_optimizer: str = field(default="rowwise_adagrad", metadata=_choices("sgd", "adagrad", "rowwise_adagrad"))
+    # Fused into the sharded user tables' backward (fbgemm); adam only on CUDA (train.device).
+    user_optimizer: str = field(
+        default="rowwise_adagrad", metadata=_choices("sgd", "adagrad", "rowwise_adagrad", "adam")
+    )
     user_lr: float = 0.05
     item_optimizer: str = field(default="adagrad", metadata=_choices("sgd", "adagrad", "adam"))
     item_lr: float = 0.05
@@ -344,6 +347,11 @@ def validate(config: Config) -> Config:
         or (isinstance(train.chunk_size, int) and train.chunk_size >= 1),
         "train.chunk_size",
         'must be >= 1, "auto" or null',
+    )
+    _check(
+        not (train.device == "cpu" and optim.user_optimizer == "adam"),
+        "optim.user_optimizer",
+        "adam runs in fbgemm's fused CUDA kernels only: use sgd, adagrad or rowwise_adagrad with train.device=cpu",
     )
     _check(
         not (train.device == "cpu" and train.precision == "tf32"),

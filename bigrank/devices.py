@@ -94,7 +94,8 @@ def check_devices(
             tests pass them to describe another machine.
     Raises DeviceError, before any worker starts, for: a GPU requested on a CPU-only torch build (local
     launcher), or on a machine without GPUs, fewer GPUs than local workers, ``train.device=cuda`` under Ray
-    with ``ray.gpus_per_worker`` other than 1, ``train.device=cpu`` with GPUs reserved, ``tf32`` on CPU.
+    with ``ray.gpus_per_worker`` other than 1, ``train.device=cpu`` with GPUs reserved, ``tf32`` or the fused
+    ``adam`` user optimizer on CPU.
     """
     gpus_per_worker = float(config.ray.gpus_per_worker)
     workers = int(config.workers)
@@ -137,6 +138,11 @@ def check_devices(
         )
     if kind == "cpu" and config.train.precision == "tf32":
         raise DeviceError("train.precision=tf32 is a CUDA tensor-core mode: use fp32 or bf16 on CPU")
+    if kind == "cpu" and config.optim.user_optimizer == "adam":
+        raise DeviceError(
+            "optim.user_optimizer=adam runs in fbgemm's fused CUDA kernels only (training on cpu here): use sgd, "
+            "adagrad or rowwise_adagrad, or train on GPUs"
+        )
     return kind
 
 

@@ -103,9 +103,11 @@ def run_train(args: argparse.Namespace) -> int:
     from bigrank.cli import CommandError
     from bigrank.config import load_config
     from bigrank.data.manifest import load_manifest
+    from bigrank.devices import check_devices
     from bigrank.train.losses import check_loss_config
 
     config = load_config(args.config, args.overrides)
+    check_devices(config, args.launcher)  # a GPU that is not there fails here, before any worker starts
     check_loss_config(config.loss)
     load_manifest(config.data.root)  # a missing dataset is reported here, before any process starts
     if args.launcher == "ray":
