@@ -242,3 +242,32 @@ def test_one_gpu_training_run_of_a_few_steps(tiny_dataset, tmp_path):
     assert "cuda" in result.stdout + result.stderr, "the run does not report its device"
     assert "steps          5" in result.stdout
     assert list((tmp_path / "run" / "checkpoints").glob("step-*"))
+
+
+def test_control_group_on_an_nccl_world(tmp_path):
+    """An nccl-only world cannot carry CPU tensors: init_control_group adds a gloo group that can."""
+    script = f"""
+import torch, torch.distributed as dist
+from bigrank.distributed import groups
+torch.cuda.set_device(0)
+dist.init_process_group("nccl", rank=0, world_size=1, init_method="file://{tmp_path}/pg")
+assert not groups.supports_cpu_tensors() and groups.supports_cuda_tensors()
+assert str(groups.collective_device()) == "cuda:0"
+control = groups.init_control_group()
+assert control is not dist.group.WORLD and groups.control_group() is control
+parts = [torch.empty(1, dtype=torch.int64)]
+dist.all_gather(parts, torch.tensor([7]), group=control)
+assert parts[0].item() == 7
+dist.destroy_process_group()
+print("ok")
+"""
+    result = subprocess.run(
+        [sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])},
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip().endswith("ok")
