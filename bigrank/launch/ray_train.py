@@ -3,7 +3,7 @@
 ``train_on_ray(config)`` builds a ``TorchTrainer`` with one Ray worker per training process:
 
     ScalingConfig(num_workers=config.workers, CPU/GPU per worker from config.ray)
-    TorchConfig(backend="nccl" when GPUs are requested, "gloo" otherwise)
+    TorchConfig(backend="cpu:gloo,cuda:nccl" when GPUs are requested, "gloo" otherwise)
     RunConfig(storage_path=config.ray.storage_path, failure_config=FailureConfig(config.ray.max_failures))
 
 Ray Train initialises ``torch.distributed`` in every worker before the loop runs, which is all the trainer
@@ -198,6 +198,8 @@ def train_on_ray(config: Config, *, address: str | None = None) -> dict[str, Any
     from ray.train import CheckpointConfig, FailureConfig, LoggingConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
 
+    from bigrank.devices import process_group_backend
+
     address = resolve_address(config, address)
     use_gpu = config.ray.gpus_per_worker > 0
     resources = {"CPU": config.ray.cpus_per_worker}
@@ -214,7 +216,8 @@ def train_on_ray(config: Config, *, address: str | None = None) -> dict[str, Any
         trainer = TorchTrainer(
             ray_worker_loop,
             train_loop_config=config.to_dict(),
-            torch_config=TorchConfig(backend="nccl" if use_gpu else "gloo"),
+            # cpu:gloo,cuda:nccl on GPUs: nccl cannot carry the CPU tensors of control traffic
+            torch_config=TorchConfig(backend=process_group_backend("cuda" if use_gpu else "cpu")),
             scaling_config=ScalingConfig(num_workers=config.workers, use_gpu=use_gpu, resources_per_worker=resources),
             run_config=RunConfig(
                 name=_run_name(config),
