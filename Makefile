@@ -4,9 +4,26 @@ VENV    := .venv
 BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
 
-.PHONY: setup test lint format demo bench clean
+.PHONY: setup setup-cuda test lint format demo bench clean
 
 setup: $(STAMP)
+
+# The CUDA stack (torch 2.13.0 CUDA build, fbgemm-gpu 1.8.0, torchrec 1.8.0) in its own .venv-cuda, so that
+# `make setup`/`make test` keep their CPU .venv. Checks imports and versions; a GPU is needed only to train.
+VENV_CUDA  := .venv-cuda
+BIN_CUDA   := $(VENV_CUDA)/bin
+STAMP_CUDA := $(VENV_CUDA)/.installed
+
+setup-cuda: $(STAMP_CUDA)
+
+$(STAMP_CUDA): requirements-cuda.txt pyproject.toml
+	test -x $(BIN_CUDA)/python || $(PY) -m venv $(VENV_CUDA)
+	$(BIN_CUDA)/pip install --quiet --upgrade pip
+	$(BIN_CUDA)/pip install --quiet -r requirements-cuda.txt
+	$(BIN_CUDA)/pip install --quiet --no-deps torchrec==1.8.0
+	$(BIN_CUDA)/pip install --quiet --no-deps -e .
+	$(BIN_CUDA)/python -c "import torch, fbgemm_gpu, torchrec, ray, pyarrow; assert torch.version.cuda, 'torch is a CPU build'; print('cuda stack ok: torch', torch.__version__, 'cuda', torch.version.cuda, 'gpus visible', torch.cuda.device_count(), 'ray', ray.__version__)"
+	touch $(STAMP_CUDA)
 
 # Re-runs only when the pins or the package metadata change, so a second `make setup` takes seconds.
 $(STAMP): requirements.txt pyproject.toml
@@ -35,4 +52,4 @@ demo: setup
 	$(BIN)/python -m pipelines.demo
 
 clean:
-	rm -rf $(VENV) .pytest_cache build *.egg-info
+	rm -rf $(VENV) $(VENV_CUDA) .pytest_cache build *.egg-info

@@ -90,7 +90,10 @@ class LossConfig:
 
 @dataclass
 class OptimConfig:
-    user_optimizer: str = field(default="rowwise_adagrad", metadata=_choices("sgd", "adagrad", "rowwise_adagrad"))
+    # Fused into the sharded user tables' backward (fbgemm); adam only on CUDA (train.device).
+    user_optimizer: str = field(
+        default="rowwise_adagrad", metadata=_choices("sgd", "adagrad", "rowwise_adagrad", "adam")
+    )
     user_lr: float = 0.05
     item_optimizer: str = field(default="adagrad", metadata=_choices("sgd", "adagrad", "adam"))
     item_lr: float = 0.05
@@ -109,6 +112,12 @@ class TrainConfig:
     chunk_size: int | str | None = None  # items scored at once by full-catalog losses (null: the whole shard;
     # "auto": blocks of about 2^22 scores, bounded memory and usually faster on CPU)
     progress: bool = True  # tqdm bar on rank 0
+    # One device per worker: cuda:LOCAL_RANK (local launcher) or Ray's GPU; auto = cuda when
+    # ray.gpus_per_worker > 0 (Ray) or the local launcher sees a GPU (bigrank.devices).
+    device: str = field(default="auto", metadata=_choices("auto", "cpu", "cuda"))
+    # Score GEMM: fp32; tf32 (CUDA tensor cores, fp32 tensors); bf16 (bf16 scores, fp32 parameters and
+    # gradients); the losses' statistics (thresholds, sums, log-sum-exp) are accumulated in float64 always.
+    precision: str = field(default="fp32", metadata=_choices("fp32", "tf32", "bf16"))
 
 
 @dataclass
@@ -299,6 +308,16 @@ def validate(config: Config) -> Config:
         or (isinstance(train.chunk_size, int) and train.chunk_size >= 1),
         "train.chunk_size",
         'must be >= 1, "auto" or null',
+    )
+    _check(
+        not (train.device == "cpu" and optim.user_optimizer == "adam"),
+        "optim.user_optimizer",
+        "adam runs in fbgemm's fused CUDA kernels only: use sgd, adagrad or rowwise_adagrad with train.device=cpu",
+    )
+    _check(
+        not (train.device == "cpu" and train.precision == "tf32"),
+        "train.precision",
+        "tf32 is a CUDA tensor-core mode: use fp32 or bf16 with train.device=cpu",
     )
     ev = config.eval
     _check(ev.every_epochs is None or ev.every_epochs >= 0, "eval.every_epochs", "must be >= 0 or null")

@@ -14,6 +14,7 @@ leaves: they take the worker function and know nothing of commands.
 
 from __future__ import annotations
 
+import copy
 import os
 import sys
 from pathlib import Path
@@ -23,6 +24,7 @@ import yaml
 
 from bigrank.config import Config, config_from_dict, load_config
 from bigrank.data.manifest import load_manifest
+from bigrank.devices import check_devices, cuda_build, process_group_backend, visible_gpus
 from bigrank.errors import CommandError, ConfigError
 from bigrank.launch.jobs import CONFIG_ENV
 from bigrank.launch.ray_train import train_on_ray
@@ -38,12 +40,14 @@ LAUNCHERS = ("ray", "local")
 _PLAIN_ERRORS = ("ValueError", "FileNotFoundError", "FloatingPointError", "ConfigError", "RuntimeError")
 
 
-def prepare_run(config: Config):
-    """The pre-flight of every run: build the loss once and read the dataset's manifest.
+def prepare_run(config: Config, launcher: str = "ray"):
+    """The pre-flight of every run: check the devices, build the loss once and read the dataset's manifest.
 
-    Raises ConfigError (a bad loss parameter, naming the key) or FileNotFoundError (no dataset at
-    ``data.root``) before anything is spawned. Returns the manifest.
+    Raises DeviceError (a GPU asked for where there is none, saying what to change; ``launcher`` "local" counts
+    this machine's GPUs), ConfigError (a bad loss parameter, naming the key) or FileNotFoundError (no dataset
+    at ``data.root``) before anything is spawned. Returns the manifest.
     """
+    check_devices(config, launcher)
     check_loss_config(config.loss)
     return load_manifest(config.data.root)
 
@@ -56,11 +60,11 @@ def load_run_config(run_dir: str | os.PathLike) -> Config:
     return load_config(path)
 
 
-def _launch_local(fn, workers: int, args: tuple) -> list[Any]:
-    """``fn(*args)`` in ``workers`` local processes; a worker's error becomes a CommandError with its message
-    (and its traceback on stderr when it is not a plain user error)."""
+def _launch_local(fn, workers: int, args: tuple, device_type: str = "cpu") -> list[Any]:
+    """``fn(*args)`` in ``workers`` local processes (gloo; ``cpu:gloo,cuda:nccl`` on GPUs); a worker's error
+    becomes a CommandError with its message (and its traceback on stderr when it is not a plain user error)."""
     try:
-        return launch_local(fn, workers, args)
+        return launch_local(fn, workers, args, backend=process_group_backend(device_type))
     except WorkerError as error:
         if error.error_type not in _PLAIN_ERRORS and error.traceback:
             print(error.traceback, file=sys.stderr)
@@ -77,10 +81,10 @@ def train(config: Config, *, launcher: str = "ray", address: str | None = None) 
         raise CommandError(f"unknown launcher {launcher!r}; choose one of {', '.join(LAUNCHERS)}")
     if launcher == "local" and address:
         raise CommandError("--address needs the Ray launcher (drop --launcher local)")
-    prepare_run(config)
+    prepare_run(config, launcher)
     if launcher == "ray":
         return train_on_ray(config, train_worker, address=address)
-    return _launch_local(train_worker, config.workers, (config,))[0]
+    return _launch_local(train_worker, config.workers, (config,), check_devices(config, "local"))[0]
 
 
 def evaluate(
@@ -92,8 +96,11 @@ def evaluate(
     workers: int | None = None,
 ) -> dict[str, dict]:
     """Evaluate a checkpoint of the run of ``config`` (default: the newest) in ``workers`` local processes
-    (default: the run's); writes ``RUN_DIR/eval.json`` and returns its sections."""
-    return _launch_local(evaluate_worker, workers or config.workers, (config, checkpoint, splits, sample_users))[0]
+    (default: the run's) on this machine's devices (:func:`inference_config`); writes ``RUN_DIR/eval.json``
+    and returns its sections."""
+    workers = workers or config.workers
+    config, kind = inference_config(config, workers)
+    return _launch_local(evaluate_worker, workers, (config, checkpoint, splits, sample_users), kind)[0]
 
 
 def export(
@@ -107,8 +114,24 @@ def export(
 ) -> dict[str, Any]:
     """Export the embeddings of a checkpoint (default: the newest) to ``out`` in ``workers`` local processes;
     returns rank 0's result (``out``, ``checkpoint``, ``manifest``)."""
+    workers = workers or config.workers
+    config, kind = inference_config(config, workers)
     args = (config, str(out), checkpoint, tuple(index), tuple(quantize))
-    return _launch_local(export_worker, workers or config.workers, args)[0]
+    return _launch_local(export_worker, workers, args, kind)[0]
+
+
+def inference_config(config: Config, workers: int) -> tuple[Config, str]:
+    """``(config, device type)`` for loading a run's checkpoint on this machine in ``workers`` local processes:
+    CUDA when the run was not pinned to the CPU and this machine has a GPU per worker, else the CPU.
+    Checkpoints are device-portable, so a run trained on GPUs evaluates and exports here on CPU too."""
+    usable = config.train.device != "cpu" and cuda_build() is not None and visible_gpus() >= workers
+    kind = "cuda" if usable else "cpu"
+    if kind != config.train.device:
+        config = copy.deepcopy(config)
+        config.train.device = kind
+        if kind == "cpu" and config.train.precision == "tf32":
+            config.train.precision = "fp32"
+    return config, kind
 
 
 def format_summary(summary: dict) -> str:

@@ -37,6 +37,8 @@ class CatalogShard(nn.Module):
         init_std: items are initialised N(0, init_std^2) from ``seed``, row by row in global order, so the
             full matrix is the same whatever the number of ranks.
         bounds: explicit ``(start, stop)`` for uneven splits; the default is ``shard_range``.
+        device: where the rows live (this worker's device, ``bigrank.devices.worker_device``); they are drawn
+            on the CPU (the same values on every device) and copied there once.
     """
 
     def __init__(
@@ -49,6 +51,7 @@ class CatalogShard(nn.Module):
         seed: int = 0,
         bounds: tuple[int, int] | None = None,
         dtype: torch.dtype = torch.float32,
+        device: torch.device | str | None = None,
     ):
         super().__init__()
         if num_items < 1 or dim < 1:
@@ -59,7 +62,7 @@ class CatalogShard(nn.Module):
         if not 0 <= start <= stop <= num_items:
             raise ValueError(f"shard bounds [{start}, {stop}) must lie inside [0, {num_items})")
         self.start, self.stop = int(start), int(stop)
-        self.weight = nn.Parameter(self._initial_rows(init_std, seed, dtype))
+        self.weight = nn.Parameter(self._initial_rows(init_std, seed, dtype).to(device))
 
     def _initial_rows(self, init_std: float, seed: int, dtype: torch.dtype) -> torch.Tensor:
         # Generate the rows of this shard only, in fixed blocks of the global matrix, so that any split of the
@@ -78,16 +81,19 @@ class CatalogShard(nn.Module):
     def num_local(self) -> int:
         return self.stop - self.start
 
-    def scores(self, user_vectors: torch.Tensor, chunk_size: int | str | None = None):
+    def scores(self, user_vectors: torch.Tensor, chunk_size: int | str | None = None, dtype: torch.dtype | None = None):
         """Scores of the (all-gathered) user vectors ``[B, d]`` against the local rows.
 
         Returns ``[B, n_local]`` (columns ``[start, stop)`` of the full matrix), or with ``chunk_size`` (items,
         or ``"auto"``) a ``ChunkedScores`` that full-catalog losses read a chunk of items at a time, so that the
         ``B x n_local`` matrix never exists at once (scores are recomputed in backward); see ``score_matrix``.
+        ``dtype``: the score dtype (``Precision.score_dtype``: bf16 GEMMs for ``train.precision=bf16``).
         """
         if user_vectors.dim() != 2 or user_vectors.shape[1] != self.dim:
             raise ValueError(f"user_vectors must have shape [B, {self.dim}], got {tuple(user_vectors.shape)}")
-        return score_matrix(user_vectors, self.weight, chunk_size)
+        if user_vectors.device != self.weight.device:
+            raise ValueError(f"user_vectors are on {user_vectors.device}, the catalog rows on {self.weight.device}")
+        return score_matrix(user_vectors, self.weight, chunk_size, dtype)
 
     def extra_repr(self) -> str:
         rows = f"[{self.start}, {self.stop})"

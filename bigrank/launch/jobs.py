@@ -59,6 +59,7 @@ TERMINAL_STATUSES = ("SUCCEEDED", "FAILED", "STOPPED")
 # bigrank/data package).
 WORKING_DIR_EXCLUDES = [
     "/.venv",
+    "/.venv-cuda",
     "/data",
     "/runs",
     "/.git",

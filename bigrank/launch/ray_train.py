@@ -4,7 +4,7 @@
 ``bigrank.train.workers.train_worker``) builds a ``TorchTrainer`` with one Ray worker per training process:
 
     ScalingConfig(num_workers=config.workers, or (ray.min_workers, workers): elastic; CPU/GPU per worker)
-    TorchConfig(backend="nccl" when GPUs are requested, "gloo" otherwise)
+    TorchConfig(backend="cpu:gloo,cuda:nccl" when GPUs are requested, "gloo" otherwise)
     RunConfig(storage_path=config.ray.storage_path, failure_config=FailureConfig(config.ray.max_failures))
 
 Ray Train initialises ``torch.distributed`` in every worker before the loop runs, which is all the trainer
@@ -247,6 +247,8 @@ def train_on_ray(config: Config, worker: Callable[[dict], dict], *, address: str
     from ray.train import CheckpointConfig, FailureConfig, LoggingConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
 
+    from bigrank.devices import check_ray_gpus, process_group_backend
+
     address = resolve_address(config, address)
     use_gpu = config.ray.gpus_per_worker > 0
     resources = {"CPU": config.ray.cpus_per_worker}
@@ -255,6 +257,7 @@ def train_on_ray(config: Config, worker: Callable[[dict], dict], *, address: str
     storage_path = config.ray.storage_path or str(Path(config.run_dir) / "ray")
     started = time.perf_counter()
     owns_runtime = init_ray(config, address)
+    check_ray_gpus(config, ray.cluster_resources().get("GPU", 0))  # else Ray would wait for GPUs forever
     ray_start_seconds = time.perf_counter() - started
     print(f"ray ready in {ray_start_seconds:.1f} s", flush=True)
     try:
@@ -268,7 +271,8 @@ def train_on_ray(config: Config, worker: Callable[[dict], dict], *, address: str
         trainer = TorchTrainer(
             functools.partial(ray_worker_loop, worker),
             train_loop_config=config.to_dict(),
-            torch_config=TorchConfig(backend="nccl" if use_gpu else "gloo"),
+            # cpu:gloo,cuda:nccl on GPUs: nccl cannot carry the CPU tensors of control traffic
+            torch_config=TorchConfig(backend=process_group_backend("cuda" if use_gpu else "cpu")),
             scaling_config=ScalingConfig(num_workers=num_workers, use_gpu=use_gpu, resources_per_worker=resources),
             run_config=RunConfig(
                 name=_run_name(config),

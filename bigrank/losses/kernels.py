@@ -7,7 +7,12 @@ GEMMs themselves. For blocks of at least ``COMPILE_MIN_ELEMENTS`` entries the sa
 ``torch.compile`` (inductor: one fused loop per pass, float64 accumulators in registers); small blocks, and any
 machine where compilation fails, use the eager versions, which compute the same values.
 
-Set ``BIGRANK_COMPILE=0`` to force eager, ``BIGRANK_COMPILE=1`` to compile whatever the size (tests).
+Set ``BIGRANK_COMPILE=0`` to force eager, ``BIGRANK_COMPILE=1`` to compile whatever the size (tests). On CUDA
+the compiled kernels are Triton kernels.
+
+Low-precision blocks (bfloat16/float16 scores) are compared, shifted and exponentiated in float32 (thresholds,
+shifts and scales are passed in float32; the upcast is fused into the compiled kernels) and summed in
+float64; gradients come back in the block's dtype. float32 and float64 blocks are computed as before.
 """
 
 from __future__ import annotations
@@ -55,30 +60,37 @@ def _run(name: str, eager, *args):
         return eager(*args)
 
 
+def _stat_dtype(block: torch.Tensor) -> torch.dtype:
+    """The dtype row statistics are computed in: at least float32 (bf16 scores are compared in float32)."""
+    return torch.promote_types(block.dtype, torch.float32)
+
+
 def _support_sum_count(block: torch.Tensor, mu: torch.Tensor):
-    shifted = block - mu.unsqueeze(1)
+    shifted = block.to(mu.dtype) - mu.unsqueeze(1)
     return shifted.clamp_min(0).to(torch.float64).sum(dim=1), (shifted > 0).to(torch.float64).sum(dim=1)
 
 
 def support_sum_count(block: torch.Tensor, mu: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``(sum_i (z_i - mu)_+, |{i : z_i > mu}|)`` per row: float64 [R], float64 [R] for ``block`` [R, c]."""
-    return _run("support_sum_count", _support_sum_count, block, mu.to(block.dtype))
+    return _run("support_sum_count", _support_sum_count, block, mu.to(_stat_dtype(block)))
 
 
 def _masked_scale(block, lower, upper, scale):
-    inside = (block > lower.unsqueeze(1)) & (block < upper.unsqueeze(1))
-    return inside.to(block.dtype) * scale.unsqueeze(1)
+    wide = block.to(lower.dtype)
+    inside = (wide > lower.unsqueeze(1)) & (wide < upper.unsqueeze(1))
+    return (inside.to(scale.dtype) * scale.unsqueeze(1)).to(block.dtype)
 
 
 def masked_scale(block: torch.Tensor, lower: torch.Tensor, upper: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """``scale_r * [lower_r < z_ri < upper_r]`` for ``block`` [R, c]: the Rankmax gradient's bulk."""
-    dtype = block.dtype
+    dtype = _stat_dtype(block)
     return _run("masked_scale", _masked_scale, block, lower.to(dtype), upper.to(dtype), scale.to(dtype))
 
 
 def _max_and_sum_exp(block):
-    row_max = block.amax(dim=1)
-    return row_max.to(torch.float64), torch.exp(block - row_max.unsqueeze(1)).to(torch.float64).sum(dim=1)
+    wide = block.to(torch.promote_types(block.dtype, torch.float32))
+    row_max = wide.amax(dim=1)
+    return row_max.to(torch.float64), torch.exp(wide - row_max.unsqueeze(1)).to(torch.float64).sum(dim=1)
 
 
 def max_and_sum_exp(block: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -87,30 +99,32 @@ def max_and_sum_exp(block: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _exp_grad(block, shift, scale):
-    return torch.exp(block - shift.unsqueeze(1)) * scale.unsqueeze(1)
+    return (torch.exp(block.to(shift.dtype) - shift.unsqueeze(1)) * scale.unsqueeze(1)).to(block.dtype)
 
 
 def exp_grad(block: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """``scale_r * exp(z_ri - shift_r)``: softmax's gradient with ``shift`` = log-sum-exp."""
-    return _run("exp_grad", _exp_grad, block, shift.to(block.dtype), scale.to(block.dtype))
+    dtype = _stat_dtype(block)
+    return _run("exp_grad", _exp_grad, block, shift.to(dtype), scale.to(dtype))
 
 
 def _relu_square_sum(block, tau):
-    return (block - tau.unsqueeze(1)).clamp_min(0).to(torch.float64).square().sum(dim=1)
+    return (block.to(tau.dtype) - tau.unsqueeze(1)).clamp_min(0).to(torch.float64).square().sum(dim=1)
 
 
 def relu_square_sum(block: torch.Tensor, tau: torch.Tensor) -> torch.Tensor:
     """``sum_i (z_i - tau)_+^2`` per row, float64 [R]."""
-    return _run("relu_square_sum", _relu_square_sum, block, tau.to(block.dtype))
+    return _run("relu_square_sum", _relu_square_sum, block, tau.to(_stat_dtype(block)))
 
 
 def _relu_grad(block, tau, scale):
-    return (block - tau.unsqueeze(1)).clamp_min(0) * scale.unsqueeze(1)
+    return ((block.to(tau.dtype) - tau.unsqueeze(1)).clamp_min(0) * scale.unsqueeze(1)).to(block.dtype)
 
 
 def relu_grad(block: torch.Tensor, tau: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """``scale_r * (z_ri - tau_r)_+``: sparsemax's gradient."""
-    return _run("relu_grad", _relu_grad, block, tau.to(block.dtype), scale.to(block.dtype))
+    dtype = _stat_dtype(block)
+    return _run("relu_grad", _relu_grad, block, tau.to(dtype), scale.to(dtype))
 
 
 def topk_values(block: torch.Tensor, k: int) -> torch.Tensor:

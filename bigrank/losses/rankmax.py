@@ -119,9 +119,13 @@ class _RankmaxImpl:
         prob_positive = alpha * (positive - mu)
         per_row = -torch.log(prob_positive.clamp(max=1.0))
         upper = torch.where(t > 0, top.gather(1, (t - 1).clamp_min(0).unsqueeze(1)).squeeze(1), torch.inf)
+        active = prob_positive < 1
+        # Rows whose k-th largest score carries mu, found once here rather than in every block of backward
+        # (a .nonzero() per block would stall the GPU queue once per block).
+        kth_rows = (~y_carries_mu & active).nonzero().squeeze(1)
         state = dict(
             mu=mu, upper=upper, t=t, denominator=denominator, support_size=support_size, kth=kth,
-            y_carries_mu=y_carries_mu, ties_at_kth=ties_at_kth, active=prob_positive < 1,
+            y_carries_mu=y_carries_mu, ties_at_kth=ties_at_kth, active=active, kth_rows=kth_rows,
         )  # fmt: skip
         return per_row, state
 
@@ -134,7 +138,7 @@ class _RankmaxImpl:
         via_mu = weight * (inv_gap - (state["support_size"] - state["t"]) / denominator)
         y_carries = state["y_carries_mu"]
         layout.add_at_target(grad, start, torch.where(y_carries, via_mu, 0.0) - weight * inv_gap)
-        rows = (~y_carries & state["active"]).nonzero().squeeze(1)
+        rows = state["kth_rows"]
         if rows.numel():
             # mu = z_[k] - eta: the k-th largest score carries mu; ties share it equally.
             kth = state["kth"][rows].to(block.dtype).unsqueeze(1)

@@ -8,6 +8,13 @@ score, sums, counts, maxima). It reads the matrix as a sequence of column blocks
   recomputed in backward, so the ``B x n_local`` matrix never exists at once (the "fused linear + loss"
   pattern). Gradients go straight to ``user_vectors`` and ``item_rows``.
 
+Devices and precision: every tensor a loss creates lives on the scores' device, and the step makes no
+host-device round trip except the one replicated input check per call (``catalog_layout``) and the few
+decisions that pick collectives (e.g. which rows need Rankmax's second pass). Scores may be bfloat16
+(``score_matrix(..., dtype=torch.bfloat16)``: bf16 GEMM inputs and scores, float32 parameters and gradients);
+the per-row statistics (top-k, sums, counts, maxima, log-sum-exp) are accumulated in float64 whatever the
+score dtype, and the row kernels compare and exponentiate in float32 (``bigrank.losses.kernels``).
+
 With a process group, each rank holds columns ``[offset, offset + n_local)`` of the full matrix; per-row
 statistics are exchanged with collectives whose number and shapes are decided from replicated values, so all
 ranks call the same collectives (no hang on bad input: every rank raises the same error).
@@ -87,9 +94,19 @@ class ChunkedScores:
     Peak extra memory is ``O(B * chunk_size)`` instead of ``O(B * n_local)``; the price is that the scores are
     recomputed in backward (one more GEMM per chunk). Passing a ``ChunkedScores`` to a full-catalog loss gives
     the same loss and gradients (w.r.t. both inputs) as passing the materialised product.
+
+    ``compute_dtype`` (e.g. ``torch.bfloat16``): the GEMMs run on inputs cast to it and the score blocks have
+    it; the gradients of ``user_vectors`` and ``item_rows`` keep their dtype (float32), summed over chunks in
+    that dtype. None: the factors' dtype.
     """
 
-    def __init__(self, user_vectors: torch.Tensor, item_rows: torch.Tensor, chunk_size: int):
+    def __init__(
+        self,
+        user_vectors: torch.Tensor,
+        item_rows: torch.Tensor,
+        chunk_size: int,
+        compute_dtype: torch.dtype | None = None,
+    ):
         if user_vectors.dim() != 2 or item_rows.dim() != 2 or user_vectors.shape[1] != item_rows.shape[1]:
             raise ValueError(
                 "ChunkedScores needs user_vectors [B, d] and item_rows [n, d] with the same d, got "
@@ -102,6 +119,7 @@ class ChunkedScores:
         self.user_vectors = user_vectors
         self.item_rows = item_rows
         self.chunk_size = int(chunk_size)
+        self.compute_dtype = compute_dtype if compute_dtype is not None else user_vectors.dtype
 
     @property
     def tensors(self) -> tuple[torch.Tensor, ...]:
@@ -109,7 +127,7 @@ class ChunkedScores:
 
     @property
     def params(self) -> tuple:
-        return (self.chunk_size,)
+        return (self.chunk_size, self.compute_dtype)
 
     @classmethod
     def rebuild(cls, tensors, params) -> ChunkedScores:
@@ -125,7 +143,7 @@ class ChunkedScores:
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.user_vectors.dtype
+        return self.compute_dtype
 
     @property
     def device(self) -> torch.device:
@@ -133,13 +151,17 @@ class ChunkedScores:
 
     def blocks(self, rows: torch.Tensor | None = None) -> Iterator[tuple[int, torch.Tensor]]:
         users = self.user_vectors if rows is None else self.user_vectors[rows]
+        users = users.to(self.compute_dtype)
         for start in range(0, self.num_local, self.chunk_size):
-            yield start, users @ self.item_rows[start : start + self.chunk_size].T
+            yield start, users @ self.item_rows[start : start + self.chunk_size].to(self.compute_dtype).T
 
     def gather_columns(self, columns: torch.Tensor) -> torch.Tensor:
         if self.num_local == 0:
-            return self.user_vectors.new_zeros(self.batch)
-        return (self.user_vectors * self.item_rows[columns]).sum(dim=1)
+            return self.user_vectors.new_zeros(self.batch, dtype=self.compute_dtype)
+        # The dot product of the rounded factors in (at least) float32, rounded like the GEMM's output.
+        users, rows = self.user_vectors.to(self.compute_dtype), self.item_rows[columns].to(self.compute_dtype)
+        accumulate = torch.promote_types(self.compute_dtype, torch.float32)
+        return (users.to(accumulate) * rows.to(accumulate)).sum(dim=1).to(self.compute_dtype)
 
     def nonfinite_rows(self) -> torch.Tensor:
         # Scores are finite when both factors are (barring overflow): check the small factors, not B x n.
@@ -151,24 +173,43 @@ class ChunkedScores:
     def backward(self, grad_block: Callable[[int, torch.Tensor], torch.Tensor]) -> tuple[torch.Tensor, ...]:
         grad_users = torch.zeros_like(self.user_vectors)
         grad_items = torch.empty_like(self.item_rows)
+        same_dtype = self.compute_dtype == self.user_vectors.dtype
+        users = self.user_vectors.to(self.compute_dtype)
         for start, block in self.blocks():
             grad = grad_block(start, block)
-            rows = self.item_rows[start : start + self.chunk_size]
-            grad_users.addmm_(grad, rows)
-            torch.mm(grad.T, self.user_vectors, out=grad_items[start : start + grad.shape[1]])
+            rows = self.item_rows[start : start + self.chunk_size].to(self.compute_dtype)
+            if same_dtype:
+                grad_users.addmm_(grad, rows)
+                torch.mm(grad.T, users, out=grad_items[start : start + grad.shape[1]])
+            else:  # low-precision GEMMs, float32 sums over chunks
+                grad_users += grad @ rows
+                grad_items[start : start + grad.shape[1]] = grad.T @ users
         return grad_users, grad_items
 
 
-def score_matrix(user_vectors: torch.Tensor, item_rows: torch.Tensor, chunk_size: int | str | None = None):
+# Scores per block for chunk_size="auto": on CPU 2^22 (16 MB in float32: cache-sized, yet large enough for the
+# fused kernels); on CUDA 2^27 (512 MB) so that each block is a few large kernels, not thousands of launches.
+AUTO_BLOCK_ELEMENTS = {"cpu": COMPILE_MIN_ELEMENTS, "cuda": 1 << 27}
+
+
+def score_matrix(
+    user_vectors: torch.Tensor,
+    item_rows: torch.Tensor,
+    chunk_size: int | str | None = None,
+    dtype: torch.dtype | None = None,
+):
     """``user_vectors @ item_rows.T`` ([B, d] x [n, d]) for a full-catalog loss: the dense [B, n] tensor when
     ``chunk_size`` is None, else ``ChunkedScores`` of ``chunk_size`` items. ``"auto"`` picks blocks of about
-    2^22 scores (16 MB in float32), what runs fastest on CPU: small enough to stay in cache, large enough for
-    the fused kernels of ``bigrank.losses.kernels``."""
+    ``AUTO_BLOCK_ELEMENTS[device type]`` scores. ``dtype`` (e.g. ``torch.bfloat16``, ``train.precision=bf16``)
+    is the dtype the GEMM runs in and the scores have; gradients reach the factors in their own dtype."""
     if chunk_size is None:
+        if dtype is not None and dtype != user_vectors.dtype:
+            return user_vectors.to(dtype) @ item_rows.to(dtype).T
         return user_vectors @ item_rows.T
     if chunk_size == "auto":
-        chunk_size = -(-COMPILE_MIN_ELEMENTS // max(user_vectors.shape[0], 1))
-    return ChunkedScores(user_vectors, item_rows, chunk_size)
+        elements = AUTO_BLOCK_ELEMENTS.get(user_vectors.device.type, COMPILE_MIN_ELEMENTS)
+        chunk_size = -(-elements // max(user_vectors.shape[0], 1))
+    return ChunkedScores(user_vectors, item_rows, chunk_size, dtype)
 
 
 def as_score_source(scores) -> DenseScores | ChunkedScores:
@@ -195,12 +236,17 @@ class Layout:
     positive: torch.Tensor | None = None
 
     def add_at_target(self, grad: torch.Tensor, start: int, values: torch.Tensor, rows=None) -> None:
-        """``grad[b, y_b - start] += values[b]`` for rows whose positive falls in this block of columns."""
+        """``grad[b, y_b - start] += values[b]`` for rows whose positive falls in this block of columns.
+
+        No host-device sync (it runs once per block): rows outside the block add 0 at a clamped column.
+        """
         owned, local = (self.owned, self.local_target) if rows is None else (self.owned[rows], self.local_target[rows])
+        if grad.shape[1] == 0:
+            return
         inside = owned & (local >= start) & (local < start + grad.shape[1])
-        if bool(inside.any()):
-            hit = inside.nonzero().squeeze(1)
-            grad[hit, local[hit] - start] += values[hit].to(grad.dtype)
+        columns = (local - start).clamp(0, grad.shape[1] - 1)
+        values = torch.where(inside, values, torch.zeros_like(values)).to(grad.dtype)
+        grad.index_put_((torch.arange(grad.shape[0], device=grad.device), columns), values, accumulate=True)
 
 
 def catalog_layout(source, target: torch.Tensor, group, offset: int) -> Layout:
@@ -214,17 +260,16 @@ def catalog_layout(source, target: torch.Tensor, group, offset: int) -> Layout:
     target = target.to(device=source.device, dtype=torch.int64)
     bad_rows = source.nonfinite_rows()
     weights = torch.arange(1, target.numel() + 1, dtype=torch.int64, device=target.device)
-    mine = torch.tensor(
-        [int(offset), source.num_local, source.batch, int(bad_rows.sum()), int(target.sum()),
-         int((target * weights).sum())],
-        dtype=torch.int64,
-    )  # fmt: skip
+    # Built on the scores' device without reading anything back: the one sync is the gathered result's .cpu().
+    sizes = torch.tensor([int(offset), source.num_local, source.batch], dtype=torch.int64, device=source.device)
+    checks = torch.stack([bad_rows.sum(), target.sum(), (target * weights).sum()]).to(torch.int64)
+    mine = torch.cat([sizes, checks])
     if is_distributed(group):
         everyone = all_gather_no_grad(mine.unsqueeze(0).to(source.device), group).cpu()
     else:
         if int(offset) != 0:
             raise ValueError(f"offset must be 0 without a process group, got {offset}")
-        everyone = mine.unsqueeze(0)
+        everyone = mine.unsqueeze(0).cpu()
     offsets, sizes, batches, bad, tsum, twsum = everyone.T.tolist()
     if len(set(batches)) != 1:
         raise ValueError(f"every rank must score the same rows: batch sizes by rank are {batches}")
@@ -323,7 +368,8 @@ class _CatalogLoss(torch.autograd.Function):
             state,
         )
         ctx.save_for_backward(*tensors)
-        return per_row.to(source.dtype)
+        # The loss keeps at least float32 (bf16 scores give a float32 loss; float64 scores a float64 one).
+        return per_row.to(torch.promote_types(source.dtype, torch.float32))
 
     @staticmethod
     def backward(ctx, grad_rows):

@@ -73,5 +73,6 @@ def reduce_rows(per_row: torch.Tensor, reduction: str, valid: torch.Tensor | Non
         return per_row
     if reduction == "sum":
         return per_row.sum()
-    count = per_row.shape[0] if valid is None else int(valid.sum())
-    return per_row.sum() / max(count, 1)
+    if valid is None:
+        return per_row.sum() / max(per_row.shape[0], 1)
+    return per_row.sum() / valid.sum().clamp_min(1).to(per_row.dtype)  # no host sync

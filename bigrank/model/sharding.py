@@ -1,14 +1,17 @@
-"""Row-wise sharding of torchrec embedding tables on CPU/gloo (and GPU/nccl), plans, shard access, checkpoints.
+"""Row-wise sharding of torchrec embedding tables, on CPU/gloo and CUDA/nccl; plans, shard access, checkpoints.
 
-torchrec's stock sharders offer ``row_wise`` only for CUDA/MTIA devices; on CPU the row-wise sharding itself
-works with gloo (bucketised all-to-all of ids in, reduce-scatter of pooled rows out), so the sharders below
-just add ``row_wise`` to the offered types. Each rank then owns the contiguous rows
+On CUDA the stock torchrec sharders are used as they are (they offer ``row_wise``), the planner's topology is
+``compute_device="cuda"`` with the device's real memory (``hbm_cap``) in its storage estimate, and the
+tables are fbgemm-gpu TBEs (the planner picks the kernel: ``fused`` in HBM, or UVM caching when they do not
+fit). torchrec's stock sharders offer ``row_wise`` only for CUDA/MTIA devices; on CPU the row-wise sharding
+itself works with gloo (bucketised all-to-all of ids in, reduce-scatter of pooled rows out), so the CPU-only
+sharders below just add ``row_wise`` to the offered types. Each rank then owns the contiguous rows
 ``[r * ceil(n/W), min(n, (r+1) * ceil(n/W)))`` of each table, stored in one fbgemm TBE whose optimizer runs
 inside the backward pass ("fused"): the sharded tables never produce dense gradients.
 
-Fused optimizers available on CPU (fbgemm-gpu-cpu 1.8): ``sgd`` (exact SGD, duplicate ids coalesced),
-``adagrad`` (exact Adagrad, Duchi et al. 2011, w -= lr·g/(sqrt(Σg²)+eps)), ``rowwise_adagrad`` (one
-accumulator per row, the mean of g² over the row). ``adam`` and weight decay exist only on CUDA. fbgemm's
+Fused optimizers: ``sgd`` (exact SGD, duplicate ids coalesced), ``adagrad`` (exact Adagrad, Duchi et al.
+2011, w -= lr·g/(sqrt(Σg²)+eps)), ``rowwise_adagrad`` (one accumulator per row, the mean of g² over the row)
+on CPU (fbgemm-gpu-cpu 1.8) and CUDA; ``adam`` and weight decay only on CUDA (fbgemm-gpu 1.8). fbgemm's
 tables need an embedding dimension that is a multiple of 4.
 """
 
@@ -25,6 +28,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+
+from bigrank.model.tables import USER_TABLE
 
 FUSED_OPTIMIZERS = ("sgd", "adagrad", "rowwise_adagrad", "adam")
 _CPU_FUSED_OPTIMIZERS = ("sgd", "adagrad", "rowwise_adagrad")
@@ -113,10 +118,49 @@ def fused_params(
     return params
 
 
-def row_wise_sharders(params: dict[str, Any]) -> list:
-    """The row-wise-enabled sharders (bag and sequence collections) carrying the fused optimizer ``params``."""
-    bag_sharder_cls, seq_sharder_cls = _row_wise_sharder_classes()
+def row_wise_sharders(params: dict[str, Any], device_type: str = "cpu") -> list:
+    """The sharders (bag and sequence collections) carrying the fused optimizer ``params``.
+
+    CUDA: torchrec's stock sharders (they offer ``row_wise`` there). CPU: the subclasses that add
+    ``row_wise``, which the stock sharders offer only on CUDA/MTIA.
+    """
+    if device_type == "cpu":
+        bag_sharder_cls, seq_sharder_cls = _row_wise_sharder_classes()
+    else:
+        from torchrec.distributed.embedding import EmbeddingCollectionSharder as seq_sharder_cls
+        from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder as bag_sharder_cls
     return [bag_sharder_cls(fused_params=dict(params)), seq_sharder_cls(fused_params=dict(params))]
+
+
+def planner_topology(
+    device: torch.device | str,
+    world_size: int,
+    *,
+    local_world_size: int | None = None,
+    hbm_cap_bytes: int | None = None,
+):
+    """The planner's ``Topology`` for ``world_size`` ranks computing on ``device``'s type.
+
+    On CUDA the storage estimate uses the device's real memory: ``hbm_cap_bytes`` (default: the total memory
+    of ``device``, ``torch.cuda.get_device_properties``), so the planner moves tables to UVM caching only when
+    they do not fit. ``local_world_size`` (ranks per host; default ``LOCAL_WORLD_SIZE``, which the local
+    launcher and Ray Train set, else ``world_size``) tells the planner which ranks share a host.
+    """
+    from torchrec.distributed.planner.types import KernelConfig, TopologyFactory, TrainerConfig
+
+    device = torch.device(device)
+    if local_world_size is None:
+        local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+    local_world_size = max(1, min(int(local_world_size), world_size))
+    trainer = {"world_size": world_size, "local_world_size": local_world_size}
+    if device.type == "cuda":
+        if hbm_cap_bytes is None:
+            hbm_cap_bytes = torch.cuda.get_device_properties(device).total_memory
+        trainer["hbm_cap_bytes"] = int(hbm_cap_bytes)
+    with quiet_torchrec():
+        return TopologyFactory.create_topology(
+            trainer_config=TrainerConfig(**trainer), kernel_config=KernelConfig(compute_device=device.type)
+        )
 
 
 def embedding_table_names(module: nn.Module) -> list[str]:
@@ -192,6 +236,10 @@ def shard_row_wise(
     ``gradient_division=True`` for that. This is torchrec's process-wide switch
     (``torchrec.distributed.comm_ops.set_gradient_division``): the last call in a process wins.
 
+    Device: ``device`` (default CPU) is this rank's device (``bigrank.devices.worker_device``): on CUDA the
+    process group must carry CUDA tensors (nccl, or ``cpu:gloo,cuda:nccl``), the tables are allocated on
+    that GPU, and ``optimizer="adam"`` and weight decay are available.
+
     Returns:
         ``(dmp, plan)``: ``dmp`` is the ``DistributedModelParallel`` (call it like ``module``; ``dmp.module``
         is ``module`` with its tables replaced by sharded ones; ``dmp.fused_optimizer`` holds the optimizer
@@ -202,7 +250,6 @@ def shard_row_wise(
     from torchrec.distributed.model_parallel import DistributedModelParallel
     from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints
     from torchrec.distributed.planner.storage_reservations import FixedPercentageStorageReservation
-    from torchrec.distributed.planner.types import KernelConfig, TopologyFactory, TrainerConfig
     from torchrec.distributed.types import ShardingEnv, ShardingType
 
     for name, dim in embedding_table_dims(module).items():
@@ -215,16 +262,14 @@ def shard_row_wise(
     tables = embedding_table_names(module)
     if not tables:
         raise ValueError(f"{type(module).__name__} holds no torchrec embedding tables to shard")
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
     sharders = row_wise_sharders(
-        fused_params(optimizer, lr, weight_decay=weight_decay, eps=eps, device_type=device.type)
+        fused_params(optimizer, lr, weight_decay=weight_decay, eps=eps, device_type=device.type), device.type
     )
     constraints = {name: ParameterConstraints(sharding_types=[ShardingType.ROW_WISE.value]) for name in tables}
-    world_size = dist.get_world_size(group)
+    topology = planner_topology(device, dist.get_world_size(group))
     with quiet_torchrec():
-        topology = TopologyFactory.create_topology(
-            trainer_config=TrainerConfig(world_size=world_size, local_world_size=world_size),
-            kernel_config=KernelConfig(compute_device=device.type),
-        )
         planner = EmbeddingShardingPlanner(
             topology=topology,
             constraints=constraints,
@@ -340,26 +385,23 @@ def local_table_rows(module: nn.Module, table: str) -> tuple[int, int, torch.Ten
 
 def local_user_rows(module: nn.Module) -> tuple[int, int, torch.Tensor]:
     """This rank's shard of the user table: ``(row_start, row_stop, float32[rows, d])`` (a live view)."""
-    from bigrank.model.towers import USER_TABLE
-
     return local_table_rows(module, USER_TABLE)
 
 
 def full_table(module: nn.Module, table: str, group: dist.ProcessGroup | None = None) -> torch.Tensor:
-    """All rows of ``table`` on every rank, float32[n, d] — gathers the whole table; for tests and tiny tables."""
+    """All rows of ``table`` on every rank, float32[n, d] on the CPU — gathers the whole table; for tests and
+    tiny tables."""
     start, stop, rows = local_table_rows(module, table)
     if not dist.is_initialized():
-        return rows.detach().clone()
+        return rows.detach().cpu().clone()
     pieces: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(pieces, (start, stop, rows.detach().clone()), group=group)
+    dist.all_gather_object(pieces, (start, stop, rows.detach().cpu().clone()), group=group)
     pieces.sort(key=lambda piece: piece[0])
     return torch.cat([piece[2] for piece in pieces if piece[1] > piece[0]])
 
 
 def full_user_table(module: nn.Module, group: dist.ProcessGroup | None = None) -> torch.Tensor:
     """The whole user table float32[num_users, d] on every rank (a gather: tests only)."""
-    from bigrank.model.towers import USER_TABLE
-
     return full_table(module, USER_TABLE, group)
 
 

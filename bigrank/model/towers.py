@@ -10,9 +10,8 @@ the user's items (MEAN pooling), so one module and one row-wise sharded lookup s
 training time gets an empty user-id bag (SUM of nothing is 0) and is folded in by its history alone — the
 "fold-in" of implicit-feedback factor models (Hu, Koren & Volinsky 2008, sec. 5).
 
-Initial weights are a pure function of ``(seed, table, global row)``: rows are drawn in fixed blocks of
-``INIT_BLOCK_ROWS``, each from its own generator, so a rank that owns rows ``[a, b)`` draws exactly the
-values the single-process module holds there, whatever the world size (resume and equality tests rely on it).
+Initial weights are a pure function of ``(seed, table, global row)`` (``bigrank.model.tables``), the same
+whatever the world size.
 """
 
 from __future__ import annotations
@@ -23,38 +22,15 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-USER_FEATURE = "user_id"
-HISTORY_FEATURE = "history"
-USER_TABLE = "user_table"
-HISTORY_TABLE = "history_table"
-INIT_BLOCK_ROWS = 8192
-
-_TABLE_SEED_SALT = {USER_TABLE: 0x5EED_0001, HISTORY_TABLE: 0x5EED_0002}
-
-
-def deterministic_rows(
-    seed: int, table: str, num_rows: int, dim: int, row_start: int, row_stop: int, std: float
-) -> torch.Tensor:
-    """Initial rows ``[row_start, row_stop)`` of a ``num_rows × dim`` table, ``N(0, std²)``: float32[rows, dim].
-
-    The value of a row depends only on ``(seed, table, num_rows, dim, row)``, never on which slice is asked
-    for, so every sharding of the table reproduces the single-process initialisation exactly.
-    """
-    if not 0 <= row_start <= row_stop <= num_rows:
-        raise ValueError(f"row range [{row_start}, {row_stop}) is not inside [0, {num_rows})")
-    salt = _TABLE_SEED_SALT.get(table, sum(map(ord, table)))
-    out = torch.empty(row_stop - row_start, dim, dtype=torch.float32)
-    if row_stop == row_start:
-        return out
-    for block in range(row_start // INIT_BLOCK_ROWS, (row_stop - 1) // INIT_BLOCK_ROWS + 1):
-        block_start = block * INIT_BLOCK_ROWS
-        block_rows = min(INIT_BLOCK_ROWS, num_rows - block_start)
-        # The block's size depends only on the table, so its draw is identical in every world size.
-        generator = torch.Generator().manual_seed((seed * 1_000_003 + salt * 7919 + block) % (2**63))
-        values = torch.randn(block_rows, dim, generator=generator) * std
-        lo, hi = max(row_start, block_start), min(row_stop, block_start + block_rows)
-        out[lo - row_start : hi - row_start] = values[lo - block_start : hi - block_start]
-    return out
+from bigrank.model.sharding import local_table_rows, quiet_torchrec
+from bigrank.model.tables import (  # noqa: F401 - re-exported: the tower's public names
+    HISTORY_FEATURE,
+    HISTORY_TABLE,
+    INIT_BLOCK_ROWS,
+    USER_FEATURE,
+    USER_TABLE,
+    deterministic_rows,
+)
 
 
 class UserTower(nn.Module):
@@ -88,8 +64,6 @@ class UserTower(nn.Module):
         device: str | torch.device | None = None,
     ) -> None:
         super().__init__()
-        from bigrank.model.sharding import quiet_torchrec
-
         with quiet_torchrec():  # the first torchrec import prints fbgemm deprecation notices
             from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, PoolingType
 
@@ -141,12 +115,11 @@ class UserTower(nn.Module):
     @torch.no_grad()
     def reset_parameters(self) -> None:
         """Fill every locally held row with :func:`deterministic_rows` (plain or row-wise sharded tables)."""
-        from bigrank.model.sharding import local_table_rows
-
         rows = self.table_rows()
         for table, num_rows in rows.items():
             row_start, row_stop, weight = local_table_rows(self, table)
-            weight.copy_(deterministic_rows(self.seed, table, num_rows, self.dim, row_start, row_stop, self.init_std))
+            rows_here = deterministic_rows(self.seed, table, num_rows, self.dim, row_start, row_stop, self.init_std)
+            weight.copy_(rows_here)  # drawn on the CPU, copied to the table's device (CUDA after sharding)
 
     def features(
         self,
@@ -154,8 +127,12 @@ class UserTower(nn.Module):
         history: Sequence[Sequence[int] | torch.Tensor] | tuple[torch.Tensor, torch.Tensor] | None = None,
         *,
         pad_to: int | None = None,
+        device: torch.device | str | None = None,
     ):
         """Validated input of :meth:`forward` for one local batch; see :func:`user_features`.
+
+        The ids are checked on the CPU (where the data stream delivers them); ``device`` (the tables' device,
+        e.g. ``cuda:0``) is where the returned ``KeyedJaggedTensor`` goes (non-blocking copy from the CPU).
 
         Raises ValueError when a user id is ``>= num_users``, a history item is outside
         ``[0, num_items)``, or history is given/missing against the tower's ``history`` flag.
@@ -175,6 +152,8 @@ class UserTower(nn.Module):
                     f"history item ids must lie in [0, {self.num_items}), got "
                     f"[{int(values.min())}, {int(values.max())}]"
                 )
+        if device is not None and torch.device(device).type != "cpu":
+            kjt = kjt.to(torch.device(device), non_blocking=True)
         return kjt
 
     def forward(self, features) -> torch.Tensor:

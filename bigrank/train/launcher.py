@@ -40,7 +40,7 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _worker(rank: int, world_size: int, port: int, threads: int, fn, args, results) -> None:
+def _worker(rank: int, world_size: int, port: int, threads: int, fn, args, results, backend: str = "gloo") -> None:
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
@@ -53,7 +53,7 @@ def _worker(rank: int, world_size: int, port: int, threads: int, fn, args, resul
     try:
         torch.set_num_threads(threads)
         dist.init_process_group(
-            "gloo",
+            backend,
             rank=rank,
             world_size=world_size,
             init_method=f"tcp://127.0.0.1:{port}",
@@ -74,8 +74,13 @@ def _worker(rank: int, world_size: int, port: int, threads: int, fn, args, resul
             pass
 
 
-def launch_local(fn, world_size: int, args: tuple = (), *, timeout: float | None = None) -> list[Any]:
+def launch_local(
+    fn, world_size: int, args: tuple = (), *, timeout: float | None = None, backend: str = "gloo"
+) -> list[Any]:
     """Run ``fn(*args)`` in ``world_size`` gloo processes; return the results indexed by rank.
+
+    ``backend``: the process-group backend; workers on GPUs use ``"cpu:gloo,cuda:nccl"``
+    (``bigrank.devices.process_group_backend``), each on ``cuda:LOCAL_RANK`` (``bigrank.devices.worker_device``).
 
     ``fn`` must be a module-level function (it is pickled). Each process gets ``cpu_count // world_size``
     torch threads (at least 1). Raises :class:`WorkerError` for the first rank that fails, TimeoutError after
@@ -88,7 +93,7 @@ def launch_local(fn, world_size: int, args: tuple = (), *, timeout: float | None
     port = free_port()
     threads = max(1, (os.cpu_count() or 1) // world_size)
     procs = [
-        ctx.Process(target=_worker, args=(rank, world_size, port, threads, fn, args, results), daemon=False)
+        ctx.Process(target=_worker, args=(rank, world_size, port, threads, fn, args, results, backend), daemon=False)
         for rank in range(world_size)
     ]
     for proc in procs:

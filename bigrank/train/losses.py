@@ -55,9 +55,11 @@ class StepLoss:
         item_counts: torch.Tensor | None = None,
         seed: int = 0,
         rank: int = 0,
+        score_dtype: torch.dtype | None = None,
     ):
         self.config = config
         self.module = build_loss(config)
+        self.score_dtype = score_dtype  # train.precision: the dtype full-catalog scores are computed in
         self.full_catalog = config.name in FULL_CATALOG_LOSSES
         self.start, self.stop = int(shard_start), int(shard_stop)
         self.seed, self.rank = int(seed), int(rank)
@@ -111,7 +113,7 @@ class StepLoss:
         if self.full_catalog:
             from bigrank.losses.scores import score_matrix
 
-            scores = score_matrix(user_vectors, item_weight, chunk_size)
+            scores = score_matrix(user_vectors, item_weight, chunk_size, dtype=self.score_dtype)
             return self.module(scores, target, group=group, offset=self.start)
         if self.config.candidates == "catalog":
             scores = user_vectors @ item_weight.T

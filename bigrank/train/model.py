@@ -32,14 +32,18 @@ class Model:
     num_users: int
     num_items: int
     history: tuple[np.ndarray, np.ndarray] | None  # (indptr, items) CSR of the train split, when used
+    device: torch.device = torch.device("cpu")  # where the tower's rows, the catalog shard and the step live
 
     @property
     def user_module(self):
         return self.tower.module
 
 
-def build_model(config: Config, group, manifest: DatasetManifest | None = None) -> Model:
-    """Build the sharded user tower and this rank's catalog shard (collective)."""
+def build_model(
+    config: Config, group, manifest: DatasetManifest | None = None, device: torch.device | str = "cpu"
+) -> Model:
+    """Build the sharded user tower and this rank's catalog shard on ``device`` (this worker's device from
+    ``bigrank.devices.worker_device``); collective."""
     from bigrank.data.stream import read_user_items
     from bigrank.model.sharding import shard_row_wise
     from bigrank.model.towers import UserTower
@@ -55,14 +59,20 @@ def build_model(config: Config, group, manifest: DatasetManifest | None = None) 
         seed=config.seed,
         device="meta",
     )
+    device = torch.device(device)
     dmp, plan = shard_row_wise(
-        tower, optimizer=config.optim.user_optimizer, lr=config.optim.user_lr, process_group=group
+        tower, optimizer=config.optim.user_optimizer, lr=config.optim.user_lr, process_group=group, device=device
     )
     shard = CatalogShard(
-        manifest.num_items, model_cfg.dim, group, init_std=model_cfg.item_init_std, seed=config.seed + 1
+        manifest.num_items,
+        model_cfg.dim,
+        group,
+        init_std=model_cfg.item_init_std,
+        seed=config.seed + 1,
+        device=device,
     )
     history = read_user_items(config.data.root, "train", manifest.num_users) if model_cfg.history else None
-    return Model(dmp, shard, plan, manifest.num_users, manifest.num_items, history)
+    return Model(dmp, shard, plan, manifest.num_users, manifest.num_items, history, device)
 
 
 def model_identity(config: Config, model: Model) -> dict[str, Any]:
@@ -99,7 +109,7 @@ def user_vectors(model: Model, user_ids: torch.Tensor, *, pad_to: int | None = N
     ``exclude``: int64[b] item to leave out of each user's history bag (training); ids < 0 are unknown users.
     """
     history = None if model.history is None else _history_bags(model.history, user_ids, exclude)
-    features = model.user_module.features(user_ids, history, pad_to=pad_to)
+    features = model.user_module.features(user_ids, history, pad_to=pad_to, device=model.device)
     return model.tower(features)[: user_ids.numel()]
 
 

@@ -37,7 +37,9 @@ from bigrank.atomic import write_text_atomic
 from bigrank.config import Config, config_from_dict, save_config
 from bigrank.data.manifest import DatasetManifest
 from bigrank.data.stream import ParquetStream
+from bigrank.devices import setup_precision, worker_device
 from bigrank.distributed.collectives import all_gather_no_grad, all_gather_rows
+from bigrank.distributed.groups import init_control_group
 from bigrank.train.checkpoint import Checkpointer, latest_checkpoint, remove_partial_checkpoints
 from bigrank.train.evaluate import write_eval_json
 from bigrank.train.evaluator import Evaluator
@@ -189,10 +191,14 @@ class Trainer:
             remove_partial_checkpoints(self.run_dir)
         dist.barrier(self.group)
         torch.manual_seed(config.seed * 1_000 + self.rank)
+        self.device = worker_device(config.train.device)
+        self.precision = setup_precision(config.train.precision, self.device)
+        init_control_group()
 
         self.manifest = DatasetManifest.load(config.data.root)
-        self.model = model = build_model(config, self.group, self.manifest)
+        self.model = model = build_model(config, self.group, self.manifest, self.device)
         if self.rank == 0:
+            print(f"training on {self.device} ({self.world_size} workers, precision {self.precision.name})", flush=True)
             plan_text = format_plan(model.plan)
             print(f"sharding plan ({self.world_size} workers):\n{plan_text}", flush=True)
             (self.run_dir / "plan.txt").write_text(plan_text + "\n")
@@ -221,6 +227,7 @@ class Trainer:
             item_counts=_item_counts(config.data.root, shard.start, shard.stop) if self._needs_counts() else None,
             seed=config.seed,
             rank=self.rank,
+            score_dtype=self.precision.score_dtype,
         )
         self.state = TrainState()
         self.checkpointer = Checkpointer(
@@ -286,7 +293,7 @@ class Trainer:
         _fail_once(self.config, self.run_dir, self.state.step + 1, self.rank)
         users, items = batch["user_id"], batch["item_id"]
         local_vectors = user_vectors(self.model, users, pad_to=self.local_batch, exclude=items)
-        target, sizes = self._gather_targets(items)
+        target, sizes = self._gather_targets(items.to(self.device, non_blocking=True))
         global_vectors = all_gather_rows(local_vectors, self.group, sizes=sizes)
         loss = self.step_loss(
             global_vectors,

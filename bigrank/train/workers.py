@@ -10,6 +10,8 @@ from typing import Any
 import torch.distributed as dist
 
 from bigrank.config import Config
+from bigrank.devices import worker_device
+from bigrank.distributed.groups import init_control_group
 from bigrank.train.checkpoint import Checkpointer, latest_checkpoint
 from bigrank.train.evaluate import write_eval_json
 from bigrank.train.evaluator import Evaluator
@@ -37,7 +39,9 @@ def load_trained_model(config: Config, checkpoint: str | None = None) -> tuple[M
     path = Path(checkpoint) if checkpoint else latest_checkpoint(config.run_dir)
     if path is None:
         raise FileNotFoundError(f"no complete checkpoint in {Path(config.run_dir) / 'checkpoints'}")
-    model = build_model(config, group)
+    device = worker_device(config.train.device)
+    init_control_group()
+    model = build_model(config, group, device=device)
     parts = {"tower": TowerState(model.tower), "catalog": CatalogWeights(model.shard)}
     checkpointer = Checkpointer(config.run_dir, parts, every=None, keep=1, identity=model_identity(config, model))
     meta = checkpointer.load(path, parts)
@@ -85,7 +89,7 @@ def export_worker(
     history_rows = None
     if config.model.history:
         start, stop, rows = local_table_rows(model.user_module, HISTORY_TABLE)
-        history_rows = (start, stop, rows.detach().clone())
+        history_rows = (start, stop, rows.detach().cpu().clone())
     shard = model.shard
     info = {
         "run_dir": config.run_dir,
@@ -102,8 +106,8 @@ def export_worker(
         rank=rank,
         world_size=world_size,
         group=group,
-        item_rows=(shard.start, shard.stop, shard.weight.detach().clone()),
-        user_rows=(user_start, user_stop, user_rows.detach().clone()),
+        item_rows=(shard.start, shard.stop, shard.weight.detach().cpu().clone()),
+        user_rows=(user_start, user_stop, user_rows.detach().cpu().clone()),
         dataset_root=config.data.root,
         model_info=info,
         quantize=tuple(quantize),
