@@ -134,13 +134,12 @@ def _user_vectors_fn(model: Model):
     return fn
 
 
-def _item_optimizer(config: Config, params):
+def _item_optimizer(config: Config, weight):
+    """The catalog shard's optimizer: sparse row updates for sampled losses, dense for full-catalog ones."""
+    from bigrank.train.item_optim import RowOptimizer
+
     optim = config.optim
-    if optim.item_optimizer == "sgd":
-        return torch.optim.SGD(params, lr=optim.item_lr, weight_decay=optim.weight_decay)
-    if optim.item_optimizer == "adagrad":
-        return torch.optim.Adagrad(params, lr=optim.item_lr, weight_decay=optim.weight_decay)
-    return torch.optim.Adam(params, lr=optim.item_lr, weight_decay=optim.weight_decay)
+    return RowOptimizer(weight, optim.item_optimizer, optim.item_lr, weight_decay=optim.weight_decay)
 
 
 def _item_counts(root: str, start: int, stop: int) -> torch.Tensor:
@@ -332,7 +331,7 @@ def train_worker(config: Config | dict) -> dict[str, Any]:
     if train_cfg.max_steps is not None:
         total_steps = min(total_steps, train_cfg.max_steps)
     shard = model.shard
-    item_optimizer = _item_optimizer(config, [shard.weight])
+    item_optimizer = _item_optimizer(config, shard.weight)
     counts = None
     if config.loss.sampler == "popularity" and config.loss.candidates == "sampled":
         counts = _item_counts(config.data.root, shard.start, shard.stop)
@@ -428,9 +427,16 @@ def train_worker(config: Config | dict) -> dict[str, Any]:
                         f"loss is {value} at step {step + 1} (epoch {step // steps_per_epoch}); {where}. "
                         "Lower optim.item_lr / optim.user_lr or check the data; the run stopped before updating."
                     )
-                item_optimizer.zero_grad(set_to_none=True)
+                # --- item update (scale branch): sampled candidates give a gradient of the rows they touched
+                # only (StepLoss.last_rows) and update those rows; full-catalog losses update every row.
+                shard.weight.grad = None
                 loss.backward()
-                item_optimizer.step()
+                touched = step_loss.last_rows
+                if touched is not None:
+                    item_optimizer.step_rows(touched.ids, touched.grad)
+                else:
+                    item_optimizer.step_dense(shard.weight.grad)
+                # --- end of the item update
                 step_loss.after_step()
                 step += 1
                 rows = int(target.numel())

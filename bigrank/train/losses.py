@@ -22,12 +22,39 @@ the main loss with a geometric temperature schedule; its step counter is checkpo
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import nn
 
 from bigrank.config import FULL_CATALOG_LOSSES, ConfigError, LossConfig, check_loss_params
 
-__all__ = ["CandidateLoss", "StepLoss", "check_loss_config"]
+__all__ = ["CandidateLoss", "StepLoss", "TouchedRows", "check_loss_config"]
+
+
+@dataclass
+class TouchedRows:
+    """The catalog rows a sampled step read: ``ids`` int64[u] unique local row indices (ascending) and
+    ``rows`` float[u, d], a leaf copy of those rows whose ``.grad`` after backward is their gradient."""
+
+    ids: torch.Tensor
+    rows: torch.Tensor
+
+    @property
+    def grad(self) -> torch.Tensor:
+        """dL/drows [u, d] (zeros when the loss did not reach them, e.g. an empty shard)."""
+        return self.rows.grad if self.rows.grad is not None else torch.zeros_like(self.rows)
+
+
+@dataclass
+class _Draw:
+    """One step's sampled candidates on this rank (global ids; log_q float64)."""
+
+    owned_rows: torch.Tensor  # int64[p]: batch rows whose target is in this shard
+    positives: torch.Tensor  # int64[p]: their targets
+    pos_log_q: torch.Tensor
+    negatives: torch.Tensor  # int64[N_r], with repeats
+    neg_log_q: torch.Tensor
 
 
 def _full_catalog_module(name: str, params: dict) -> nn.Module:
@@ -144,6 +171,7 @@ class StepLoss:
         self.seed, self.rank = int(seed), int(rank)
         self.sampler = None
         self.num_samples = 0
+        self.last_rows: TouchedRows | None = None
         if not self.full_catalog and config.candidates == "sampled" and self.stop > self.start:
             from bigrank.data.samplers import PopularitySampler, UniformSampler
 
@@ -190,7 +218,13 @@ class StepLoss:
             chunk_size: items scored at once by full-catalog losses (None: all at once; "auto": blocks of
                 about 2^22 scores).
             step: the global step (seeds the negative draws).
+
+        Sampled candidates read only the rows they touch: ``self.last_rows`` then holds them (a
+        :class:`TouchedRows` whose ``grad`` after backward is the [u, d] row gradient to pass to
+        ``RowOptimizer.step_rows``) and ``item_weight`` gets no gradient. Otherwise ``last_rows`` is None and
+        the gradient lands in ``item_weight.grad`` (dense: every row is scored).
         """
+        self.last_rows = None
         if self.full_catalog:
             from bigrank.losses.scores import score_matrix
 
@@ -201,14 +235,21 @@ class StepLoss:
             columns = torch.arange(self.start, self.stop, device=target.device)
             labels = target.unsqueeze(1) == columns.unsqueeze(0)
             return self.module(scores, labels, None, group=group)
-        scores, labels, mask, log_q = self._sampled_candidates(user_vectors, target, item_weight, step)
+        draw = self._draw(target, step)
+        ids, inverse = torch.unique(torch.cat([draw.positives, draw.negatives]) - self.start, return_inverse=True)
+        rows = item_weight.detach().index_select(0, ids).requires_grad_()
+        self.last_rows = TouchedRows(ids, rows)
+        if isinstance(self.module, CandidateLoss) and self.module.name == "sampled_softmax":
+            return self._fused_sampled_softmax(user_vectors, target, rows, inverse, draw, group)
+        scores, labels, mask, log_q = self._sampled_candidates(user_vectors, target, rows, inverse, draw)
         return self.module(scores, labels, mask, group=group, log_q=log_q)
 
-    def _sampled_candidates(self, user_vectors, target, item_weight, step):
-        from bigrank.data.samplers import candidate_labels
-
-        in_shard = (target >= self.start) & (target < self.stop)
-        positives = torch.unique(target[in_shard])
+    def _draw(self, target, step) -> _Draw:
+        """This rank's candidates: the shard's positives of the batch (row ``owned`` flags and local targets)
+        and the step's negatives (the draw depends only on seed, rank and step)."""
+        owned = (target >= self.start) & (target < self.stop)
+        owned_rows = owned.nonzero().squeeze(1)
+        positives = target[owned_rows]
         if self.sampler is None:  # an empty shard: no columns here
             negatives = torch.empty(0, dtype=torch.int64)
             neg_log_q = torch.empty(0, dtype=torch.float64)
@@ -218,13 +259,45 @@ class StepLoss:
             drawn = self.sampler.sample(self.num_samples, generator=generator)
             negatives, neg_log_q = drawn.ids, drawn.log_q
             pos_log_q = self.sampler.log_q(positives, self.num_samples)
-        ids = torch.cat([positives, negatives])
-        scores = user_vectors @ item_weight[ids - self.start].T
+        return _Draw(owned_rows, positives, pos_log_q, negatives, neg_log_q)
+
+    def _fused_sampled_softmax(self, user_vectors, target, rows, inverse, draw, group):
+        """Sampled softmax without the [B, C] candidate tensors (``sampled_softmax_shared_negatives``): each
+        row's positive scored as a dot product, the shared negatives in one fused pass."""
+        from bigrank.losses.sampled import sampled_softmax_shared_negatives
+
+        inner = self.module.inner
+        temperature = float(inner.temperature)
+        count = draw.positives.numel()
+        positive_rows, negative_rows = rows[inverse[:count]], rows[inverse[count:]]
+        dtype = user_vectors.dtype
+        owned_logits = (user_vectors[draw.owned_rows] * positive_rows).sum(dim=1) / temperature
+        owned_logits = owned_logits - draw.pos_log_q.to(dtype)
+        positive_logits = user_vectors.new_zeros(target.numel()).index_add(0, draw.owned_rows, owned_logits)
+        loss, valid = sampled_softmax_shared_negatives(
+            user_vectors, negative_rows, draw.negatives, draw.neg_log_q, target, positive_logits,
+            temperature=temperature, reduction=inner.reduction, group=group, return_valid=True,
+        )  # fmt: skip
+        inner.last_excluded_rows = int((~valid).sum())
+        return loss
+
+    def _sampled_candidates(self, user_vectors, target, rows, inverse, draw):
+        """Scores [B, C] of the columns [unique positives | negatives], with labels, mask and log_q."""
+        from bigrank.data.samplers import candidate_labels
+
+        positives, index = torch.unique(draw.positives, return_inverse=True)
+        first = torch.full((positives.numel(),), draw.positives.numel(), dtype=torch.int64)
+        first.scatter_reduce_(0, index, torch.arange(draw.positives.numel()), reduce="amin")
+        count = draw.positives.numel()
+        columns = torch.cat([inverse[first], inverse[count:]])
+        ids = torch.cat([positives, draw.negatives])
+        scores = user_vectors @ rows[columns].T
         labels = candidate_labels(target, ids)
         # A positive column counts only in its own row: the other rows never drew it.
         mask = torch.ones_like(labels)
         mask[:, : positives.numel()] = labels[:, : positives.numel()]
-        log_q = torch.cat([pos_log_q, neg_log_q]).to(scores.dtype)
+        pos_log_q = draw.pos_log_q[first] if count else draw.pos_log_q
+        log_q = torch.cat([pos_log_q, draw.neg_log_q]).to(scores.dtype)
         return scores, labels, mask, log_q
 
     def after_step(self) -> None:
