@@ -231,6 +231,12 @@ class StepLoss:
             scores = score_matrix(user_vectors, item_weight, chunk_size)
             return self.module(scores, target, group=group, offset=self.start)
         if self.config.candidates == "catalog":
+            catalog_fn = self._catalog_function()
+            if catalog_fn is not None:  # one positive per row: the chunked engine, no [B, n] labels
+                from bigrank.losses.scores import score_matrix
+
+                scores = score_matrix(user_vectors, item_weight, chunk_size)
+                return catalog_fn(scores, target, group=group, offset=self.start)
             scores = user_vectors @ item_weight.T
             columns = torch.arange(self.start, self.stop, device=target.device)
             labels = target.unsqueeze(1) == columns.unsqueeze(0)
@@ -243,6 +249,31 @@ class StepLoss:
             return self._fused_sampled_softmax(user_vectors, target, rows, inverse, draw, group)
         scores, labels, mask, log_q = self._sampled_candidates(user_vectors, target, rows, inverse, draw)
         return self.module(scores, labels, mask, group=group, log_q=log_q)
+
+    def _catalog_function(self):
+        """``loss(scores, target, *, group, offset)`` of ``bigrank.losses.softrank_catalog`` for the configured
+        Smooth-AP / Recall@quantile / pAUC@budget without warm-up (None otherwise: the dense path)."""
+        if not isinstance(self.module, CandidateLoss):
+            return None
+        from functools import partial
+
+        from bigrank.losses import softrank_catalog
+
+        inner = self.module.inner
+        if self.module.name == "smooth_ap":
+            fn, params = softrank_catalog.smooth_ap_catalog_loss, {"temperature": inner.temperature}
+        elif self.module.name == "recall_at_quantile":
+            fn = softrank_catalog.recall_at_quantile_catalog_loss
+            params = {"quantile": inner.quantile, "temperature": inner.temperature}
+        elif self.module.name == "pauc_at_budget":
+            fn = softrank_catalog.pauc_at_budget_catalog_loss
+            params = {
+                "alpha": inner.alpha, "beta": inner.beta, "temperature": inner.temperature,
+                "tau_scale": inner.tau_scale, "n_knots": inner.n_knots, "scale_sample_size": inner.scale_sample_size,
+            }  # fmt: skip
+        else:
+            return None
+        return partial(fn, reduction=inner.reduction, **params)
 
     def _draw(self, target, step) -> _Draw:
         """This rank's candidates: the shard's positives of the batch (row ``owned`` flags and local targets)
