@@ -1,6 +1,7 @@
 """Data-layer benchmark: generation rate and peak memory, stream throughput vs a bare pyarrow scan.
 
     .venv/bin/python -m benchmarks.bench_data [--workdir DIR] [--blocks 32] [--keep]
+    .venv/bin/python -m benchmarks.bench_data --stream-root data/ml1b --max-rows 8000000   # stream section only
 
 1. ``ml20m`` preset: seconds, ratings/s, peak RSS (each generation runs in its own child process so its
    peak RSS is its own).
@@ -63,7 +64,7 @@ def run_child(mode: str, out: Path, blocks: int = 0) -> dict:
     return json.loads(completed.stdout.strip().splitlines()[-1])
 
 
-def bare_scan(stream, batch_size: int | None = None) -> tuple[int, float]:
+def bare_scan(stream, batch_size: int | None = None, max_rows: int | None = None) -> tuple[int, float]:
     """Read the row groups of ``stream``'s share with pyarrow, in file order, no shuffle; (rows, seconds).
 
     ``batch_size=None``: zero-copy numpy views of each row group (the raw read). Otherwise the same output
@@ -85,6 +86,8 @@ def bare_scan(stream, batch_size: int | None = None) -> tuple[int, float]:
             items = table.column("item_id").to_numpy()[lo:hi]
             if batch_size is None:
                 rows += min(len(users), len(items))
+                if max_rows is not None and rows >= max_rows:
+                    return rows, time.perf_counter() - started
                 continue
             for start in range(0, len(users), batch_size):
                 batch = {
@@ -92,10 +95,12 @@ def bare_scan(stream, batch_size: int | None = None) -> tuple[int, float]:
                     "item_id": torch.from_numpy(items[start : start + batch_size].astype(np.int64)),
                 }
                 rows += len(batch["user_id"])
+            if max_rows is not None and rows >= max_rows:
+                return rows, time.perf_counter() - started
     return rows, time.perf_counter() - started
 
 
-def stream_rates(root: Path, world_size: int, batch_size: int) -> dict[str, float]:
+def stream_rates(root: Path, world_size: int, batch_size: int, max_rows: int | None = None) -> dict[str, float]:
     """Rows/s of rank 0 of ``world_size`` on the train split: the stream (shuffled and not) and bare scans.
     Each figure is the best of three passes (the files are in the page cache after the first)."""
     import torch  # noqa: F401  (imported before timing: the stream imports it on first use)
@@ -105,25 +110,44 @@ def stream_rates(root: Path, world_size: int, batch_size: int) -> dict[str, floa
     def timed_stream(shuffle: bool) -> tuple[int, float]:
         stream = ParquetStream(root, "train", batch_size, rank=0, world_size=world_size, shuffle=shuffle)
         started = time.perf_counter()
-        rows = sum(len(batch["user_id"]) for batch in stream)
+        rows = 0
+        for batch in stream:
+            rows += len(batch["user_id"])
+            if max_rows is not None and rows >= max_rows:
+                break
         return rows, time.perf_counter() - started
 
     probe = ParquetStream(root, "train", batch_size, rank=0, world_size=world_size)
     runs = {
         "stream": lambda: timed_stream(True),
         "stream, no shuffle": lambda: timed_stream(False),
-        "bare scan, int64 batches": lambda: bare_scan(probe, batch_size),
-        "bare scan, zero-copy": lambda: bare_scan(probe),
+        "bare scan, int64 batches": lambda: bare_scan(probe, batch_size, max_rows),
+        "bare scan, zero-copy": lambda: bare_scan(probe, None, max_rows),
     }
     rates = {}
     for name, run in runs.items():
         best = 0.0
         for _ in range(3):
             rows, seconds = run()
-            assert rows == probe.rows_per_epoch(), (name, rows)
+            assert max_rows is not None or rows == probe.rows_per_epoch(), (name, rows)
             best = max(best, rows / seconds)
         rates[name] = best
     return rates
+
+
+def print_stream_table(root: Path, batch_size: int, max_rows: int | None = None) -> None:
+    print(f"\n## Stream vs bare pyarrow scan ({root} train, batch {batch_size}, rank 0, rows/s, best of 3)")
+    names = ["stream", "stream, no shuffle", "bare scan, int64 batches", "bare scan, zero-copy"]
+    print(f"{'ranks':>6}" + "".join(f"{name:>26}" for name in names) + f"{'vs int64':>10}{'vs zero-copy':>14}")
+    for world_size in (1, 2):
+        rates = stream_rates(root, world_size, batch_size, max_rows)
+        print(
+            f"{world_size:>6}"
+            + "".join(f"{rates[name]:>26,.0f}" for name in names)
+            + f"{rates['stream'] / rates['bare scan, int64 batches']:>10.2f}"
+            + f"{rates['stream'] / rates['bare scan, zero-copy']:>14.2f}"
+        )
+    print("target: stream >= 0.5 x bare scan (the stream shuffles ~1M-row windows with a full permutation)")
 
 
 def main() -> None:
@@ -132,7 +156,14 @@ def main() -> None:
     parser.add_argument("--blocks", type=int, default=32, help="ml1b blocks to generate (of 512)")
     parser.add_argument("--batch-size", type=int, default=8192)
     parser.add_argument("--keep", action="store_true", help="keep the generated data")
+    parser.add_argument(
+        "--stream-root", default=None, help="only the stream section, on this existing dataset (no generation)"
+    )
+    parser.add_argument("--max-rows", type=int, default=None, help="stream section: rows read per pass (default all)")
     args = parser.parse_args()
+    if args.stream_root:
+        print_stream_table(Path(args.stream_root), args.batch_size, args.max_rows)
+        return
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="bench_data_"))
     workdir.mkdir(parents=True, exist_ok=True)
     try:
@@ -157,18 +188,7 @@ def main() -> None:
             f"(target <= 15 min, peak RSS <= 4 GB)"
         )
 
-        print(f"\n## Stream vs bare pyarrow scan (ml20m train, batch {args.batch_size}, rank 0, rows/s, best of 3)")
-        names = ["stream", "stream, no shuffle", "bare scan, int64 batches", "bare scan, zero-copy"]
-        print(f"{'ranks':>6}" + "".join(f"{name:>26}" for name in names) + f"{'vs int64':>10}{'vs zero-copy':>14}")
-        for world_size in (1, 2):
-            rates = stream_rates(workdir / "ml20m", world_size, args.batch_size)
-            print(
-                f"{world_size:>6}"
-                + "".join(f"{rates[name]:>26,.0f}" for name in names)
-                + f"{rates['stream'] / rates['bare scan, int64 batches']:>10.2f}"
-                + f"{rates['stream'] / rates['bare scan, zero-copy']:>14.2f}"
-            )
-        print("target: stream >= 0.5 x bare scan (the stream shuffles ~1M-row windows with a full permutation)")
+        print_stream_table(workdir / "ml20m", args.batch_size)
     finally:
         if not args.keep:
             shutil.rmtree(workdir, ignore_errors=True)

@@ -14,6 +14,11 @@ in the same process, so the ratios are comparable on a shared CPU. The softmax r
     .venv/bin/python benchmarks/bench_softrank.py                  # B=256, d=64, 849,000 items, 8,192 sampled
     .venv/bin/python benchmarks/bench_softrank.py --items 100000   # quicker
     .venv/bin/python benchmarks/bench_softrank.py --threads 1      # steadier when other jobs share the CPU
+    .venv/bin/python benchmarks/bench_softrank.py --dense-full     # also the dense [B, n] full-catalog steps
+
+Full catalog: softmax and the catalog-scale Smooth-AP / Recall@quantile / pAUC of
+``bigrank.losses.softrank_catalog`` through the chunked engine (what the trainer runs for
+``candidates: catalog``); ``--dense-full`` adds the dense candidate losses on the [B, n] matrix.
 """
 
 from __future__ import annotations
@@ -65,6 +70,33 @@ def make_step(fn, users, items, target, labels, log_q):
     return step
 
 
+def catalog_engine_steps(users, items, target):
+    """Full-catalog steps through the chunked engine (``score_matrix(..., "auto")``: no [B, n] tensor):
+    softmax and the catalog-scale soft-rank losses of ``bigrank.losses.softrank_catalog``."""
+    from bigrank.losses.scores import score_matrix
+    from bigrank.losses.softrank_catalog import (
+        pauc_at_budget_catalog_loss,
+        recall_at_quantile_catalog_loss,
+        smooth_ap_catalog_loss,
+    )
+
+    functions = {
+        "softmax (chunked)": softmax_loss,
+        "smooth_ap (chunked)": smooth_ap_catalog_loss,
+        "recall@quantile (chunked)": recall_at_quantile_catalog_loss,
+        "pauc@budget (chunked)": pauc_at_budget_catalog_loss,
+    }
+
+    def make(fn):
+        def step():
+            users.grad = items.grad = None
+            fn(score_matrix(users, items, "auto"), target).backward()
+
+        return step
+
+    return {name: make(fn) for name, fn in functions.items()}
+
+
 def time_round_robin(steps: dict, repeats: int, label: str) -> dict:
     """Median time of each step; the repeats run in rounds over all steps, so a change of load on the shared
     CPU during the run affects every loss alike (ratios stay comparable)."""
@@ -90,6 +122,9 @@ def main(argv=None) -> int:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0 = torch's default)")
+    parser.add_argument(
+        "--dense-full", action="store_true", help="also time the dense [B, n] full-catalog steps (6+ GB at 849K)"
+    )
     args = parser.parse_args(argv)
     if args.threads > 0:
         torch.set_num_threads(args.threads)
@@ -106,7 +141,11 @@ def main(argv=None) -> int:
     full_labels = torch.zeros(args.batch, args.items, dtype=torch.bool)
     full_labels[torch.arange(args.batch), target] = True
     steps = {name: make_step(fn, users, catalog, target, full_labels, None) for name, fn in table.items()}
-    full = time_round_robin(steps, args.repeats, "full catalog")
+    if args.dense_full:
+        full = time_round_robin(steps, args.repeats, "full catalog")
+    else:
+        full = {}
+    full.update(time_round_robin(catalog_engine_steps(users, catalog, target), args.repeats, "full (engine)"))
     del steps, full_labels  # the closures hold the [B, items] labels
 
     # Sampled: the batch's positives + shared popularity^0.75 negatives (Zipf-like counts), logQ-corrected.
@@ -128,23 +167,21 @@ def main(argv=None) -> int:
         steps[name] = make_step(sampled_fn, users, candidate_rows, None, labels, log_q)
     sampled = time_round_robin(steps, args.repeats, "sampled")
 
-    ref_full, ref_sampled = full["softmax"], sampled["softmax"]
+    ref_full, ref_sampled = full["softmax (chunked)"], sampled["softmax"]
     print()
     print(
         f"B={args.batch} d={args.dim} items={args.items:,} sampled={args.sampled:,} threads={torch.get_num_threads()}"
     )
     print(f"reference softmax: {REFERENCE}; median of {args.repeats} steps (scores GEMM + loss + backward)")
     print()
-    header = (
-        f"{'loss':<28s} {'full s':>8s} {'/softmax':>9s} {'sampled s':>10s} {'/softmax_s':>11s} {'/softmax_full':>14s}"
-    )
-    print(header)
-    print("-" * len(header))
+    print(f"{'full catalog':<28s} {'s':>8s} {'/softmax (chunked)':>19s}")
+    for name, seconds in full.items():
+        print(f"{name:<28s} {seconds:8.3f} {seconds / ref_full:19.2f}")
+    print()
+    print(f"{'sampled':<28s} {'s':>8s} {'/sampled softmax':>17s} {'/softmax_s':>11s}")
     for name in table:
-        print(
-            f"{name:<28s} {full[name]:8.3f} {full[name] / ref_full:9.2f} {sampled[name]:10.4f} "
-            f"{sampled[name] / ref_sampled:11.2f} {sampled[name] / ref_full:14.4f}"
-        )
+        print(f"{name:<28s} {sampled[name]:8.4f} {sampled[name] / sampled['sampled_softmax(logQ)']:17.2f} "
+              f"{sampled[name] / ref_sampled:11.2f}")  # fmt: skip
     return 0
 
 

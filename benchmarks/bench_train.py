@@ -6,6 +6,22 @@ global batch on the same Parquet data for ``--steps`` steps: bigrank through ``b
 ``nn.Embedding`` user table, a dense item matrix, Adagrad and ``bigrank.losses`` (the same loss function).
 
     .venv/bin/python -m benchmarks.bench_train [--config configs/demo.yaml] [--steps 200] [--data data/demo]
+
+ML-1B mode (``--loss``, one or several losses, comma-separated, measured one after the other in one run)::
+
+    .venv/bin/python -m benchmarks.bench_train --data /work/data/ml1b --loss sampled_softmax \
+        --negatives 8192 --batch 4096 --steps 30
+    .venv/bin/python -m benchmarks.bench_train --data /work/data/ml1b \
+        --loss sampled_softmax,smooth_ap,recall_at_quantile,pauc_at_budget --negatives 8192 --batch 4096
+    .venv/bin/python -m benchmarks.bench_train --data /work/data/ml1b --loss rankmax --batch 256 --steps 12
+
+For each loss: bigrank (2 workers, ``--launcher local``, row-wise Adagrad on users and items, d = 64) against
+a plain single-process loop (2 threads) doing the same work the lean way — gather the touched user and item
+rows, one GEMM against the shared negatives plus each row's positive (a dot product), the loss, backward,
+row-wise Adagrad on the touched rows only (full-catalog losses: every item) — plus the GEMM floor of the step
+(its 3 GEMMs, B x C x d, timed alone with 2 threads), the peak RSS of each bigrank worker, and the projected
+time of one epoch of the train split at bigrank's rate. Sampled candidate losses take ``--negatives`` per
+step over the whole catalog (bigrank splits them over the workers).
 """
 
 from __future__ import annotations
@@ -70,13 +86,214 @@ def plain_examples_per_s(config, data: str, steps: int) -> float:
     return (steps - steps // 10) * batch / (time.perf_counter() - started)
 
 
+# --------------------------------------------------------------------------------------------- ML-1B mode
+SAMPLED_LOSSES = ("sampled_softmax", "smooth_ap", "recall_at_quantile", "pauc_at_budget", "softrank_ndcg")
+
+
+def _read_train_rows(data: str, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The first ``rows`` (user, item) pairs of the train split, row group by row group (never the whole split)."""
+    from bigrank.data.stream import iter_row_groups
+
+    users, items, total = [], [], 0
+    for group in iter_row_groups(data, "train"):
+        users.append(group["user_id"].astype(np.int64))
+        items.append(group["item_id"].astype(np.int64))
+        total += len(users[-1])
+        if total >= rows:
+            break
+    return torch.from_numpy(np.concatenate(users)[:rows]), torch.from_numpy(np.concatenate(items)[:rows])
+
+
+def _rowwise_adagrad(weight, accumulator, ids, grad, lr, eps=1e-8):
+    """fbgemm's row-wise Adagrad on rows ``ids`` only."""
+    acc = accumulator.index_select(0, ids).add_(grad.square().mean(dim=1))
+    accumulator.index_copy_(0, ids, acc)
+    rows = weight.index_select(0, ids).addcdiv_(grad, acc.sqrt().add_(eps).unsqueeze(1), value=-lr)
+    weight.index_copy_(0, ids, rows)
+
+
+def plain_ml1b_seconds_per_step(data, loss_name, batch, negatives, dim, steps, lr=0.05) -> float:
+    """A lean single-process step: touched rows only, shared uniform negatives, row-wise Adagrad."""
+    import torch.nn.functional as F
+
+    from bigrank.losses import pauc_at_budget_loss, rankmax_loss, recall_at_quantile_loss, smooth_ap_loss
+
+    manifest = load_manifest(data)
+    num_users, num_items = int(manifest["num_users"]), int(manifest["num_items"])
+    users, items = _read_train_rows(data, steps * batch)
+    generator = torch.Generator().manual_seed(0)
+    user_w = torch.randn(num_users, dim, generator=generator) * 0.1
+    item_w = torch.randn(num_items, dim, generator=generator) * 0.1
+    user_acc, item_acc = torch.zeros(num_users), torch.zeros(num_items)
+    soft_rank = {
+        "smooth_ap": lambda s, lab: smooth_ap_loss(s, lab),
+        "recall_at_quantile": lambda s, lab: recall_at_quantile_loss(s, lab),
+        "pauc_at_budget": lambda s, lab: pauc_at_budget_loss(s, lab),
+    }
+    started = None
+    for step in range(steps):
+        if step == min(2, steps - 1):
+            started = time.perf_counter()
+        u_ids, pos = users[step * batch : (step + 1) * batch], items[step * batch : (step + 1) * batch]
+        user_ids, user_index = torch.unique(u_ids, return_inverse=True)
+        user_rows = user_w.index_select(0, user_ids).requires_grad_()
+        vectors = user_rows[user_index]
+        if loss_name == "rankmax":
+            item_rows = item_w.clone().requires_grad_()
+            chunked = torch.cat([vectors @ item_rows[k : k + 65536].T for k in range(0, num_items, 65536)], dim=1)
+            loss = rankmax_loss(chunked, pos)
+            item_ids = None
+        else:
+            negs = torch.randint(num_items, (negatives,), generator=generator)
+            item_ids, item_index = torch.unique(torch.cat([pos, negs]), return_inverse=True)
+            item_rows = item_w.index_select(0, item_ids).requires_grad_()
+            positive, negative = item_rows[item_index[:batch]], item_rows[item_index[batch:]]
+            scores = torch.cat([(vectors * positive).sum(dim=1, keepdim=True), vectors @ negative.T], dim=1)
+            if loss_name == "sampled_softmax":  # uniform logQ is one constant: it cancels
+                loss = F.cross_entropy(scores, torch.zeros(batch, dtype=torch.int64))
+            else:
+                labels = torch.zeros_like(scores, dtype=torch.bool)
+                labels[:, 0] = True
+                loss = soft_rank[loss_name](scores, labels)
+        loss.backward()
+        with torch.no_grad():
+            _rowwise_adagrad(user_w, user_acc, user_ids, user_rows.grad, lr)
+            ids = torch.arange(num_items) if item_ids is None else item_ids
+            _rowwise_adagrad(item_w, item_acc, ids, item_rows.grad, lr)
+    return (time.perf_counter() - started) / (steps - min(2, steps - 1))
+
+
+def gemm_floor_seconds(batch, columns, dim, repeats=3) -> float:
+    """The step's 3 GEMMs alone (scores, dL/dU, dL/dV: B x C x d each), in blocks of <= 2^22 scores."""
+    users, block = torch.randn(batch, dim), max(1, (1 << 22) // batch)
+    items = torch.randn(min(columns, block), dim)
+    best = float("inf")
+    for _ in range(repeats):
+        started = time.perf_counter()
+        for start in range(0, columns, block):
+            rows = items[: min(block, columns - start)]
+            scores = users @ rows.T
+            scores @ rows
+            scores.T @ users
+        best = min(best, time.perf_counter() - started)
+    return best
+
+
+def _descendants(pid: int) -> list[int]:
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+def _peak_rss_gb(pid: int) -> float | None:
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1e6
+    except OSError:
+        return None
+    return None
+
+
+def bigrank_ml1b(data, loss_name, batch, negatives, dim, steps) -> tuple[float, list[float]]:
+    """bigrank train with 2 local workers: (examples/s without the first logging window, peak RSS per worker GB)."""
+    import threading
+
+    import yaml
+
+    log_every = max(1, steps // 6)
+    with tempfile.TemporaryDirectory() as run_dir:
+        loss = {"name": loss_name}
+        if loss_name in SAMPLED_LOSSES:
+            loss.update(candidates="sampled", num_negatives=negatives)
+        config = {
+            "data": {"root": data},
+            "run_dir": run_dir,
+            "workers": 2,
+            "model": {"dim": dim},
+            "loss": loss,
+            "optim": {"user_optimizer": "rowwise_adagrad", "item_optimizer": "rowwise_adagrad"},
+            "train": {"batch_size": batch, "max_steps": steps, "log_every": log_every, "progress": False,
+                      "checkpoint_every": None, "chunk_size": "auto"},
+            "eval": {"every_epochs": None, "at_end": False},
+        }  # fmt: skip
+        path = Path(run_dir) / "bench.yaml"
+        path.write_text(yaml.safe_dump(config))
+        command = [sys.executable, "-m", "bigrank.cli", "train", str(path), "--launcher", "local"]
+        process = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.DEVNULL)
+        peaks: dict[int, float] = {}
+
+        def watch():
+            while process.poll() is None:
+                for pid in _descendants(process.pid):
+                    peak = _peak_rss_gb(pid)
+                    if peak is not None:
+                        peaks[pid] = max(peaks.get(pid, 0.0), peak)
+                time.sleep(0.5)
+
+        watcher = threading.Thread(target=watch, daemon=True)
+        watcher.start()
+        if process.wait() != 0:
+            raise RuntimeError(f"bigrank train failed for {loss_name} (exit {process.returncode})")
+        watcher.join()
+        records = [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+    rates = [r["examples_per_s"] for r in records if r.get("type") == "train"][1:]
+    workers = sorted(peaks.values(), reverse=True)[:2]  # the two workers are the largest processes
+    return float(np.median(rates)), workers
+
+
+def run_ml1b(args) -> None:
+    data = str(Path(args.data).resolve())
+    manifest = load_manifest(data)
+    train_rows = int(manifest["splits"]["train"]["rows"])
+    num_items = int(manifest["num_items"])
+    steps = args.steps or 30
+    rows = []
+    for loss_name in args.loss.split(","):
+        columns = num_items if loss_name not in SAMPLED_LOSSES else args.negatives
+        floor = gemm_floor_seconds(args.batch, columns, args.dim)
+        plain = plain_ml1b_seconds_per_step(data, loss_name, args.batch, args.negatives, args.dim, min(steps, 12))
+        ours, peaks = bigrank_ml1b(data, loss_name, args.batch, args.negatives, args.dim, steps)
+        rows.append((loss_name, args.batch / floor, args.batch / plain, ours, peaks))
+        rates = f"floor {args.batch / floor:,.0f}, plain {args.batch / plain:,.0f}, bigrank {ours:,.0f}"
+        print(f"  {loss_name}: {rates} examples/s", flush=True)
+    print(f"\nML-1B ({data}): {num_items:,} items, d={args.dim}, global batch {args.batch}, "
+          f"{args.negatives:,} sampled negatives, {steps} bigrank steps; machine load shared: ratios only")  # fmt: skip
+    header = (f"{'loss':<20}{'GEMM floor ex/s':>16}{'plain ex/s':>12}{'bigrank ex/s':>14}{'vs plain':>10}"
+              f"{'floor/bigrank':>15}{'peak RSS GB/worker':>20}{'epoch h':>9}")  # fmt: skip
+    print(header)
+    for loss_name, floor, plain, ours, peaks in rows:
+        epoch = f"{train_rows / ours / 3600:9.1f}" if train_rows else f"{'?':>9}"
+        rss = "/".join(f"{p:.2f}" for p in peaks) or "?"
+        print(f"{loss_name:<20}{floor:>16,.0f}{plain:>12,.0f}{ours:>14,.0f}{ours / plain:>10.2f}"
+              f"{floor / ours:>15.2f}{rss:>20}{epoch}")  # fmt: skip
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", default="configs/demo.yaml")
     parser.add_argument("--data", default="data/demo", help="dataset root (generated with the demo preset if absent)")
-    parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--steps", type=int, default=None, help="steps per trainer (default 200; ML-1B mode 30)")
+    parser.add_argument("--loss", default=None, help="ML-1B mode: loss name(s), comma-separated")
+    parser.add_argument("--negatives", type=int, default=8192, help="ML-1B mode: sampled negatives per step")
+    parser.add_argument("--batch", type=int, default=4096, help="ML-1B mode: global batch")
+    parser.add_argument("--dim", type=int, default=64, help="ML-1B mode: embedding dimension")
     args = parser.parse_args()
     torch.set_num_threads(2)
+    if args.loss is not None:
+        run_ml1b(args)
+        return
+    args.steps = args.steps or 200
     config = load_config(ROOT / args.config)
     if config.loss.name not in FULL_CATALOG:
         sys.exit(f"bench_train: the plain loop covers the full-catalog losses {list(FULL_CATALOG)}")

@@ -95,7 +95,7 @@ class OptimConfig:
         default="rowwise_adagrad", metadata=_choices("sgd", "adagrad", "rowwise_adagrad", "adam")
     )
     user_lr: float = 0.05
-    item_optimizer: str = field(default="adagrad", metadata=_choices("sgd", "adagrad", "adam"))
+    item_optimizer: str = field(default="adagrad", metadata=_choices("sgd", "adagrad", "adam", "rowwise_adagrad"))
     item_lr: float = 0.05
     weight_decay: float = 0.0  # items only (the fused user tables have none on CPU)
 

@@ -50,7 +50,7 @@ def checkpoint_parameters(checkpoint):
     user_table = tower["model"]["tables.embedding_bags.user_table.weight"]
     accumulators = [v for k, v in _flatten(tower["optimizer"]) if k.endswith("momentum1")]
     optimizer = state["catalog"]["optimizer"]
-    item_states = [dict(optimizer["rows"], **optimizer["scalars"])]
+    item_states = [dict(optimizer["rows"], step=optimizer["step"])]
     return state["catalog"]["weight"], user_table, accumulators, item_states, [state["stream"]["position"]]
 
 

@@ -283,25 +283,21 @@ class ParquetStream:
     def _read_window(self, epoch: int, rank: int, window_index: int, pieces) -> dict[str, np.ndarray]:
         """Window ``window_index`` of layout rank ``rank``'s share, its rows permuted (seeded by the window)."""
         parts = [self._read_piece(*piece) for piece in pieces]
-        rng = np.random.default_rng([self.seed, epoch, rank, window_index, 0x5B0F])
-        four_byte = all(parts[0][name].dtype.itemsize == 4 for name in self.columns)
-        if self.shuffle and len(self.columns) == 2 and four_byte:
-            # Fast path for (user_id, item_id): rows packed into one 8-byte array and shuffled in place,
-            # one pass instead of a permutation plus a gather per column (~1.5x faster).
-            packed = np.empty((sum(len(p[self.columns[0]]) for p in parts), 2), dtype=np.int32)
-            start = 0
-            for part in parts:
-                stop = start + len(part[self.columns[0]])
-                for column, name in enumerate(self.columns):
-                    packed[start:stop, column] = part[name]
-                start = stop
-            rng.shuffle(packed.view(np.int64).reshape(-1))
-            return {name: packed[:, column] for column, name in enumerate(self.columns)}
-        data = {name: np.concatenate([p[name] for p in parts]) for name in self.columns}
-        if self.shuffle:
-            permutation = rng.permutation(len(data[self.columns[0]]))
-            data = {name: values[permutation] for name, values in data.items()}
-        return data
+        if len(parts) == 1:
+            data = parts[0]
+        else:
+            data = {name: np.concatenate([p[name] for p in parts]) for name in self.columns}
+        if not self.shuffle:
+            return data
+        # torch.randperm (Fisher-Yates in C++, ~4x numpy's Generator.shuffle here) and one np.take per column
+        # (contiguous int32 gathers): the shuffle was the stream's bottleneck (3 M rows/s against ~7 M rows/s
+        # for the Parquet decode). The permutation depends only on (seed, epoch, rank, window).
+        import torch
+
+        seed = int(np.random.SeedSequence([self.seed, epoch, rank, window_index, 0x5B0F]).generate_state(1)[0])
+        rows = len(data[self.columns[0]])
+        permutation = torch.randperm(rows, generator=torch.Generator().manual_seed(seed)).numpy()
+        return {name: np.take(values, permutation) for name, values in data.items()}
 
     def _read_intervals(self, epoch: int, layout_world_size: int, intervals, stop_event=None):
         """Yield the rows of the intervals ``[a, b)`` of the epoch's sequence (laid out by ``layout_world_size``

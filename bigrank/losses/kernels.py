@@ -29,6 +29,8 @@ __all__ = [
     "max_and_sum_exp",
     "relu_grad",
     "relu_square_sum",
+    "sigmoid_grad",
+    "sigmoid_sums",
     "support_sum_count",
     "topk_values",
 ]
@@ -125,6 +127,31 @@ def relu_grad(block: torch.Tensor, tau: torch.Tensor, scale: torch.Tensor) -> to
     """``scale_r * (z_ri - tau_r)_+``: sparsemax's gradient."""
     dtype = _stat_dtype(block)
     return _run("relu_grad", _relu_grad, block, tau.to(dtype), scale.to(dtype))
+
+
+def _sigmoid_sums(block, anchor, tau):
+    sig = torch.sigmoid((block - anchor.unsqueeze(1)) / tau)
+    return sig.to(torch.float64).sum(dim=1), (sig * (1 - sig)).to(torch.float64).sum(dim=1)
+
+
+def sigmoid_sums(block: torch.Tensor, anchor: torch.Tensor, tau: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(sum_i s_ri, sum_i s_ri (1 - s_ri))`` with ``s = sigmoid((z_ri - anchor_r) / tau)``, float64 [R] each:
+    Smooth-AP's soft rank and its derivative sum."""
+    # tau as a 0-d tensor: a scheduled temperature must not recompile the kernel every step.
+    return _run(
+        "sigmoid_sums", _sigmoid_sums, block, anchor.to(block.dtype), torch.tensor(float(tau), dtype=block.dtype)
+    )
+
+
+def _sigmoid_grad(block, anchor, tau, scale):
+    sig = torch.sigmoid((block - anchor.unsqueeze(1)) / tau)
+    return sig * (1 - sig) * scale.unsqueeze(1)
+
+
+def sigmoid_grad(block: torch.Tensor, anchor: torch.Tensor, tau: float, scale: torch.Tensor) -> torch.Tensor:
+    """``scale_r * s_ri (1 - s_ri)`` with ``s = sigmoid((z_ri - anchor_r) / tau)``: Smooth-AP's gradient block."""
+    tau = torch.tensor(float(tau), dtype=block.dtype)
+    return _run("sigmoid_grad", _sigmoid_grad, block, anchor.to(block.dtype), tau, scale.to(block.dtype))
 
 
 def topk_values(block: torch.Tensor, k: int) -> torch.Tensor:

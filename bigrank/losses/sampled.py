@@ -132,3 +132,124 @@ class SampledSoftmaxLoss(nn.Module):
         loss, valid = sampled_softmax_loss(scores, labels, log_q, mask, self.reduction, group=group, return_valid=True)
         self.last_excluded_rows = int((~valid).sum())
         return loss
+
+
+# ------------------------------------------------------------------------------- fused, shared negatives
+# Rows of the [B, N] logit block handled at once in the forward pass: the GEMM output of a block stays in
+# cache for the max / exp / sum passes that follow it (2^21 floats = 8 MB: 512 rows of 4,096 negatives).
+_ROW_BLOCK_ELEMENTS = 1 << 21
+
+
+def accidental_hits(target: torch.Tensor, negative_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The pairs ``(row b, column j)`` with ``negative_ids[j] == target[b]``: (rows int64[h], columns int64[h]).
+
+    O((B + N) log N) with a sort and two binary searches, instead of the [B, N] comparison.
+    """
+    if negative_ids.numel() == 0 or target.numel() == 0:
+        empty = torch.empty(0, dtype=torch.int64, device=target.device)
+        return empty, empty
+    sorted_ids, order = negative_ids.sort()
+    lo = torch.searchsorted(sorted_ids, target, right=False)
+    hi = torch.searchsorted(sorted_ids, target, right=True)
+    counts = hi - lo
+    total = int(counts.sum())
+    if total == 0:
+        empty = torch.empty(0, dtype=torch.int64, device=target.device)
+        return empty, empty
+    rows = torch.repeat_interleave(torch.arange(target.numel(), device=target.device), counts)
+    first = torch.repeat_interleave(lo - (torch.cumsum(counts, 0) - counts), counts)
+    return rows, order[first + torch.arange(total, device=target.device)]
+
+
+class _NegativeLogSumExp(torch.autograd.Function):
+    """``lse[b] = log sum_{j not a hit of b} exp(u_b . v_j / T - log_q_j)``: [B], -inf for rows without a
+    negative. One [B, N] buffer: the forward GEMM writes it in row blocks, each block turned into
+    ``exp(z - rowmax)`` while in cache; backward scales it in place into dL/dz and runs the two gradient GEMMs.
+    So a step costs the 3 GEMMs of B x N x d plus ~4 passes over the buffer (no second [B, N] tensor)."""
+
+    @staticmethod
+    def forward(ctx, user_vectors, negative_rows, log_q, hit_rows, hit_cols, temperature):
+        batch, width = user_vectors.shape[0], negative_rows.shape[0]
+        scaled = user_vectors / temperature
+        exps = user_vectors.new_empty(batch, width)
+        row_max = user_vectors.new_full((batch,), float("-inf"))
+        sums = user_vectors.new_zeros(batch)
+        if width:
+            block = max(1, _ROW_BLOCK_ELEMENTS // width)
+            # The logQ correction rides in the GEMM as one more dimension: [u / T, 1] . [v, -log q] = z.
+            users_1 = torch.cat([scaled, scaled.new_ones(batch, 1)], dim=1)
+            items_t = torch.cat([negative_rows, (-log_q).to(negative_rows.dtype).unsqueeze(1)], dim=1).t()
+            has_hits = hit_rows.numel() > 0
+            for start in range(0, batch, block):
+                stop = min(start + block, batch)
+                z = exps[start:stop]
+                torch.mm(users_1[start:stop], items_t, out=z)
+                if has_hits:
+                    inside = (hit_rows >= start) & (hit_rows < stop)
+                    if bool(inside.any()):
+                        z[hit_rows[inside] - start, hit_cols[inside]] = float("-inf")
+                top = z.amax(dim=1)
+                top = torch.where(torch.isfinite(top), top, top.new_zeros(()))
+                z.sub_(top.unsqueeze(1)).exp_()
+                row_max[start:stop] = top
+                sums[start:stop] = z.sum(dim=1)
+        lse = torch.where(sums > 0, row_max + torch.log(sums), sums.new_full((), float("-inf")))
+        ctx.save_for_backward(scaled, negative_rows, exps, sums)
+        ctx.temperature = temperature
+        return lse
+
+    @staticmethod
+    def backward(ctx, grad_lse):
+        scaled, negative_rows, exps, sums = ctx.saved_tensors
+        # dlse_b / dz_bj = exp(z_bj - lse_b) = exps_bj / sums_b; the buffer is reused for dL/dz (one backward).
+        scale = torch.where(sums > 0, grad_lse / sums, sums.new_zeros(()))
+        grad_z = exps.mul_(scale.unsqueeze(1))
+        grad_users = (grad_z @ negative_rows).div_(ctx.temperature)
+        grad_rows = grad_z.t() @ scaled
+        return grad_users, grad_rows, None, None, None, None
+
+
+def sampled_softmax_shared_negatives(
+    user_vectors: torch.Tensor,
+    negative_rows: torch.Tensor,
+    negative_ids: torch.Tensor,
+    negative_log_q: torch.Tensor,
+    target: torch.Tensor,
+    positive_logits: torch.Tensor,
+    *,
+    temperature: float = 1.0,
+    reduction: str = "mean",
+    group=None,
+    return_valid: bool = False,
+):
+    """Sampled softmax with logQ correction when every row shares the same negatives: the loss of
+    ``sampled_softmax_loss`` on the columns [row positives | shared negatives] of ``StepLoss``'s sampled
+    candidates, computed without the [B, C] scores, labels, mask and log_q tensors.
+
+    Each row has exactly one positive (its target, scored on the rank that owns it) and the negatives drawn
+    by every rank; a negative equal to the row's target is an accidental hit and leaves the denominator (in
+    ``sampled_softmax_loss`` it is a second positive with the same value, so the row's mean is unchanged)::
+
+        loss_b = softplus(log sum_{j in N_b} exp(z_bj) - z_b+)        z = s / T - log q   (Yi et al. 2019)
+
+    Args:
+        user_vectors: float[B, d] (all-gathered). negative_rows: float[N_r, d] this rank's negatives (with
+            repeats), ``negative_ids`` int64[N_r] their global ids, ``negative_log_q`` [N_r] their logQ.
+        target: int64[B] global positive ids, the same on every rank.
+        positive_logits: float[B] the corrected positive logit ``s_b+ / T - log q_b+`` for the rows whose
+            target this rank owns, 0 elsewhere (summed over ranks here).
+        temperature: T > 0. reduction: "mean" | "sum" | "none" (over rows with a negative).
+        group: process group splitting the negatives across ranks.
+    """
+    check_reduction(reduction)
+    lse_local = _NegativeLogSumExp.apply(
+        user_vectors, negative_rows, negative_log_q, *accidental_hits(target, negative_ids), float(temperature)
+    )
+    positive = all_reduce_sum(positive_logits, group)
+    shift = all_reduce_max(lse_local, group)
+    has_negative = torch.isfinite(shift)
+    shift = torch.where(has_negative, shift, shift.new_zeros(()))
+    sum_exp = all_reduce_sum(torch.exp(lse_local - shift), group)
+    log_sum_neg = shift + torch.log(sum_exp.clamp_min(torch.finfo(sum_exp.dtype).tiny))
+    per_row = F.softplus(log_sum_neg - positive)
+    return finish(per_row, has_negative, reduction, return_valid)

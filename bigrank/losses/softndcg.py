@@ -35,6 +35,8 @@ from bigrank.losses.validation import check_reduction, check_scores
 
 __all__ = ["SoftNDCGLoss", "rank_distributions", "softrank_ndcg_loss"]
 
+# Elements of a [b, N, N] block the backward recursions work on at once (512 KB of float32: cache-sized).
+_CACHE_ELEMENTS = 1 << 17
 # A candidate list longer than this would need B x N^2 floats per step and O(N^3) time: ask for a shorter list.
 MAX_LIST_SIZE = 4096
 
@@ -72,31 +74,46 @@ class _RankBinomial(torch.autograd.Function):
         size = p.shape[-1]
         if size < 2:
             return torch.zeros_like(pi)
-        # dL/dpi_ij = sum_r q_ij(r) (w_j(r + 1) - w_j(r)), with q_ij = p_j without contestant i and w = grad_p.
-        step = (grad_p[:, :, 1:] - grad_p[:, :, :-1]).unsqueeze(1)  # [B, 1, j, N - 1]
-        nonzero = step.ne(0).flatten(0, 2).any(dim=0).nonzero()
-        last = int(nonzero.max()) + 1 if nonzero.numel() else 0  # ranks past the last non-zero step add 0
-        target = p.unsqueeze(1)  # [B, 1, j, N]
-        keep = 1.0 - pi
-        forward = pi <= 0.5  # which division is stable for each pair; the other one is skipped (zero factors)
-        zero = pi.new_zeros(())
-        # q(r) = (p(r) - pi q(r - 1)) / (1 - pi): rounding is amplified by pi / (1 - pi) <= 1 when pi <= 1/2.
-        scale = torch.where(forward, keep.reciprocal(), zero)
-        ratio = torch.where(forward, pi * scale, zero)
-        grad_pi, q = torch.zeros_like(pi), torch.zeros_like(pi)
-        floor = _negligible(pi.dtype)
-        for r in range(last):
-            F.threshold_(q.mul_(ratio).neg_().addcmul_(target[..., r], scale), floor, 0.0)
-            grad_pi.addcmul_(q, step[..., r])
-        # q(r - 1) = (p(r) - (1 - pi) q(r)) / pi from the top rank down: amplification (1 - pi) / pi < 1.
-        scale = torch.where(forward, zero, pi.reciprocal())
-        ratio = torch.where(forward, zero, keep * scale)
-        q = torch.zeros_like(pi)
-        for r in range(size - 1, 0, -1):
-            F.threshold_(q.mul_(ratio).neg_().addcmul_(target[..., r], scale), floor, 0.0)  # now q(r - 1)
-            if r - 1 < last:
-                grad_pi.addcmul_(q, step[..., r - 1])
+        # Rows are independent: run the recursions on blocks of rows whose [b, N, N] tensors stay in cache
+        # (each of the ~2N iterations makes 4 passes over them; on the whole batch those passes went to memory).
+        block = max(1, _CACHE_ELEMENTS // (size * size))
+        grad_pi = torch.empty_like(pi)
+        for start in range(0, pi.shape[0], block):
+            rows = slice(start, start + block)
+            grad_pi[rows] = _rank_binomial_grad(pi[rows], p[rows], grad_p[rows])
         return grad_pi
+
+
+def _rank_binomial_grad(pi, p, grad_p):
+    """dL/dpi [b, N, N] of ``_RankBinomial`` for a block of rows."""
+    size = p.shape[-1]
+    # dL/dpi_ij = sum_r q_ij(r) (w_j(r + 1) - w_j(r)), with q_ij = p_j without contestant i and w = grad_p.
+    # Rank-major copies, so that each rank's slice is a contiguous [b, 1, j] operand (strided [..., r] slices
+    # of the [b, j, N] tensors made every addcmul_ below several times slower).
+    step = (grad_p[:, :, 1:] - grad_p[:, :, :-1]).permute(2, 0, 1).contiguous().unsqueeze(2)  # [N-1, b, 1, j]
+    nonzero = step.ne(0).flatten(1, 3).any(dim=1).nonzero()
+    last = int(nonzero.max()) + 1 if nonzero.numel() else 0  # ranks past the last non-zero step add 0
+    target = p.permute(2, 0, 1).contiguous().unsqueeze(2)  # [N, b, 1, j]
+    keep = 1.0 - pi
+    forward = pi <= 0.5  # which division is stable for each pair; the other one is skipped (zero factors)
+    zero = pi.new_zeros(())
+    # q(r) = (p(r) - pi q(r - 1)) / (1 - pi): rounding is amplified by pi / (1 - pi) <= 1 when pi <= 1/2.
+    scale = torch.where(forward, keep.reciprocal(), zero)
+    minus_ratio = torch.where(forward, -pi * scale, zero)  # -(q * ratio) == q * (-ratio) exactly
+    grad_pi, q = torch.zeros_like(pi), torch.zeros_like(pi)
+    floor = _negligible(pi.dtype)
+    for r in range(last):
+        F.threshold_(q.mul_(minus_ratio).addcmul_(target[r], scale), floor, 0.0)
+        grad_pi.addcmul_(q, step[r])
+    # q(r - 1) = (p(r) - (1 - pi) q(r)) / pi from the top rank down: amplification (1 - pi) / pi < 1.
+    scale = torch.where(forward, zero, pi.reciprocal())
+    minus_ratio = torch.where(forward, zero, -keep * scale)
+    q = torch.zeros_like(pi)
+    for r in range(size - 1, 0, -1):
+        F.threshold_(q.mul_(minus_ratio).addcmul_(target[r], scale), floor, 0.0)  # now q(r - 1)
+        if r - 1 < last:
+            grad_pi.addcmul_(q, step[r - 1])
+    return grad_pi
 
 
 def rank_distributions(scores: torch.Tensor, valid: torch.Tensor | None = None, sigma: float = 0.1) -> torch.Tensor:

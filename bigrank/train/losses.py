@@ -23,14 +23,41 @@ the main loss with a geometric temperature schedule; its step counter is checkpo
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from bigrank.config import LossConfig
 from bigrank.data.samplers import PopularitySampler, UniformSampler
-from bigrank.losses.build import build_loss
+from bigrank.losses.build import CandidateLoss, build_loss
 from bigrank.losses.registry import FULL_CATALOG_LOSSES
 
-__all__ = ["StepLoss"]
+__all__ = ["StepLoss", "TouchedRows"]
+
+
+@dataclass
+class TouchedRows:
+    """The catalog rows a sampled step read: ``ids`` int64[u] unique local row indices (ascending) and
+    ``rows`` float[u, d], a leaf copy of those rows whose ``.grad`` after backward is their gradient."""
+
+    ids: torch.Tensor
+    rows: torch.Tensor
+
+    @property
+    def grad(self) -> torch.Tensor:
+        """dL/drows [u, d] (zeros when the loss did not reach them, e.g. an empty shard)."""
+        return self.rows.grad if self.rows.grad is not None else torch.zeros_like(self.rows)
+
+
+@dataclass
+class _Draw:
+    """One step's sampled candidates on this rank (global ids; log_q float64)."""
+
+    owned_rows: torch.Tensor  # int64[p]: batch rows whose target is in this shard
+    positives: torch.Tensor  # int64[p]: their targets
+    pos_log_q: torch.Tensor
+    negatives: torch.Tensor  # int64[N_r], with repeats
+    neg_log_q: torch.Tensor
 
 
 class StepLoss:
@@ -65,6 +92,7 @@ class StepLoss:
         self.seed, self.rank = int(seed), int(rank)
         self.sampler = None
         self.num_samples = 0
+        self.last_rows: TouchedRows | None = None
         if not self.full_catalog and config.candidates == "sampled" and self.stop > self.start:
             local = self.stop - self.start
             # Draws proportional to the shard size keep q_j comparable across ranks (same n_r / s_r).
@@ -109,41 +137,119 @@ class StepLoss:
             chunk_size: items scored at once by full-catalog losses (None: all at once; "auto": blocks of
                 about 2^22 scores).
             step: the global step (seeds the negative draws).
+
+        Sampled candidates read only the rows they touch: ``self.last_rows`` then holds them (a
+        :class:`TouchedRows` whose ``grad`` after backward is the [u, d] row gradient to pass to
+        ``RowOptimizer.step_rows``) and ``item_weight`` gets no gradient. Otherwise ``last_rows`` is None and
+        the gradient lands in ``item_weight.grad`` (dense: every row is scored).
         """
+        self.last_rows = None
         if self.full_catalog:
             from bigrank.losses.scores import score_matrix
 
             scores = score_matrix(user_vectors, item_weight, chunk_size, dtype=self.score_dtype)
             return self.module(scores, target, group=group, offset=self.start)
         if self.config.candidates == "catalog":
+            catalog_fn = self._catalog_function()
+            if catalog_fn is not None:  # one positive per row: the chunked engine, no [B, n] labels
+                from bigrank.losses.scores import score_matrix
+
+                scores = score_matrix(user_vectors, item_weight, chunk_size, dtype=self.score_dtype)
+                return catalog_fn(scores, target, group=group, offset=self.start)
             scores = user_vectors @ item_weight.T
             columns = torch.arange(self.start, self.stop, device=target.device)
             labels = target.unsqueeze(1) == columns.unsqueeze(0)
             return self.module(scores, labels, None, group=group)
-        scores, labels, mask, log_q = self._sampled_candidates(user_vectors, target, item_weight, step)
+        draw = self._draw(target, step)
+        ids, inverse = torch.unique(torch.cat([draw.positives, draw.negatives]) - self.start, return_inverse=True)
+        rows = item_weight.detach().index_select(0, ids).requires_grad_()
+        self.last_rows = TouchedRows(ids, rows)
+        if isinstance(self.module, CandidateLoss) and self.module.name == "sampled_softmax":
+            return self._fused_sampled_softmax(user_vectors, target, rows, inverse, draw, group)
+        scores, labels, mask, log_q = self._sampled_candidates(user_vectors, target, rows, inverse, draw)
         return self.module(scores, labels, mask, group=group, log_q=log_q)
 
-    def _sampled_candidates(self, user_vectors, target, item_weight, step):
-        from bigrank.data.samplers import candidate_labels
+    def _catalog_function(self):
+        """``loss(scores, target, *, group, offset)`` of ``bigrank.losses.softrank_catalog`` for the configured
+        Smooth-AP / Recall@quantile / pAUC@budget without warm-up (None otherwise: the dense path)."""
+        if not isinstance(self.module, CandidateLoss):
+            return None
+        from functools import partial
 
-        in_shard = (target >= self.start) & (target < self.stop)
-        positives = torch.unique(target[in_shard])
+        from bigrank.losses import softrank_catalog
+
+        inner = self.module.inner
+        if self.module.name == "smooth_ap":
+            fn, params = softrank_catalog.smooth_ap_catalog_loss, {"temperature": inner.temperature}
+        elif self.module.name == "recall_at_quantile":
+            fn = softrank_catalog.recall_at_quantile_catalog_loss
+            params = {"quantile": inner.quantile, "temperature": inner.temperature}
+        elif self.module.name == "pauc_at_budget":
+            fn = softrank_catalog.pauc_at_budget_catalog_loss
+            params = {
+                "alpha": inner.alpha, "beta": inner.beta, "temperature": inner.temperature,
+                "tau_scale": inner.tau_scale, "n_knots": inner.n_knots, "scale_sample_size": inner.scale_sample_size,
+            }  # fmt: skip
+        else:
+            return None
+        return partial(fn, reduction=inner.reduction, **params)
+
+    def _draw(self, target, step) -> _Draw:
+        """This rank's candidates: the shard's positives of the batch (row ``owned`` flags and local targets)
+        and the step's negatives (the draw depends only on seed, rank and step)."""
+        owned = (target >= self.start) & (target < self.stop)
+        owned_rows = owned.nonzero().squeeze(1)
+        positives = target[owned_rows]
         if self.sampler is None:  # an empty shard: no columns here
             negatives = torch.empty(0, dtype=torch.int64)
             neg_log_q = torch.empty(0, dtype=torch.float64)
             pos_log_q = torch.zeros(positives.numel(), dtype=torch.float64)
         else:
+            # The draw runs on the CPU generator (the same negatives on any device), then moves to the batch's.
             generator = torch.Generator().manual_seed(_step_seed(self.seed, self.rank, step))
             drawn = self.sampler.sample(self.num_samples, generator=generator)
             negatives, neg_log_q = drawn.ids, drawn.log_q
-            pos_log_q = self.sampler.log_q(positives, self.num_samples)
-        ids = torch.cat([positives, negatives])
-        scores = user_vectors @ item_weight[ids - self.start].T
+            pos_log_q = self.sampler.log_q(positives.cpu(), self.num_samples)
+        device = target.device
+        return _Draw(owned_rows, positives, pos_log_q.to(device), negatives.to(device), neg_log_q.to(device))
+
+    def _fused_sampled_softmax(self, user_vectors, target, rows, inverse, draw, group):
+        """Sampled softmax without the [B, C] candidate tensors (``sampled_softmax_shared_negatives``): each
+        row's positive scored as a dot product, the shared negatives in one fused pass."""
+        from bigrank.losses.sampled import sampled_softmax_shared_negatives
+
+        inner = self.module.inner
+        temperature = float(inner.temperature)
+        count = draw.positives.numel()
+        positive_rows, negative_rows = rows[inverse[:count]], rows[inverse[count:]]
+        dtype = user_vectors.dtype
+        owned_logits = (user_vectors[draw.owned_rows] * positive_rows).sum(dim=1) / temperature
+        owned_logits = owned_logits - draw.pos_log_q.to(dtype)
+        positive_logits = user_vectors.new_zeros(target.numel()).index_add(0, draw.owned_rows, owned_logits)
+        loss, valid = sampled_softmax_shared_negatives(
+            user_vectors, negative_rows, draw.negatives, draw.neg_log_q, target, positive_logits,
+            temperature=temperature, reduction=inner.reduction, group=group, return_valid=True,
+        )  # fmt: skip
+        inner.last_excluded_rows = int((~valid).sum())
+        return loss
+
+    def _sampled_candidates(self, user_vectors, target, rows, inverse, draw):
+        """Scores [B, C] of the columns [unique positives | negatives], with labels, mask and log_q."""
+        from bigrank.data.samplers import candidate_labels
+
+        positives, index = torch.unique(draw.positives, return_inverse=True)
+        first = torch.full((positives.numel(),), draw.positives.numel(), dtype=torch.int64, device=target.device)
+        first.scatter_reduce_(0, index, torch.arange(draw.positives.numel(), device=target.device), reduce="amin")
+        count = draw.positives.numel()
+        columns = torch.cat([inverse[first], inverse[count:]])
+        ids = torch.cat([positives, draw.negatives])
+        scores = user_vectors @ rows[columns].T
         labels = candidate_labels(target, ids)
         # A positive column counts only in its own row: the other rows never drew it.
         mask = torch.ones_like(labels)
         mask[:, : positives.numel()] = labels[:, : positives.numel()]
-        log_q = torch.cat([pos_log_q, neg_log_q]).to(scores.dtype)
+        pos_log_q = draw.pos_log_q[first] if count else draw.pos_log_q
+        log_q = torch.cat([pos_log_q, draw.neg_log_q]).to(scores.dtype)
         return scores, labels, mask, log_q
 
     def after_step(self) -> None:

@@ -51,12 +51,8 @@ class CatalogWeights:
 
 
 class CatalogState(CatalogWeights):
-    """The catalog rows plus the item optimizer's state: row-aligned tensors (``[n_local, ...]``) are saved
-    row-sharded like the rows, scalars (step counts) replicated.
-
-    ``optimizer`` must offer ``row_state() -> {name: tensor[n_local, ...]}``, ``scalar_state() -> {name: tensor}``
-    (both returning the live tensors, written in place by a load) and ``after_load()``.
-    """
+    """The catalog rows plus the item optimizer's state (``bigrank.train.item_optim.RowOptimizer``): its
+    row-aligned tensors (``[n_local, ...]``) are saved row-sharded like the rows, its step count replicated."""
 
     def __init__(self, shard, optimizer):
         super().__init__(shard)
@@ -69,15 +65,12 @@ class CatalogState(CatalogWeights):
             name: row_sharded(tensor, shard.start, shard.num_items, shard.group)
             for name, tensor in self.optimizer.row_state().items()
         }
-        state["optimizer"] = {"rows": rows, "scalars": dict(self.optimizer.scalar_state())}
+        state["optimizer"] = {"rows": rows, "step": torch.tensor(float(self.optimizer.step_count))}
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        scalars = self.optimizer.scalar_state()
-        for name, value in state["optimizer"]["scalars"].items():
-            if isinstance(scalars.get(name), torch.Tensor) and scalars[name] is not value:
-                scalars[name].copy_(value)
-        self.optimizer.after_load()
+        # The row-aligned tensors were written in place (they share the optimizer's storage).
+        self.optimizer.step_count = int(float(state["optimizer"]["step"]))
 
 
 class StreamState:

@@ -7,7 +7,8 @@ One step on rank r of W (global batch B, local batch b = B/W)::
     U             = all_gather_rows(u_local)  [B, d]      (backward: reduce-scatter of dL/dU to the owners)
     target        = all-gathered items        [B]         global item ids
     loss          = L(U @ V_r^T, target; group, offset=start_r)               V_r: this rank's catalog rows
-    loss.backward(); item_optimizer.step()                 the fused user-table optimizer updates in backward
+    loss.backward(); item_optimizer.step_rows(touched rows) | step_dense()   the fused user-table optimizer
+                                                           updates in backward
 
 The loss is the loss of the global batch, replicated on every rank; the catalog rows get exactly their
 gradient of it, so no gradient all-reduce is needed.
@@ -43,11 +44,12 @@ from bigrank.distributed.groups import init_control_group
 from bigrank.train.checkpoint import Checkpointer, latest_checkpoint, remove_partial_checkpoints
 from bigrank.train.evaluate import write_eval_json
 from bigrank.train.evaluator import Evaluator
+from bigrank.train.item_optim import RowOptimizer
 from bigrank.train.losses import StepLoss
 from bigrank.train.model import build_model, model_identity, user_vectors
 from bigrank.train.state import CatalogState, LossState, RNGState, StreamState, TowerState, TrainState
 
-__all__ = ["ItemOptimizer", "RunLog", "Trainer", "as_config", "require_process_group"]
+__all__ = ["RunLog", "Trainer", "as_config", "require_process_group"]
 
 
 def as_config(config: Config | dict) -> Config:
@@ -64,51 +66,6 @@ def require_process_group():
         )
     group = dist.group.WORLD
     return group, dist.get_rank(group), dist.get_world_size(group)
-
-
-# ----------------------------------------------------------------------------------------- item optimizer
-class ItemOptimizer:
-    """The catalog shard's optimizer (``optim.item_optimizer``: torch.optim SGD, Adagrad or Adam on the rows).
-
-    Its state is exposed for checkpoints as row-aligned tensors (``row_state``: ``[n_local, ...]``, saved
-    row-sharded) and scalars (``scalar_state``: the step count), created up front so that a checkpoint can be
-    loaded into it before the first step.
-    """
-
-    def __init__(self, config: Config, weight: torch.nn.Parameter):
-        optim = config.optim
-        self.weight = weight
-        if optim.item_optimizer == "sgd":
-            self.inner = torch.optim.SGD([weight], lr=optim.item_lr, weight_decay=optim.weight_decay)
-        elif optim.item_optimizer == "adagrad":
-            self.inner = torch.optim.Adagrad([weight], lr=optim.item_lr, weight_decay=optim.weight_decay)
-        else:
-            self.inner = torch.optim.Adam([weight], lr=optim.item_lr, weight_decay=optim.weight_decay)
-            self.inner.state[weight] = {  # torch creates Adam's state lazily; a checkpoint needs it now
-                "step": torch.tensor(0.0),
-                "exp_avg": torch.zeros_like(weight, memory_format=torch.preserve_format),
-                "exp_avg_sq": torch.zeros_like(weight, memory_format=torch.preserve_format),
-            }
-
-    def zero_grad(self) -> None:
-        self.inner.zero_grad(set_to_none=True)
-
-    def step(self) -> None:
-        self.inner.step()
-
-    def _state(self) -> dict[str, torch.Tensor]:
-        return self.inner.state.get(self.weight, {})
-
-    def row_state(self) -> dict[str, torch.Tensor]:
-        rows = self.weight.shape[0]
-        return {k: v for k, v in self._state().items() if torch.is_tensor(v) and v.dim() >= 1 and v.shape[0] == rows}
-
-    def scalar_state(self) -> dict[str, torch.Tensor]:
-        row_names = set(self.row_state())
-        return {k: v for k, v in self._state().items() if torch.is_tensor(v) and k not in row_names}
-
-    def after_load(self) -> None:
-        pass  # the checkpoint wrote the state tensors in place
 
 
 # ------------------------------------------------------------------------------------------- run records
@@ -218,7 +175,10 @@ class Trainer:
         if self.stream.steps_per_epoch() < 1:
             raise ValueError(f"train split too small: no full step of {train_cfg.batch_size} rows (train.batch_size)")
         shard = model.shard
-        self.item_optimizer = ItemOptimizer(config, shard.weight)
+        optim = config.optim
+        self.item_optimizer = RowOptimizer(
+            shard.weight, optim.item_optimizer, optim.item_lr, weight_decay=optim.weight_decay
+        )
         self.step_loss = StepLoss(
             config.loss,
             num_items=model.num_items,
@@ -313,9 +273,13 @@ class Trainer:
                 f"loss is {value} at step {self.state.step + 1} (epoch {self.stream.epoch}); {where}. "
                 "Lower optim.item_lr / optim.user_lr or check the data; the run stopped before updating."
             )
-        self.item_optimizer.zero_grad()
+        self.model.shard.weight.grad = None
         loss.backward()
-        self.item_optimizer.step()
+        touched = self.step_loss.last_rows  # candidate losses: only the rows the step read (sparse update)
+        if touched is not None:
+            self.item_optimizer.step_rows(touched.ids, touched.grad)
+        else:
+            self.item_optimizer.step_dense(self.model.shard.weight.grad)
         self.step_loss.after_step()
         self.state.step += 1
         self.state.first_loss = value if self.state.first_loss is None else self.state.first_loss
