@@ -1,8 +1,8 @@
-"""The trainer with real gloo processes, real Parquet data and real checkpoints: two-process training lowers
-the loss and ranks far better than random (and 3 workers re-evaluating the checkpoint find the same figures),
-a run killed mid-way and restarted ends with exactly the parameters of an uninterrupted run, a NaN loss stops
-the run naming the step and the last good checkpoint, a dead worker does not hang the launcher, every
-configured loss trains."""
+"""The trainer with real gloo processes, real Parquet data and real checkpoints: a run killed mid-way and
+restarted ends with exactly the parameters and optimizer states of an uninterrupted run, a NaN loss stops the run
+naming the step and the last good checkpoint, a dead worker does not hang the launcher, every configured loss
+learns (the loss falls, both tables move, Recall@10 beats random). Training, evaluation with another worker count
+and export through the CLI are in tests/test_workflow.py."""
 
 from __future__ import annotations
 
