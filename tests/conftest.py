@@ -1,10 +1,18 @@
-"""Fixtures shared by the trainer and Ray tests."""
+"""Fixtures shared by the trainer, workflow and Ray tests, and the one reader of a checkpoint's layout."""
 
 from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+
+REPO = Path(__file__).resolve().parents[1]
 
 TINY_USERS, TINY_ITEMS, TINY_TOPICS = 120, 101, 8  # 101 items: uneven catalog shards [0, 51) and [51, 101)
 
@@ -43,15 +51,16 @@ def read_checkpoint(checkpoint) -> dict:
 
 
 def checkpoint_parameters(checkpoint):
-    """(catalog [n, d], user table [users, d], user Adagrad states, item optimizer states (one dict of full
-    tensors), data-stream position) of a trainer checkpoint, read in this process."""
+    """(catalog [n, d], user table [users, d], the user tables' optimizer state (every tensor of it, e.g.
+    row-wise Adagrad's ``momentum1``), the item optimizer's state (one dict of full tensors: its row-aligned
+    state and ``step``), the data-stream position) of a trainer checkpoint, read in this process."""
     state = read_checkpoint(checkpoint)
     tower = state["tower"]
     user_table = tower["model"]["tables.embedding_bags.user_table.weight"]
-    accumulators = [v for k, v in _flatten(tower["optimizer"]) if k.endswith("momentum1")]
+    user_optimizer = dict(_flatten(tower["optimizer"]))
     optimizer = state["catalog"]["optimizer"]
     item_states = [dict(optimizer["rows"], step=optimizer["step"])]
-    return state["catalog"]["weight"], user_table, accumulators, item_states, [state["stream"]["position"]]
+    return state["catalog"]["weight"], user_table, user_optimizer, item_states, [state["stream"]["position"]]
 
 
 def _flatten(tree, prefix=""):
@@ -60,3 +69,121 @@ def _flatten(tree, prefix=""):
             yield from _flatten(value, f"{prefix}{key}.")
         else:
             yield f"{prefix}{key}", value
+
+
+# ------------------------------------------------------------------------------------------- brute force
+def read_pairs(root, split) -> dict[int, set[int]]:
+    """``{user: {items}}`` of one split of a dataset, read with plain pyarrow."""
+    import pyarrow.parquet as pq
+
+    from bigrank.data import manifest as layout
+
+    manifest = layout.load_manifest(root)
+    pairs: dict[int, set[int]] = {}
+    for name in manifest["splits"][split]["files"]:
+        table = pq.read_table(Path(root) / name)
+        for user, item in zip(table["user_id"].to_pylist(), table["item_id"].to_pylist(), strict=True):
+            pairs.setdefault(user, set()).add(item)
+    return pairs
+
+
+def brute_force_metrics(root, split, user_table, item_table, ks, users=None) -> dict:
+    """Full scores, train items removed, sort by (score desc, id asc), then the metric definitions per user."""
+    train, held_out = read_pairs(root, "train"), read_pairs(root, split)
+    users = sorted(held_out) if users is None else [int(u) for u in users]
+    num_items = len(item_table)
+    sums = dict.fromkeys(["accuracy"] + [f"{m}@{k}" for k in ks for m in ("recall", "ap")], 0.0)
+    for user in users:
+        scores = item_table @ user_table[user]
+        eligible = [i for i in range(num_items) if i not in train.get(user, set())]
+        ranking = sorted(eligible, key=lambda i: (-scores[i], i))
+        relevant = held_out[user]
+        sums["accuracy"] += ranking[0] in relevant
+        for k in ks:
+            hits = [1 if i < len(ranking) and ranking[i] in relevant else 0 for i in range(k)]
+            sums[f"recall@{k}"] += sum(hits) / len(relevant)
+            sums[f"ap@{k}"] += sum(sum(hits[: i + 1]) / (i + 1) * hits[i] for i in range(k)) / min(k, len(relevant))
+    return {name: value / len(users) for name, value in sums.items()} | {"users": len(users)}
+
+
+# --------------------------------------------------------------------------------------------------- CLI
+def bigrank(*args, timeout: float = 600, check: bool = True) -> subprocess.CompletedProcess:
+    """Run ``python -m bigrank.cli ARGS`` in a fresh process, as a user would (this checkout first on the
+    path, also for the workers it spawns). ``check``: fail the test, with the command's output, on a non-zero
+    exit. ``timeout`` is a hang guard, not a speed check."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep))
+    command = [sys.executable, "-m", "bigrank.cli", *map(str, args)]
+    done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=timeout, cwd=REPO)
+    if check and done.returncode != 0:
+        pytest.fail(f"{' '.join(command[2:])} exited {done.returncode}\n{done.stdout}\n{done.stderr}")
+    return done
+
+
+def write_movielens_files(directory: Path) -> tuple[np.ndarray, np.ndarray]:
+    """``ratings.csv`` and ``movies.csv`` in MovieLens' format for the tiny topic data (see ``tiny_dataset``)
+    with sparse original ids: user u is ``10 + 3 u``, item i is movie ``1000 + 7 i`` titled ``Movie i``.
+    Returns the original (user ids, movie ids) of the ratings."""
+    rng = np.random.default_rng(0)
+    pairs = set()
+    for user in range(TINY_USERS):
+        topic_items = np.arange(user % TINY_TOPICS, TINY_ITEMS, TINY_TOPICS)
+        pairs.update((user, int(i)) for i in rng.choice(topic_items, 12, replace=False))
+        pairs.update((user, int(i)) for i in rng.choice(TINY_ITEMS, 3, replace=False))
+    users, items = (np.array(column) for column in zip(*sorted(pairs), strict=True))
+    users, movies = 10 + 3 * users, 1000 + 7 * items
+    directory.mkdir(parents=True, exist_ok=True)
+    lines = ["userId,movieId,rating,timestamp"]
+    lines += [f"{u},{m},4.0,{964_982_703 + k}" for k, (u, m) in enumerate(zip(users, movies, strict=True))]
+    (directory / "ratings.csv").write_text("\n".join(lines) + "\n")
+    titles = ["movieId,title,genres"] + [f"{1000 + 7 * i},Movie {i},Drama" for i in range(TINY_ITEMS)]
+    (directory / "movies.csv").write_text("\n".join(titles) + "\n")
+    return users, movies
+
+
+WORKFLOW_CONFIG = """\
+# the tiny workflow run: 2 local workers, Rankmax, evaluation every 2 epochs and at the end
+data: {{root: {data}, shuffle_buffer: 256}}
+run_dir: {run}
+seed: 3
+workers: 2
+model: {{dim: 8}}
+loss: {{name: rankmax}}
+optim: {{user_optimizer: rowwise_adagrad, user_lr: 0.1, item_optimizer: adam, item_lr: 0.05}}
+train: {{batch_size: 128, epochs: 1, log_every: 1, progress: false}}
+eval: {{every_epochs: 2, ks: [10], splits: [valid, test]}}
+"""
+
+
+@dataclass
+class WorkflowRun:
+    """What a user has after ``ingest`` → ``train`` → ``evaluate`` → ``export`` (see ``workflow_run``)."""
+
+    movielens: Path  # the MovieLens-format input files
+    data: Path  # the ingested dataset
+    run: Path  # the run directory
+    export: Path  # the export (3 parts per table, an exact FAISS index)
+    train_out: str  # stdout of `bigrank train`
+    train_eval: dict  # eval.json as `bigrank train` wrote it
+    evaluate_out: str  # stdout of `bigrank evaluate --workers 3`
+    epochs: int
+
+
+@pytest.fixture(scope="session")
+def workflow_run(tmp_path_factory) -> WorkflowRun:
+    """One tiny run through the CLI, shared by the workflow tests: MovieLens files → ``bigrank ingest`` →
+    ``bigrank train --launcher local`` (2 workers, 6 epochs) → ``bigrank evaluate --workers 3`` →
+    ``bigrank export --workers 3 --index exact``."""
+    import json
+
+    root = tmp_path_factory.mktemp("workflow")
+    movielens, data, run, export = root / "ml", root / "data", root / "run", root / "export"
+    write_movielens_files(movielens)
+    bigrank("ingest", movielens, "--out", data)
+    config = root / "tiny.yaml"
+    config.write_text(WORKFLOW_CONFIG.format(data=data, run=run))
+    epochs = 6
+    train = bigrank("train", config, "--launcher", "local", "--set", f"train.epochs={epochs}")
+    train_eval = json.loads((run / "eval.json").read_text())
+    evaluate = bigrank("evaluate", run, "--workers", 3)
+    bigrank("export", run, "--out", export, "--workers", 3, "--index", "exact")
+    return WorkflowRun(movielens, data, run, export, train.stdout, train_eval, evaluate.stdout, epochs)

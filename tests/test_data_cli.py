@@ -1,4 +1,5 @@
-"""`bigrank generate`, `bigrank ingest` and `bigrank data-info` through the real CLI entry point."""
+"""`bigrank generate` and `bigrank data-info` through the real CLI entry point (`bigrank ingest` of MovieLens
+files is run by the workflow test, tests/test_workflow.py)."""
 
 from __future__ import annotations
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -104,25 +106,165 @@ def test_catalog_shard_gradients_reach_users_and_items(chunk_size):
         torch.testing.assert_close(torch.cat([r[name][2] for r in results]), full_items.grad, atol=1e-9, rtol=1e-9)
 
 
-def _bytes_body(rank, world_size, group, batch, n, k):
-    generator = torch.Generator().manual_seed(rank)
-    start, stop = shard_range(n, rank, world_size)
-    local = torch.randn(batch, stop - start, generator=generator, requires_grad=True)
-    target = torch.arange(batch) * 7 % n
+def _full_catalog_scores(batch: int, n: int, k: int):
+    """[B, n] float64 scores (the same on every rank) built so that every loss takes its costly paths: rows
+    1, 4, 7, … have their positive at the top (Rankmax's second pass: mu = z_[k] - eta), and rows 0, 3, 6, … have a
+    flat top of 10 equal scores spread over both shards (a sparsemax support of 10, so ``support_guess=2``
+    must grow 2 -> 4 -> 8 -> 16: three retries); the other rows have one score far above the rest."""
+    generator = torch.Generator().manual_seed(n)
+    scores = torch.randn(batch, n, generator=generator, dtype=torch.float64)
+    flat_columns = torch.arange(10) * (n // 10) + 3
+    scores[0::3, flat_columns] = 10.0
+    scores[1::3, 7] = 10.0
+    scores[2::3, n - 5] = 10.0
+    target = torch.randint(0, n, (batch,), generator=generator)
+    target[1::3] = 7  # the top of the row
+    return scores, target
+
+
+def _full_catalog_bytes_body(rank, world_size, group, batch, sizes, k):
+    """{(loss, n): (bytes this rank sent, calls by op)} for one forward + backward of each full-catalog loss."""
+    losses = {
+        "rankmax": lambda s, y, **kw: rankmax_loss(s, y, k=k, **kw),
+        "softmax": softmax_loss,
+        "sparsemax": lambda s, y, **kw: sparsemax_loss(s, y, support_guess=2, **kw),
+    }
+    out = {}
+    for n in sizes:
+        scores, target = _full_catalog_scores(batch, n, k)
+        start, stop = shard_range(n, rank, world_size)
+        for name, loss_fn in losses.items():
+            local = scores[:, start:stop].clone().requires_grad_(True)
+            with count_bytes() as counter:
+                loss_fn(local, target, group=group, offset=start).backward()
+            out[name, n] = (counter.total, dict(counter.calls))
+    return out
+
+
+def test_full_catalog_losses_send_the_per_row_statistics_only_whatever_the_catalog_size():
+    """Every byte each rank sends, counted exactly (a collective outside the counted path would raise): the
+    per-row statistics of the docstrings, the same for a catalog of 2,000 and of 100,000 items."""
+    batch, k, world_size, sizes = 12, 5, 2, (2_000, 100_000)
+    results = run_distributed(_full_catalog_bytes_body, world_size, args=(batch, sizes, k))
+    check = 8 + 6 * 8  # the layout check: the size exchange of all_gather_no_grad, then 6 int64 per rank
+    positive = 8 * batch  # z_y, one float64 per row
+    for n in sizes:
+        scores, target = _full_catalog_scores(batch, n, k)
+        positive_scores = scores.gather(1, target.unsqueeze(1)).squeeze(1)
+        in_top_k = int((positive_scores > scores.topk(k, dim=1).values[:, -1]).sum())  # rows of pass 2
+        assert in_top_k >= batch // 3
+        expected = {
+            # pass 1: each shard's top k and two sums per row; pass 2: three sums per row whose y is in the top k
+            "rankmax": check + positive + (8 + 8 * batch * (k + 2)) + 8 * 3 * in_top_k,
+            "softmax": check + positive + (8 + 8 * batch * 2),  # max and sum of exp per row
+            # top-m rounds: all rows with m = 2, then the 4 flat-top rows with m = 4, 8, 16
+            "sparsemax": check + positive + sum(8 + 8 * rows * m for rows, m in [(batch, 2), (4, 4), (4, 8), (4, 16)]),
+        }
+        for name, want in expected.items():
+            for rank_bytes, calls in (r[name, n] for r in results):
+                assert rank_bytes == want, (name, n, rank_bytes, want, calls)
+    assert results[0]["rankmax", sizes[0]][1]["all_reduce"] == 2  # z_y, and the sums of pass 2
+    assert results[0]["sparsemax", sizes[0]][1]["all_gather"] == 2 + 2 * 4  # layout + 4 rounds (sizes + values)
+
+
+def _candidate_bytes_body(rank, world_size, group, names, batch, dim, sizes, candidates):
+    """{(loss, n): bytes} of one training step's loss (forward + backward, the all-gather of the user vectors
+    included) through the trainer's ``StepLoss``, for catalogs of each size in ``sizes``."""
+    from bigrank.config import LossConfig, check_loss_params
+    from bigrank.train.losses import StepLoss
+
+    out = {}
+    for n in sizes:
+        start, stop = shard_range(n, rank, world_size)
+        generator = torch.Generator().manual_seed(n)
+        users = torch.randn(batch, dim, generator=generator, dtype=torch.float64)
+        items = torch.randn(n, dim, generator=generator, dtype=torch.float64)
+        # The same number of positives in each shard for every n: row b's item lies in shard b % 2.
+        target = torch.tensor([shard_range(n, b % 2, 2)[0] + 3 * b for b in range(batch)])
+        for name in names:
+            config = LossConfig(name=name, candidates=candidates, num_negatives=64)
+            config.params = check_loss_params(name, {}, "loss.params")
+            step_loss = StepLoss(config, num_items=n, shard_start=start, shard_stop=stop, seed=1, rank=rank)
+            local_users = users[rank::world_size].clone().requires_grad_(True)
+            weight = items[start:stop].clone().requires_grad_(True)
+            with count_bytes() as counter:
+                gathered = all_gather_rows(local_users, group)
+                step_loss(gathered, target, weight, group=group, step=0).backward()
+            assert local_users.grad is not None and weight.grad is not None, name
+            out[name, n] = counter.total
+    return out
+
+
+def test_candidate_losses_bytes_per_step_do_not_grow_with_the_catalog():
+    """Sampled candidates: a step's payload depends on the batch and the number of negatives, not on n (the
+    counted path misses nothing: a direct collective inside ``count_bytes`` raises)."""
+    from bigrank.config import CANDIDATE_LOSSES
+
+    batch, dim, sizes = 8, 4, (20_000, 200_000)  # large enough that no negative drawn is a positive
+    results = run_distributed(
+        _candidate_bytes_body, 2, args=(CANDIDATE_LOSSES, batch, dim, sizes, "sampled"), timeout=240
+    )
+    for name in CANDIDATE_LOSSES:
+        for per_rank in results:
+            small, large = per_rank[name, sizes[0]], per_rank[name, sizes[1]]
+            assert small == large, (name, small, large)
+            # O(B (d + C)): the user vectors and their gradient, per-row counts and sums, the gathered
+            # positives, and at most a B x C block of candidate scores (C = 64 negatives + B positives).
+            assert 0 < large <= 8 * batch * (2 * dim + 8 + 2 * (64 + batch)) + 1024, (name, large)
+
+
+def test_candidate_losses_over_the_catalog_send_per_row_statistics():
+    """Candidate losses over the whole shard: Smooth-AP, SoftRank-NDCG (its candidate list) and the sampled
+    softmax send per-row statistics whose size does not depend on n; Recall@quantile and pAUC@budget send each
+    shard's top ceil(q n) scores per row (their threshold is that exact quantile), so their payload follows
+    q n and not n: at most 8 B ceil(q n) bytes more than a fixed part."""
+    from bigrank.config import CANDIDATE_LOSSES, LOSS_PARAMS
+
+    batch, dim, sizes = 8, 4, (20_000, 200_000)
+    results = run_distributed(
+        _candidate_bytes_body, 2, args=(CANDIDATE_LOSSES, batch, dim, sizes, "catalog"), timeout=240
+    )
+    fixed = 8 * batch * (2 * dim + 8 + 3 * 64) + 1024
+    for name in CANDIDATE_LOSSES:
+        for per_rank in results:
+            small, large = per_rank[name, sizes[0]], per_rank[name, sizes[1]]
+            if name in ("recall_at_quantile", "pauc_at_budget"):
+                fraction = LOSS_PARAMS[name].get("quantile", LOSS_PARAMS[name].get("beta"))
+                # pAUC's IQR: this rank's share of a strided sample of at most scale_sample_size columns per row
+                share = LOSS_PARAMS[name].get("scale_sample_size", 0) // 2 + 1
+                sample = 0 if name == "recall_at_quantile" else 8 * batch * share
+                for n, sent in ((sizes[0], small), (sizes[1], large)):
+                    assert sent <= fixed + sample + 8 * batch * math.ceil(fraction * n), (name, n, sent)
+                assert large > small, name  # the top q n does travel
+            else:
+                assert small == large <= fixed, (name, small, large)
+
+
+def _uncounted_body(rank, world_size, group):
+    import torch.distributed as dist
+
+    from bigrank.distributed.collectives import UncountedCollectiveError
+
+    x = torch.ones(3)
     with count_bytes() as counter:
-        rankmax_loss(local, target, k=k, group=group, offset=start).backward()
-    return counter.total
+        try:
+            dist.all_reduce(x, group=group)
+        except UncountedCollectiveError as error:
+            message = str(error)
+        else:
+            message = None
+        gathered = all_gather_rows(torch.ones(2, 4, requires_grad=True), group)
+        gathered.sum().backward()
+    dist.all_reduce(x, group=group)  # outside count_bytes the guard is gone
+    return message, counter.by_op, x.tolist()
 
 
-def test_rankmax_bytes_per_call_do_not_depend_on_the_catalog_size():
-    batch, k, world_size = 16, 5, 2
-    small = run_distributed(_bytes_body, world_size, args=(batch, 1_000, k))
-    large = run_distributed(_bytes_body, world_size, args=(batch, 200_000, k))
-    assert small == large
-    # O(B (k W + c)): top-k and two sums per row and rank, the positive's score, at most 3 more sums per row,
-    # plus a fixed-size layout check; 8-byte floats.
-    bound = 8 * batch * (k * world_size + 2 + 1 + 3) * world_size + 64 * world_size
-    assert max(large) <= bound, (large, bound)
+def test_a_direct_collective_inside_count_bytes_is_an_error():
+    for message, by_op, summed in run_distributed(_uncounted_body, 2):
+        assert message is not None and "torch.distributed.all_reduce called directly inside count_bytes" in message
+        # all_gather_rows: the size exchange (8 B) and 2 x 4 floats; its backward all-reduces the 4 x 4 gradient.
+        assert by_op == {"all_gather": 8 + 2 * 4 * 4, "all_reduce": 4 * 4 * 4}
+        assert summed == [2.0, 2.0, 2.0]
 
 
 def _bad_input_body(rank, world_size, group, case):

@@ -18,6 +18,7 @@ from bigrank.train.evaluate import (
     ranked_batches,
     write_eval_json,
 )
+from tests.conftest import brute_force_metrics, read_pairs
 from tests.distributed_utils import run_distributed
 
 NUM_USERS, NUM_ITEMS, DIM = 60, 37, 6
@@ -48,36 +49,6 @@ def write_tiny_dataset(root, seed: int = 0) -> dict:
         source="test",
         generator={"test": "tiny"},
     )
-
-
-def read_pairs(root, split) -> dict[int, set[int]]:
-    import pyarrow.parquet as pq
-
-    manifest = layout.load_manifest(root)
-    pairs: dict[int, set[int]] = {}
-    for name in manifest["splits"][split]["files"]:
-        table = pq.read_table(root / name)
-        for user, item in zip(table["user_id"].to_pylist(), table["item_id"].to_pylist(), strict=True):
-            pairs.setdefault(user, set()).add(item)
-    return pairs
-
-
-def brute_force_metrics(root, split, user_table, item_table, ks, users=None) -> dict:
-    """Full scores, train items removed, sort by (score desc, id asc), then the metric definitions per user."""
-    train, held_out = read_pairs(root, "train"), read_pairs(root, split)
-    users = sorted(held_out) if users is None else [int(u) for u in users]
-    sums = dict.fromkeys(["accuracy"] + [f"{m}@{k}" for k in ks for m in ("recall", "ap")], 0.0)
-    for user in users:
-        scores = item_table @ user_table[user]
-        eligible = [i for i in range(NUM_ITEMS) if i not in train.get(user, set())]
-        ranking = sorted(eligible, key=lambda i: (-scores[i], i))
-        relevant = held_out[user]
-        sums["accuracy"] += ranking[0] in relevant
-        for k in ks:
-            hits = [1 if i < len(ranking) and ranking[i] in relevant else 0 for i in range(k)]
-            sums[f"recall@{k}"] += sum(hits) / len(relevant)
-            sums[f"ap@{k}"] += sum(sum(hits[: i + 1]) / (i + 1) * hits[i] for i in range(k)) / min(k, len(relevant))
-    return {name: value / len(users) for name, value in sums.items()} | {"users": len(users)}
 
 
 def tables(seed: int = 1):

@@ -1,7 +1,8 @@
 """Ray Jobs with a real local Ray head (`ray start --head` on 127.0.0.1, token authentication as Ray 2.60
 sets it up): `bigrank submit configs/demo.yaml --wait` succeeds and the run's eval.json holds the valid and
-test sections; status/logs/stop work on the job; a missing token and an address where nothing listens give
-errors that say what to do, within seconds."""
+test sections (equal to a brute-force ranking of its checkpoint); status/logs/stop work on the job; the token is
+found in ~/.ray/auth_token, RAY_AUTH_TOKEN or RAY_AUTH_TOKEN_PATH; `bigrank train --address` joins the head; a
+missing token and an address where nothing listens give errors that say what to do."""
 
 from __future__ import annotations
 
@@ -14,11 +15,13 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
 from bigrank.train.launcher import free_port
+from tests.conftest import TINY_ITEMS, brute_force_metrics, checkpoint_parameters
 
 pytestmark = pytest.mark.slow
 
@@ -53,12 +56,18 @@ def _bigrank(*args, env=None, timeout=600) -> subprocess.CompletedProcess:
     )
 
 
+@dataclass
+class Head:
+    dashboard: str  # http://127.0.0.1:PORT, for the Jobs API (submit, status, logs, stop)
+    gcs: str  # 127.0.0.1:PORT, for `bigrank train --address` (a driver joining the cluster)
+
+
 @pytest.fixture(scope="module")
 def ray_head():
     """A real Ray head on loopback (`ray start --head --block`); its process group is ended in teardown,
-    whatever the tests did. Yields the dashboard address http://127.0.0.1:PORT."""
+    whatever the tests did. Yields its addresses (``Head``)."""
     temp_dir = tempfile.mkdtemp(prefix="bigrank-ray-", dir="/tmp")  # short: Ray's socket paths are limited
-    dashboard_port = free_port()
+    dashboard_port, gcs_port = free_port(), free_port()
     command = [
         str(BIN / "ray"),
         "start",
@@ -66,7 +75,7 @@ def ray_head():
         "--block",
         "--node-ip-address=127.0.0.1",
         "--dashboard-host=127.0.0.1",
-        f"--port={free_port()}",
+        f"--port={gcs_port}",
         f"--dashboard-port={dashboard_port}",
         f"--ray-client-server-port={free_port()}",
         # Fixed default ports (52365, 8076, ...) clash with any other Ray on the machine: the head would
@@ -91,7 +100,7 @@ def ray_head():
     address = f"http://127.0.0.1:{dashboard_port}"
     try:
         _wait_for_dashboard(address, head, Path(temp_dir) / "ray-start.log")
-        yield address
+        yield Head(address, f"127.0.0.1:{gcs_port}")
     finally:
         _stop_head(head)
         log.close()
@@ -149,7 +158,7 @@ def test_submit_the_demo_config_waits_for_success_and_the_run_is_evaluated(ray_h
         "submit",
         "configs/demo.yaml",
         "--address",
-        ray_head,
+        ray_head.dashboard,
         "--wait",
         "--set",
         f"data.root={demo_data}",
@@ -167,19 +176,28 @@ def test_submit_the_demo_config_waits_for_success_and_the_run_is_evaluated(ray_h
     job_id = job_line.split()[2]
     assert f"job {job_id} SUCCEEDED" in done.stdout
     results = json.loads((run_dir / "eval.json").read_text())
+    # The job's evaluation equals a numpy ranking of its checkpoint's tables for the same 200 sampled users.
+    from bigrank.train.evaluate import evaluation_users
+
+    checkpoint = run_dir / "checkpoints" / "step-00000012"
+    catalog, user_table = checkpoint_parameters(checkpoint)[:2]
     for split in ("valid", "test"):
-        assert results[split]["users"] == 200 and 0 <= results[split]["recall@10"] <= 1
-        assert results[split]["step"] == 12
-    assert (run_dir / "checkpoints" / "step-00000012" / "trainer.json").is_file()
+        assert results[split]["users"] == 200 and results[split]["step"] == 12
+        users = evaluation_users(demo_data, split, 200, seed=0)  # configs/demo.yaml: seed 0
+        expected = brute_force_metrics(
+            demo_data, split, user_table.double().numpy(), catalog.double().numpy(), [10, 100], users=users
+        )
+        for key in ("recall@10", "recall@100", "ap@10", "accuracy"):
+            assert results[split][key] == pytest.approx(expected[key], abs=1e-6), (split, key)
 
     # The job ran the code shipped as its working directory (subpackages such as bigrank/data included).
     code_line = next(line for line in done.stdout.splitlines() if line.startswith("bigrank code: "))
     shipped = Path(code_line.split(": ", 1)[1])
     assert shipped != REPO / "bigrank" and (shipped / "data" / "stream.py").is_file(), code_line
 
-    status = _bigrank("status", job_id, "--address", ray_head)
+    status = _bigrank("status", job_id, "--address", ray_head.dashboard)
     assert status.returncode == 0 and "SUCCEEDED" in status.stdout and str(run_dir) in status.stdout
-    logs = _bigrank("logs", job_id, "--address", ray_head)
+    logs = _bigrank("logs", job_id, "--address", ray_head.dashboard)
     assert logs.returncode == 0 and f"run dir        {run_dir}" in logs.stdout
 
 
@@ -188,7 +206,7 @@ def test_stop_a_running_job(ray_head, demo_data, tmp_path):
         "submit",
         "configs/demo.yaml",
         "--address",
-        ray_head,
+        ray_head.dashboard,
         "--set",
         f"data.root={demo_data}",
         "--set",
@@ -196,10 +214,10 @@ def test_stop_a_running_job(ray_head, demo_data, tmp_path):
     )
     assert done.returncode == 0, done.stderr
     job_id = done.stdout.split()[2]
-    stopped = _bigrank("stop", job_id, "--address", ray_head)
+    stopped = _bigrank("stop", job_id, "--address", ray_head.dashboard)
     assert stopped.returncode == 0 and "stop requested" in stopped.stdout, stopped.stdout + stopped.stderr
     deadline = time.monotonic() + 120
-    while (status := _bigrank("status", job_id, "--address", ray_head)).returncode == 0:
+    while (status := _bigrank("status", job_id, "--address", ray_head.dashboard)).returncode == 0:
         if "STOPPED" in status.stdout or time.monotonic() > deadline:
             break
         time.sleep(1.0)
@@ -209,7 +227,7 @@ def test_stop_a_running_job(ray_head, demo_data, tmp_path):
 def test_a_job_whose_dataset_is_missing_on_the_cluster_fails_naming_it(ray_head, tmp_path):
     missing = tmp_path / "no-such-dataset"
     done = _bigrank(
-        "submit", "configs/demo.yaml", "--address", ray_head, "--wait", "--set", f"data.root={missing}",
+        "submit", "configs/demo.yaml", "--address", ray_head.dashboard, "--wait", "--set", f"data.root={missing}",
         "--set", f"run_dir={tmp_path / 'run'}",
     )  # fmt: skip
     assert done.returncode == 1, done.stdout[-3000:] + done.stderr[-3000:]
@@ -218,20 +236,51 @@ def test_a_job_whose_dataset_is_missing_on_the_cluster_fails_naming_it(ray_head,
 
 
 def test_a_missing_token_says_where_to_put_it(ray_head, tmp_path):
-    done = _bigrank("status", "any-job", "--address", ray_head, env=_env(HOME=str(tmp_path)))  # no ~/.ray here
+    no_token = _env(HOME=str(tmp_path))  # no ~/.ray here
+    done = _bigrank("status", "any-job", "--address", ray_head.dashboard, env=no_token)
     assert done.returncode == 2
-    assert f"the Ray cluster at {ray_head} requires token authentication" in done.stderr
+    assert f"the Ray cluster at {ray_head.dashboard} requires token authentication" in done.stderr
     assert "~/.ray/auth_token" in done.stderr and "RAY_AUTH_TOKEN" in done.stderr
 
 
+def test_the_token_is_read_from_the_environment(ray_head, tmp_path):
+    """No ~/.ray in HOME: the token comes from RAY_AUTH_TOKEN, or from the file RAY_AUTH_TOKEN_PATH names. The
+    cluster then answers (an unknown job), where without a token it refuses; a wrong token is named as such."""
+    token = (HOME / ".ray" / "auth_token").read_text().strip()
+    (tmp_path / "token.txt").write_text(token + "\n")
+    for extra in ({"RAY_AUTH_TOKEN": token}, {"RAY_AUTH_TOKEN_PATH": str(tmp_path / "token.txt")}):
+        done = _bigrank("status", "no-such-job", "--address", ray_head.dashboard, env=_env(HOME=str(tmp_path), **extra))
+        assert done.returncode == 2 and "no such job" in done.stderr, (extra, done.stderr)
+    wrong = _env(HOME=str(tmp_path), RAY_AUTH_TOKEN="0" * len(token))
+    done = _bigrank("status", "no-such-job", "--address", ray_head.dashboard, env=wrong)
+    assert done.returncode == 2 and "the token was rejected" in done.stderr, done.stderr
+
+
+def test_train_joins_the_live_cluster_with_address(ray_head, tiny_dataset, tmp_path):
+    """`bigrank train --address HOST:PORT`: a driver joins the running head (token from ~/.ray/auth_token) and
+    its 2 Ray Train workers train and evaluate the run there."""
+    run_dir = tmp_path / "run"
+    config = tmp_path / "tiny.yaml"
+    config.write_text(
+        f"data: {{root: {tiny_dataset}, shuffle_buffer: 256}}\nrun_dir: {run_dir}\nworkers: 2\nmodel: {{dim: 8}}\n"
+        "loss: {name: softmax}\noptim: {user_lr: 0.1, item_lr: 0.1}\n"
+        "train: {batch_size: 128, epochs: 4, progress: false}\neval: {every_epochs: null, ks: [10]}\n"
+    )
+    done = _bigrank("train", str(config), "--address", ray_head.gcs)
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
+    assert f"training {run_dir} on the Ray cluster at {ray_head.gcs}: 2 workers" in done.stdout
+    results = json.loads((run_dir / "eval.json").read_text())
+    assert results["valid"]["recall@10"] > 3 * 10 / TINY_ITEMS, results  # it trained
+
+
 def test_an_unknown_job_is_named(ray_head):
-    done = _bigrank("status", "no-such-job", "--address", ray_head)
+    done = _bigrank("status", "no-such-job", "--address", ray_head.dashboard)
     assert done.returncode == 2 and "no such job" in done.stderr and "no-such-job" in done.stderr
 
 
 def test_submitting_where_nothing_listens_fails_within_seconds_naming_the_address(tmp_path):
     address = f"http://127.0.0.1:{free_port()}"
-    done = _bigrank("submit", "configs/demo.yaml", "--address", address, "--wait", timeout=30)
+    done = _bigrank("submit", "configs/demo.yaml", "--address", address, "--wait", timeout=300)  # a hang guard
     assert done.returncode == 2
     assert f"cannot reach the Ray dashboard at {address}" in done.stderr
 

@@ -1,14 +1,13 @@
 """Ray Train launching with a real embedded Ray runtime on 127.0.0.1: a run whose rank 1 dies mid-epoch is
 restarted by Ray Train (FailureConfig(max_failures=1)), resumes from the last checkpoint and ends with exactly
 the parameters, losses and metrics of an uninterrupted run; the final checkpoint is reported to Ray Train;
-`bigrank train --launcher ray` goes through the same launcher; an address where nothing listens fails at once
-naming it."""
+`bigrank train --launcher ray` goes through the same launcher; a worker's error beyond max_failures is surfaced;
+an address where nothing listens fails at once naming it. No wall-clock asserts: a loaded machine is slow."""
 
 from __future__ import annotations
 
 import json
 import socket
-import time
 from pathlib import Path
 
 import pytest
@@ -87,10 +86,11 @@ def test_a_worker_killed_mid_epoch_is_restarted_and_ends_like_an_uninterrupted_r
     actual = checkpoint_parameters(crashed_dir / "checkpoints" / "step-00000014")
     torch.testing.assert_close(actual[0], expected[0], rtol=1e-6, atol=1e-7)  # catalog
     torch.testing.assert_close(actual[1], expected[1], rtol=1e-6, atol=1e-7)  # user table
-    for got, want in zip(actual[2], expected[2], strict=True):  # user row-wise Adagrad
-        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7)
-    for got, want in zip(actual[3], expected[3], strict=True):  # item Adam moments
-        torch.testing.assert_close(got["exp_avg_sq"], want["exp_avg_sq"], rtol=1e-6, atol=1e-9)
+    # The whole optimizer states: the user tables' row-wise Adagrad and every rank's Adam (step and moments).
+    assert any(key.endswith("momentum1") for key in expected[2]), sorted(expected[2])
+    torch.testing.assert_close(actual[2], expected[2], rtol=1e-6, atol=1e-7)
+    assert all(set(state) == {"step", "exp_avg", "exp_avg_sq"} for state in expected[3]), expected[3]
+    torch.testing.assert_close(actual[3], expected[3], rtol=1e-6, atol=1e-9)
     assert actual[4] == expected[4]  # data stream positions
     # No finished step lost, none trained twice: one train record per step, same losses.
     crashed_train = _records(crashed_dir, "train")
@@ -104,10 +104,14 @@ def test_a_worker_killed_mid_epoch_is_restarted_and_ends_like_an_uninterrupted_r
 
 
 def test_a_failure_beyond_max_failures_fails_the_run_with_the_worker_error(ray_runtime, tiny_dataset, tmp_path):
-    config = _config(tiny_dataset, tmp_path / "run", ray={"max_failures": 0}, debug={"fail_at_step": 2})
-    with pytest.raises(RayTrainingError, match="failed"):
+    config = _config(tiny_dataset, tmp_path / "run", ray={"max_failures": 0}, debug={"nan_at_step": 2})
+    with pytest.raises(RayTrainingError) as error:
         run.train(config, launcher="ray")
-    assert (tmp_path / "run" / ".debug-failed-at-2").is_file()
+    # The worker's own error comes through, naming the step and the last good checkpoint (none yet).
+    message = str(error.value)
+    assert f"Ray training of {tmp_path / 'run'} failed" in message
+    assert "FloatingPointError" in message and "loss is nan at step 2" in message, message
+    assert "no checkpoint yet" in message, message
 
 
 def _free_port() -> int:
@@ -118,7 +122,6 @@ def _free_port() -> int:
 
 def test_an_address_where_nothing_listens_fails_at_once_naming_it(tiny_dataset, tmp_path):
     address = f"127.0.0.1:{_free_port()}"
-    started = time.monotonic()
+    # "cannot reach" comes from the socket check made before ray.init, not from Ray's minute-long retries.
     with pytest.raises(RayConnectionError, match=f"cannot reach the Ray cluster at {address}"):
         run.train(_config(tiny_dataset, tmp_path / "run"), launcher="ray", address=address)
-    assert time.monotonic() - started < 20  # not Ray's minute-long connection retries

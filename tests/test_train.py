@@ -1,8 +1,8 @@
-"""The trainer with real gloo processes, real Parquet data and real checkpoints: two-process training lowers
-the loss and ranks far better than random (and 3 workers re-evaluating the checkpoint find the same figures),
-a run killed mid-way and restarted ends with exactly the parameters of an uninterrupted run, a NaN loss stops
-the run naming the step and the last good checkpoint, a dead worker does not hang the launcher, every
-configured loss trains."""
+"""The trainer with real gloo processes, real Parquet data and real checkpoints: a run killed mid-way and
+restarted ends with exactly the parameters and optimizer states of an uninterrupted run, a NaN loss stops the run
+naming the step and the last good checkpoint, a dead worker does not hang the launcher, every configured loss
+learns (the loss falls, both tables move, Recall@10 beats random). Training, evaluation with another worker count
+and export through the CLI are in tests/test_workflow.py."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import torch
 
 from bigrank.config import config_from_dict
 from bigrank.train.launcher import WorkerError, launch_local
-from bigrank.train.workers import evaluate_worker, train_worker
+from bigrank.train.workers import train_worker
 from tests.conftest import TINY_ITEMS as NUM_ITEMS
 from tests.conftest import checkpoint_parameters, read_checkpoint
 
@@ -42,47 +42,6 @@ def _config(root, run_dir, **sections):
 def _train_records(run_dir):
     lines = (run_dir / "metrics.jsonl").read_text().splitlines()
     return [record for record in map(json.loads, lines) if record["type"] == "train"]
-
-
-def test_two_process_training_lowers_the_loss_and_beats_random(tiny_dataset, tmp_path):
-    run_dir = tmp_path / "run"
-    config = _config(
-        tiny_dataset,
-        run_dir,
-        train={"epochs": 6},
-        eval={"every_epochs": 3, "at_end": True, "ks": [10], "splits": ["valid", "test"]},
-    )
-    summaries = launch_local(train_worker, 2, (config,), timeout=240)
-    summary = summaries[0]
-    assert summaries[1]["last_loss"] == summary["last_loss"]  # the loss is replicated
-    steps_per_epoch = summary["steps_per_epoch"]
-    assert summary["steps"] == 6 * steps_per_epoch and summary["world_size"] == 2
-    records = _train_records(run_dir)
-    assert [r["step"] for r in records] == list(range(1, summary["steps"] + 1))
-    first = np.mean([r["loss"] for r in records[:steps_per_epoch]])
-    last = np.mean([r["loss"] for r in records[-steps_per_epoch:]])
-    assert last < 0.7 * first, (first, last)
-    assert all(r["examples_per_s"] > 0 and r["lr"] == 0.1 for r in records)
-    for name in ("config.yaml", "plan.txt", "plan.json"):
-        assert (run_dir / name).is_file()
-    assert "row_wise" in (run_dir / "plan.txt").read_text()
-    assert list((run_dir / "tensorboard").iterdir())
-    checkpoints = sorted(p.name for p in (run_dir / "checkpoints").iterdir())
-    assert checkpoints == [f"step-{5 * steps_per_epoch:08d}", f"step-{6 * steps_per_epoch:08d}"]  # keep 2
-    results = json.loads((run_dir / "eval.json").read_text())
-    assert set(results) >= {"valid", "test"}
-    # A random ranking finds 10/101 of a user's held-out items in its top 10 (fewer: train items are excluded);
-    # the model learned the topics, so it finds most of them.
-    for split in ("valid", "test"):
-        assert results[split]["recall@10"] > 3 * 10 / NUM_ITEMS, results
-    evals = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in evals if r["type"] == "eval" and r["split"] == "valid"][0] == 3 * steps_per_epoch
-    # `bigrank evaluate` with another number of workers reshards the checkpoint and finds the same figures.
-    again = launch_local(evaluate_worker, 3, (config,), timeout=240)[0]
-    for split in ("valid", "test"):
-        assert again[split]["recall@10"] == pytest.approx(results[split]["recall@10"], abs=1e-6)
-        assert again[split]["ap@10"] == pytest.approx(results[split]["ap@10"], abs=1e-6)
-        assert again[split]["users"] == results[split]["users"]
 
 
 RESUME_CASES = {
@@ -128,14 +87,16 @@ def test_resume_after_a_crash_equals_an_uninterrupted_run(tiny_dataset, tmp_path
 
     expected = checkpoint_parameters(straight / "checkpoints" / "step-00000020")
     actual = checkpoint_parameters(crashed / "checkpoints" / "step-00000020")
+    # The whole optimizer states: the user tables' (row-wise Adagrad: momentum1) and every rank's Adam state
+    # (step, exp_avg, exp_avg_sq), key for key.
+    assert any(key.endswith("momentum1") for key in expected[2]), sorted(expected[2])
+    torch.testing.assert_close(actual[2], expected[2], rtol=1e-6, atol=1e-7)
+    item_keys = {"adam": {"step", "exp_avg", "exp_avg_sq", "row_step"}, "rowwise_adagrad": {"step", "sum"}}
+    assert [set(state) for state in expected[3]] == [item_keys[sections["optim"]["item_optimizer"]]], expected[3]
+    torch.testing.assert_close(actual[3], expected[3], rtol=1e-6, atol=1e-9)
+    assert all(float(state["step"]) == 20 for state in actual[3])
     torch.testing.assert_close(actual[0], expected[0], rtol=1e-6, atol=1e-7)  # catalog
     torch.testing.assert_close(actual[1], expected[1], rtol=1e-6, atol=1e-7)  # user table
-    for got, want in zip(actual[2], expected[2], strict=True):  # user Adagrad accumulators
-        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7)
-    for got, want in zip(actual[3], expected[3], strict=True):  # item optimizer: row-aligned states + step count
-        assert set(got) == set(want) and float(got["step"]) == 20
-        for key in set(got) - {"step"}:
-            torch.testing.assert_close(got[key], want[key], rtol=1e-6, atol=1e-9)
     assert actual[4] == expected[4]  # data stream positions
     if warmup:
         schedule = json.loads(read_checkpoint(crashed / "checkpoints" / "step-00000020")["loss"]["schedule"])
@@ -188,30 +149,58 @@ def _train_each(configs):
     return [train_worker(config) for config in configs]
 
 
-def test_every_loss_trains_in_the_loop(tiny_dataset, tmp_path):
-    """Each configured loss (full-catalog, candidate losses over the shard or sampled negatives, chunked
-    scoring, the history tower) runs 3 steps with finite losses; one process group for all of them."""
-    cases = {
-        "rankmax": {"loss": {"name": "rankmax", "params": {"k": 3}}, "train": {"chunk_size": 16}},
-        "softmax": {"loss": {"name": "softmax"}, "model": {"history": True}},
-        "sparsemax": {"loss": {"name": "sparsemax"}, "train": {"chunk_size": 20}},
-        "smooth_ap": {"loss": {"name": "smooth_ap", "params": {"temperature": 0.1}}},
-        "recall_at_quantile": {"loss": {"name": "recall_at_quantile", "params": {"quantile": 0.05}}},
-        "pauc_at_budget": {"loss": {"name": "pauc_at_budget", "params": {"beta": 0.1}}},
-        "softrank_ndcg": {"loss": {"name": "softrank_ndcg", "candidates": "sampled", "num_negatives": 20}},
-        "sampled_softmax": {
-            "loss": {"name": "sampled_softmax", "num_negatives": 30},
-            "optim": {"item_optimizer": "sgd"},
-        },
-    }
+# Every configured loss, over the candidates where it is meant to work (sampled negatives and/or the whole
+# catalog shard), with the scoring variants of the trainer (chunked scores, the history tower).
+LEARNING_CASES = {
+    "rankmax": {"loss": {"name": "rankmax", "params": {"k": 3}}, "train": {"chunk_size": 16}},
+    "softmax": {"loss": {"name": "softmax"}, "model": {"history": True}},
+    "sparsemax": {"loss": {"name": "sparsemax", "params": {"support_guess": 4}}, "train": {"chunk_size": 20}},
+    "smooth_ap": {"loss": {"name": "smooth_ap", "params": {"temperature": 0.1}}},
+    "smooth_ap_sampled": {
+        "loss": {"name": "smooth_ap", "params": {"temperature": 0.1}, "candidates": "sampled", "num_negatives": 40}
+    },
+    "recall_at_quantile": {"loss": {"name": "recall_at_quantile", "params": {"quantile": 0.1, "temperature": 0.3}}},
+    "pauc_at_budget": {"loss": {"name": "pauc_at_budget", "params": {"beta": 0.2, "temperature": 0.3}}},
+    "softrank_ndcg": {"loss": {"name": "softrank_ndcg", "candidates": "sampled", "num_negatives": 40}},
+    "sampled_softmax": {"loss": {"name": "sampled_softmax", "num_negatives": 40}},
+}
+
+
+def test_every_configured_loss_learns(tiny_dataset, tmp_path):
+    """2 epochs of each configured loss: the loss falls, training moves both the catalog and the user table,
+    and the valid Recall@10 beats a random ranking by a clear factor. One process group for all of them."""
+    from bigrank.config import CANDIDATE_LOSSES, FULL_CATALOG_LOSSES
+
+    assert {case["loss"]["name"] for case in LEARNING_CASES.values()} == {*FULL_CATALOG_LOSSES, *CANDIDATE_LOSSES}
     configs = []
-    for name, sections in cases.items():
-        train = {"max_steps": 3, **sections.pop("train", {})}
-        configs.append(_config(tiny_dataset, tmp_path / name, train=train, **sections))
-    per_rank = launch_local(_train_each, 2, (configs,), timeout=240)
-    for name, summary, other in zip(cases, per_rank[0], per_rank[1], strict=True):
-        assert summary["steps"] == 3, name
-        assert np.isfinite(summary["first_loss"]) and np.isfinite(summary["last_loss"]), name
-        assert other["last_loss"] == summary["last_loss"], name  # replicated on both ranks
+    for name, sections in LEARNING_CASES.items():
+        sections = {key: dict(value) for key, value in sections.items()}
+        train = {"epochs": 2, "batch_size": 128, **sections.pop("train", {})}
+        optim = {"user_lr": 0.1, "item_lr": 0.1, **sections.pop("optim", {})}
+        evaluation = {"every_epochs": None, "at_end": True, "ks": [10], "splits": ["valid"]}
+        configs.append(_config(tiny_dataset, tmp_path / name, train=train, optim=optim, eval=evaluation, **sections))
+    per_rank = launch_local(_train_each, 2, (configs,), timeout=600)
+    failures = []
+    for name, summary, other in zip(LEARNING_CASES, per_rank[0], per_rank[1], strict=True):
+        assert other["last_loss"] == summary["last_loss"], name  # the loss is replicated on both ranks
+        steps_per_epoch = summary["steps_per_epoch"]
+        assert summary["steps"] == 2 * steps_per_epoch, name
         records = _train_records(tmp_path / name)
         assert ("temperature" in records[0]) == (name not in ("rankmax", "softmax", "sparsemax")), name
+        first = np.mean([r["loss"] for r in records[:steps_per_epoch]])
+        last = np.mean([r["loss"] for r in records[-steps_per_epoch:]])
+        # Both tables moved during the second epoch: the gradient reaches the catalog and the user table.
+        epoch_one, epoch_two = sorted((tmp_path / name / "checkpoints").iterdir())
+        before, after = checkpoint_parameters(epoch_one), checkpoint_parameters(epoch_two)
+        items_moved = float(((after[0] - before[0]).abs().amax(dim=1) > 1e-6).float().mean())
+        users_moved = float(((after[1] - before[1]).abs().amax(dim=1) > 1e-6).float().mean())
+        recall = summary["eval"]["valid"]["recall@10"]
+        figures = (
+            f"{name}: loss {first:.4f} -> {last:.4f}, rows moved: items {items_moved:.2f} users {users_moved:.2f}, "
+            f"recall@10 {recall:.3f}"
+        )
+        print(figures)
+        # A random ranking finds about 10/101 of the held-out items in the top 10 (train items excluded).
+        if not (last < first and items_moved > 0.5 and users_moved > 0.5 and recall > 2.5 * 10 / NUM_ITEMS):
+            failures.append(figures)
+    assert not failures, "\n".join(failures)

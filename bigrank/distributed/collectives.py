@@ -13,6 +13,11 @@ Two kinds of all-gather exist because the consumers of a gathered tensor differ:
 ``all_reduce_sum`` is the matching reduction of local partial sums into a replicated value: forward all-reduce,
 backward identity (Megatron's ``reduce_from_tensor_model_parallel_region``).
 
+``all_reduce_max``, ``all_reduce_no_grad`` and ``all_gather_no_grad`` carry statistics without autograd.
+
+Every collective here goes through one counted path (``_counted``), so ``count_bytes`` sees all the bytes a
+rank sends; inside ``count_bytes`` a direct ``torch.distributed`` collective raises ``UncountedCollectiveError``.
+
 All functions accept ``group=None`` meaning "no distribution" (the identity), so single-process code and
 distributed code share one path. Sizes along dim 0 may differ by rank.
 """
@@ -28,9 +33,12 @@ import torch.distributed as dist
 
 __all__ = [
     "ByteCounter",
+    "UncountedCollectiveError",
+    "all_gather_no_grad",
     "all_gather_replicated",
     "all_gather_rows",
     "all_reduce_max",
+    "all_reduce_no_grad",
     "all_reduce_sum",
     "count_bytes",
     "group_rank",
@@ -56,12 +64,80 @@ class ByteCounter:
         self.calls[op] = self.calls.get(op, 0) + 1
 
 
-_local = threading.local()
+# The torch.distributed functions that move data between ranks. Inside ``count_bytes`` each is replaced by a
+# guard that raises unless the call comes through ``_counted`` (the one counted path), so a collective that
+# bypasses the counter is an error instead of silently missing from the byte count.
+GUARDED_COLLECTIVES = (
+    "all_gather",
+    "all_gather_into_tensor",
+    "all_gather_object",
+    "all_reduce",
+    "all_to_all",
+    "all_to_all_single",
+    "barrier",
+    "batch_isend_irecv",
+    "broadcast",
+    "broadcast_object_list",
+    "gather",
+    "gather_object",
+    "irecv",
+    "isend",
+    "recv",
+    "reduce",
+    "reduce_scatter",
+    "reduce_scatter_tensor",
+    "scatter",
+    "scatter_object_list",
+    "send",
+)
+
+_active: list[ByteCounter] = []  # process-wide: autograd may run a backward collective on another thread
+_lock = threading.Lock()
+_local = threading.local()  # ``inside``: this thread is in ``_counted``
+_originals: dict[tuple[object, str], object] = {}
+
+
+class UncountedCollectiveError(RuntimeError):
+    """A torch.distributed collective was called directly inside ``count_bytes`` (its bytes would be missed)."""
+
+
+def _guard(name: str, original):
+    def guarded(*args, **kwargs):
+        if _active and not getattr(_local, "inside", False):
+            raise UncountedCollectiveError(
+                f"torch.distributed.{name} called directly inside count_bytes: route it through "
+                "bigrank.distributed.collectives so that its bytes are counted"
+            )
+        return original(*args, **kwargs)
+
+    guarded.__wrapped__ = original
+    return guarded
+
+
+def _install_guards() -> None:
+    from torch.distributed import distributed_c10d
+
+    for module in (dist, distributed_c10d):
+        for name in GUARDED_COLLECTIVES:
+            original = getattr(module, name, None)
+            if original is not None:
+                _originals[(module, name)] = original
+                setattr(module, name, _guard(name, original))
+
+
+def _remove_guards() -> None:
+    for (module, name), original in _originals.items():
+        setattr(module, name, original)
+    _originals.clear()
 
 
 @contextlib.contextmanager
 def count_bytes() -> Iterator[ByteCounter]:
     """Context manager recording the payload of every bigrank collective called inside it (this rank only).
+
+    Every collective of bigrank goes through one counted path (``_counted``); a direct ``torch.distributed``
+    collective called inside the context raises ``UncountedCollectiveError``, so the count is complete.
+    Counters nest (an outer counter also counts what an inner one sees).
 
     Example::
 
@@ -71,18 +147,31 @@ def count_bytes() -> Iterator[ByteCounter]:
         print(counter.total, counter.by_op)
     """
     counter = ByteCounter()
-    previous = getattr(_local, "counter", None)
-    _local.counter = counter
+    with _lock:
+        if not _active:
+            _install_guards()
+        _active.append(counter)
     try:
         yield counter
     finally:
-        _local.counter = previous
+        with _lock:
+            _active.remove(counter)
+            if not _active:
+                _remove_guards()
 
 
-def _record(op: str, tensor: torch.Tensor) -> None:
-    counter = getattr(_local, "counter", None)
-    if counter is not None:
-        counter.add(op, tensor.numel() * tensor.element_size())
+def _counted(name: str, payload: torch.Tensor, collective, /, *args, **kwargs):
+    """The one path of every bigrank collective: add ``payload``'s bytes (what this rank sends) to the active
+    counters, then run ``collective(*args, **kwargs)`` (a ``torch.distributed`` function)."""
+    nbytes = payload.numel() * payload.element_size()
+    for counter in list(_active):
+        counter.add(name, nbytes)
+    previous = getattr(_local, "inside", False)
+    _local.inside = True
+    try:
+        return collective(*args, **kwargs)
+    finally:
+        _local.inside = previous
 
 
 # ---------------------------------------------------------------------------------------------- group helpers
@@ -102,8 +191,7 @@ def group_rank(group: dist.ProcessGroup | None) -> int:
 def _gather_sizes(n: int, group: dist.ProcessGroup, device: torch.device) -> list[int]:
     size = torch.tensor([n], dtype=torch.int64, device=device)
     sizes = [torch.empty_like(size) for _ in range(dist.get_world_size(group))]
-    _record("all_gather", size)
-    dist.all_gather(sizes, size, group=group)
+    _counted("all_gather", size, dist.all_gather, sizes, size, group=group)
     return [int(s.item()) for s in sizes]
 
 
@@ -119,8 +207,7 @@ def _all_gather_dim0(
         # gloo's all_gather wants equal shapes: pad to the largest shard and cut the padding off afterwards.
         x = torch.cat([x, x.new_zeros((largest - x.shape[0], *x.shape[1:]))])
     parts = [torch.empty_like(x) for _ in sizes]
-    _record("all_gather", x)
-    dist.all_gather(parts, x, group=group)
+    _counted("all_gather", x, dist.all_gather, parts, x, group=group)
     return torch.cat([part[:n] for part, n in zip(parts, sizes, strict=True)], dim=0), sizes
 
 
@@ -138,8 +225,7 @@ class _AllGatherRows(torch.autograd.Function):
         grad = grad.contiguous()
         # Reduce-scatter with uneven sizes: gloo has no reduce_scatter, so all-reduce then slice. The payload
         # is the gathered gradient (B_total x d), the same order as the forward gather.
-        _record("all_reduce", grad)
-        dist.all_reduce(grad, op=dist.ReduceOp.SUM, group=group)
+        _counted("all_reduce", grad, dist.all_reduce, grad, op=dist.ReduceOp.SUM, group=group)
         start = sum(sizes[:rank])
         return grad[start : start + sizes[rank]].clone(), None, None
 
@@ -161,8 +247,7 @@ class _AllReduceSum(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group):
         out = x.clone(memory_format=torch.contiguous_format)
-        _record("all_reduce", out)
-        dist.all_reduce(out, op=dist.ReduceOp.SUM, group=group)
+        _counted("all_reduce", out, dist.all_reduce, out, op=dist.ReduceOp.SUM, group=group)
         return out
 
     @staticmethod
@@ -210,8 +295,17 @@ def all_reduce_max(x: torch.Tensor, group: dist.ProcessGroup | None = None) -> t
     if not is_distributed(group):
         return x.detach()
     out = x.detach().clone(memory_format=torch.contiguous_format)
-    _record("all_reduce", out)
-    dist.all_reduce(out, op=dist.ReduceOp.MAX, group=group)
+    _counted("all_reduce", out, dist.all_reduce, out, op=dist.ReduceOp.MAX, group=group)
+    return out
+
+
+def all_reduce_no_grad(x: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """Sum of ``x`` over ranks without autograd (per-row statistics whose gradients are analytic). Sums a
+    contiguous copy and returns it; with ``group=None`` returns ``x`` detached."""
+    if not is_distributed(group):
+        return x.detach()
+    out = x.detach().clone(memory_format=torch.contiguous_format)
+    _counted("all_reduce", out, dist.all_reduce, out, op=dist.ReduceOp.SUM, group=group)
     return out
 
 

@@ -26,9 +26,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 
-from bigrank.distributed.collectives import all_gather_no_grad, group_size, is_distributed
+from bigrank.distributed.collectives import all_gather_no_grad, all_reduce_no_grad, group_size, is_distributed
 from bigrank.losses.kernels import COMPILE_MIN_ELEMENTS, topk_values
 from bigrank.losses.validation import check_target, check_target_range, first_nonfinite_row
 
@@ -302,9 +301,7 @@ def positive_scores(source, layout: Layout, group) -> torch.Tensor:
     else:
         local = torch.zeros(source.batch, dtype=torch.float64, device=source.device)
     local = torch.where(layout.owned, local, torch.zeros_like(local))
-    if is_distributed(group):
-        dist.all_reduce(local, group=group)
-    return local
+    return all_reduce_no_grad(local, group)
 
 
 def gather_row_stats(stats: torch.Tensor, group) -> torch.Tensor:
@@ -323,10 +320,7 @@ def merge_rank_topk(gathered: torch.Tensor) -> torch.Tensor:
 
 def sum_row_stats(stats: torch.Tensor, group) -> torch.Tensor:
     """Sum of per-row statistics over ranks (no autograd)."""
-    if is_distributed(group):
-        stats = stats.contiguous()
-        dist.all_reduce(stats, group=group)
-    return stats
+    return all_reduce_no_grad(stats, group)
 
 
 def merge_topk(best: torch.Tensor, block: torch.Tensor) -> torch.Tensor:
