@@ -170,7 +170,8 @@ def test_full_catalog_losses_send_the_per_row_statistics_only_whatever_the_catal
 def _candidate_bytes_body(rank, world_size, group, names, batch, dim, sizes, candidates):
     """{(loss, n): bytes} of one training step's loss (forward + backward, the all-gather of the user vectors
     included) through the trainer's ``StepLoss``, for catalogs of each size in ``sizes``."""
-    from bigrank.config import LossConfig, check_loss_params
+    from bigrank.config import LossConfig
+    from bigrank.losses.registry import parse_params
     from bigrank.train.losses import StepLoss
 
     out = {}
@@ -183,14 +184,16 @@ def _candidate_bytes_body(rank, world_size, group, names, batch, dim, sizes, can
         target = torch.tensor([shard_range(n, b % 2, 2)[0] + 3 * b for b in range(batch)])
         for name in names:
             config = LossConfig(name=name, candidates=candidates, num_negatives=64)
-            config.params = check_loss_params(name, {}, "loss.params")
+            config.params = parse_params(name, {}, "loss.params")
             step_loss = StepLoss(config, num_items=n, shard_start=start, shard_stop=stop, seed=1, rank=rank)
             local_users = users[rank::world_size].clone().requires_grad_(True)
             weight = items[start:stop].clone().requires_grad_(True)
             with count_bytes() as counter:
                 gathered = all_gather_rows(local_users, group)
                 step_loss(gathered, target, weight, group=group, step=0).backward()
-            assert local_users.grad is not None and weight.grad is not None, name
+            touched = step_loss.last_rows  # sampled candidates: the gradient of the rows the step read
+            item_grad = weight.grad if touched is None else touched.rows.grad
+            assert local_users.grad is not None and item_grad is not None, name
             out[name, n] = counter.total
     return out
 
@@ -218,8 +221,10 @@ def test_candidate_losses_over_the_catalog_send_per_row_statistics():
     softmax send per-row statistics whose size does not depend on n; Recall@quantile and pAUC@budget send each
     shard's top ceil(q n) scores per row (their threshold is that exact quantile), so their payload follows
     q n and not n: at most 8 B ceil(q n) bytes more than a fixed part."""
-    from bigrank.config import CANDIDATE_LOSSES, LOSS_PARAMS
+    from bigrank.config import CANDIDATE_LOSSES
+    from bigrank.losses.registry import parse_params
 
+    defaults = {name: parse_params(name, {}) for name in CANDIDATE_LOSSES}
     batch, dim, sizes = 8, 4, (20_000, 200_000)
     results = run_distributed(
         _candidate_bytes_body, 2, args=(CANDIDATE_LOSSES, batch, dim, sizes, "catalog"), timeout=240
@@ -229,9 +234,9 @@ def test_candidate_losses_over_the_catalog_send_per_row_statistics():
         for per_rank in results:
             small, large = per_rank[name, sizes[0]], per_rank[name, sizes[1]]
             if name in ("recall_at_quantile", "pauc_at_budget"):
-                fraction = LOSS_PARAMS[name].get("quantile", LOSS_PARAMS[name].get("beta"))
+                fraction = defaults[name].get("quantile", defaults[name].get("beta"))
                 # pAUC's IQR: this rank's share of a strided sample of at most scale_sample_size columns per row
-                share = LOSS_PARAMS[name].get("scale_sample_size", 0) // 2 + 1
+                share = defaults[name].get("scale_sample_size", 0) // 2 + 1
                 sample = 0 if name == "recall_at_quantile" else 8 * batch * share
                 for n, sent in ((sizes[0], small), (sizes[1], large)):
                     assert sent <= fixed + sample + 8 * batch * math.ceil(fraction * n), (name, n, sent)

@@ -256,3 +256,13 @@ def test_score_matrix_auto_chunks_hold_about_2_to_the_22_scores_and_equal_dense(
     assert isinstance(auto, ChunkedScores) and auto.chunk_size == 1_399  # ceil(2^22 / 3000)
     assert isinstance(score_matrix(users, items, None), torch.Tensor)
     torch.testing.assert_close(rankmax_loss(auto, target, k=2), rankmax_loss(users @ items.T, target, k=2))
+
+
+def test_the_package_names_rankmax_and_sparsemax_stay_functions_after_their_submodules_load():
+    import importlib
+
+    import bigrank.losses as losses
+
+    for name in ("rankmax", "sparsemax"):
+        importlib.import_module(f"bigrank.losses.{name}")  # the submodule of the same name
+        assert callable(getattr(losses, name)) and not isinstance(getattr(losses, name), type(losses)), name

@@ -17,6 +17,8 @@ parse a config (``bigrank --help``, ``bigrank submit``) do not pay torch's impor
 from __future__ import annotations
 
 import importlib
+import sys
+import types
 
 _EXPORTS = {
     "ChunkedScores": "bigrank.losses.scores",
@@ -55,3 +57,20 @@ def __getattr__(name: str):
 
 def __dir__() -> list[str]:
     return sorted(set(globals()) | set(_EXPORTS))
+
+
+# Functions named like the submodule that defines them: once ``bigrank.losses.rankmax`` is loaded, Python sets
+# the package attribute ``rankmax`` to that submodule, which would hide the function ``bigrank.losses.rankmax``
+# (``from bigrank.losses import rankmax`` would then give a module). The package keeps the function instead;
+# the submodule stays importable by its full name (``from bigrank.losses.rankmax import ...``).
+_SHADOWED = {"rankmax", "sparsemax"}
+
+
+class _LossesPackage(types.ModuleType):
+    def __setattr__(self, name: str, value) -> None:
+        if name in _SHADOWED and isinstance(value, types.ModuleType):
+            value = getattr(value, name)
+        super().__setattr__(name, value)
+
+
+sys.modules[__name__].__class__ = _LossesPackage
