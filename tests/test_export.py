@@ -394,9 +394,15 @@ def test_history_tower_user_vector_adds_the_mean_of_the_train_items(tmp_path, ca
         _, ref = brute_force_top_k(tables["items"].numpy(), expected, 5)
         assert [row["item_id"] for row in rec.recommend(user, 5)] == ref[0].tolist()
 
+    # The export's seen-items table carries the train items: serving needs no dataset.
     moved = Recommender(out, data_root=tmp_path / "gone")
+    for user in (0, 40):
+        np.testing.assert_array_equal(moved.user_vector(user), rec.user_vector(user))
+    # Without that table (and without the dataset) the error says what is missing.
+    bare = tmp_path / "bare"
+    export_single(bare, tables=tables, dataset_root=dataset, user_vectors=None, seen=False)
     with pytest.raises(ValueError, match="history-tower model"):
-        moved.recommend(0, 5)
+        Recommender(bare, data_root=tmp_path / "gone").recommend(0, 5)
 
 
 def test_a_failed_re_export_leaves_no_manifest_behind(tmp_path):
