@@ -116,13 +116,13 @@ def _csr_block(users: np.ndarray, items: np.ndarray, bits: np.ndarray, start: in
     return indptr, (unique % num_items).astype(np.int32), merged.astype(np.int8)
 
 
-def _write_block(writer, start: int, indptr: np.ndarray, items: np.ndarray, bits: np.ndarray) -> None:
-    """Append users ``start …`` of one CSR block to ``writer`` in row groups of ``SEEN_ROW_GROUP_USERS``."""
+def _write_block(writer, start: int, indptr: np.ndarray, items: np.ndarray, bits: np.ndarray, group_users: int):
+    """Append users ``start …`` of one CSR block to ``writer`` in row groups of ``group_users`` users."""
     import pyarrow as pa
 
     num_users = len(indptr) - 1
-    for lo in range(0, num_users, SEEN_ROW_GROUP_USERS):
-        hi = min(num_users, lo + SEEN_ROW_GROUP_USERS)
+    for lo in range(0, num_users, group_users):
+        hi = min(num_users, lo + group_users)
         offsets = pa.array((indptr[lo : hi + 1] - indptr[lo]).astype(np.int32))
         span = slice(int(indptr[lo]), int(indptr[hi]))
         table = pa.Table.from_arrays(
@@ -133,7 +133,7 @@ def _write_block(writer, start: int, indptr: np.ndarray, items: np.ndarray, bits
             ],
             names=["user_id", "items", "splits"],
         )
-        writer.write_table(table, row_group_size=SEEN_ROW_GROUP_USERS)
+        writer.write_table(table, row_group_size=group_users)
 
 
 def _scan_ratings(files: Sequence[tuple[Path, int]], start: int, stop: int):
@@ -158,12 +158,15 @@ def write_seen_part(
     user_start: int,
     user_stop: int,
     block_ratings: int = BLOCK_RATINGS,
+    group_users: int = SEEN_ROW_GROUP_USERS,
 ) -> dict:
     """Write ``seen/part-r{rank}.parquet`` for users ``[user_start, user_stop)`` of the dataset at ``dataset_root``.
 
     Every split the dataset has is read. Users are processed in blocks of about ``block_ratings`` ratings
     (the rank's ratings are spilled to per-block files first when they exceed it), so memory stays bounded
-    on ML-1B-sized data. Returns the part's manifest entry ``{file, row_start, row_stop, rows, bytes, sha256}``.
+    on ML-1B-sized data. Blocks start on row-group boundaries (``group_users`` users per row group), so a
+    reader finds user ``u`` in row group ``(u - row_start) // group_users`` of the part. Returns the part's
+    manifest entry ``{file, row_start, row_stop, rows, nnz, row_group_users, bytes, sha256}``.
     """
     import pyarrow as pa
     import pyarrow.parquet as pq
@@ -178,7 +181,12 @@ def write_seen_part(
     total = sum(layout.split_info(manifest, s)["rows"] for s in manifest["splits"])
     share = (user_stop - user_start) / max(1, int(manifest["num_users"]))
     blocks = max(1, int(np.ceil(total * share / max(1, block_ratings))))
-    bounds = np.linspace(user_start, user_stop, blocks + 1).round().astype(np.int64)
+    groups = -(-(user_stop - user_start) // group_users)
+    bounds = user_start + np.minimum(
+        np.linspace(0, groups, min(blocks, max(1, groups)) + 1).round().astype(np.int64) * group_users,
+        user_stop - user_start,
+    )
+    blocks = len(bounds) - 1
 
     relative = part_file(SEEN_TABLE, rank)
     path = Path(out_dir) / relative
@@ -195,7 +203,7 @@ def write_seen_part(
                 lo, hi = int(bounds[b]), int(bounds[b + 1])
                 ratings = _read_spill(spill, b) if spill is not None else _concat(_scan_ratings(files, lo, hi))
                 indptr, items, bits = _csr_block(*ratings, lo, hi, num_items)
-                _write_block(writer, lo, indptr, items, bits)
+                _write_block(writer, lo, indptr, items, bits, group_users)
                 nnz += len(items)
         entry = {"bytes": int(tmp.stat().st_size), "sha256": sha256_file(tmp)}
         tmp.replace(path)
@@ -204,7 +212,15 @@ def write_seen_part(
         if spill is not None:
             shutil.rmtree(spill, ignore_errors=True)
     rows = user_stop - user_start
-    return {"file": relative, "row_start": user_start, "row_stop": user_stop, "rows": rows, "nnz": nnz, **entry}
+    return {
+        "file": relative,
+        "row_start": user_start,
+        "row_stop": user_stop,
+        "rows": rows,
+        "nnz": nnz,
+        "row_group_users": group_users,
+        **entry,
+    }
 
 
 def _concat(chunks) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -246,7 +262,7 @@ class SeenItemsFile:
         export_dir, manifest: the export (``bigrank.export.format.load_export``); it must have the table.
         splits: the splits counted by ``items_of`` (default all three).
         preload_max_ratings: files of at most this many stored items are loaded at once into CSR arrays;
-            larger ones are read one row group (``SEEN_ROW_GROUP_USERS`` users) at a time, the last
+            larger ones are read one row group (``row_group_users`` users of the part) at a time, the last
             ``CACHED_ROW_GROUPS`` kept in memory.
 
     ``train_items_of(user)`` gives the user's train items (the history-tower bag).
@@ -291,7 +307,7 @@ class SeenItemsFile:
             part, group = key
             handle = pq.ParquetFile(self.root / self.parts[part]["file"])
             table = handle.read_row_group(group)
-            first = int(self.parts[part]["row_start"]) + group * SEEN_ROW_GROUP_USERS
+            first = int(self.parts[part]["row_start"]) + group * int(self.parts[part]["row_group_users"])
         if table is None or table.num_rows == 0:
             return first, np.zeros(1, np.int64), np.empty(0, np.int32), np.empty(0, np.int8)
         items = table.column("items").combine_chunks()
@@ -303,7 +319,7 @@ class SeenItemsFile:
         part = int(np.searchsorted(self._starts, user, side="right") - 1)
         while self.parts[part]["rows"] == 0 or user >= self.parts[part]["row_stop"]:
             part += 1  # skip the empty parts that share a start
-        key = (part, (user - int(self.parts[part]["row_start"])) // SEEN_ROW_GROUP_USERS)
+        key = (part, (user - int(self.parts[part]["row_start"])) // int(self.parts[part]["row_group_users"]))
         with self._lock:  # the threaded stdlib server calls this from many threads
             if key in self._cache:
                 self._cache.move_to_end(key)
