@@ -240,9 +240,12 @@ def run_ray_serve(args) -> int:
     )
     port = args.port or 8000
     url = deploy(settings, args.host, port, args.address)
+    from bigrank.export.format import index_name
+
     replicas = f"autoscaled {settings.autoscale}" if settings.autoscale else f"{settings.replicas} replica(s)"
+    index = index_name(settings.index, settings.quantize)
     print(
-        f"serving {args.export} on Ray Serve ({replicas}, {settings.index} index, batches of "
+        f"serving {args.export} on Ray Serve ({replicas}, {index} index, batches of "
         f"<= {settings.max_batch_size}) at {url}/recommend?user=0&k=10",
         file=sys.stderr,
         flush=True,
