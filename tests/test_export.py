@@ -547,3 +547,36 @@ def test_quantised_indexes_record_recall_and_are_searched_by_name(tmp_path, caps
     assert cli_main(["build-index", str(out), "--kind", "hnsw", "--quantize", "int8"]) == 0
     assert "hnsw (int8) index" in capsys.readouterr().out
     assert "hnsw-int8" in load_export(out)["indexes"]
+
+
+def test_the_export_package_has_no_import_cycles():
+    """Every import between ``bigrank.export`` modules, function-local ones included, forms an acyclic graph
+    whose leaf is ``format`` (issue 12)."""
+    import ast
+    from pathlib import Path
+
+    package = Path(__file__).resolve().parents[1] / "bigrank" / "export"
+    modules = {path.stem for path in package.glob("*.py")} - {"__init__"}
+    graph = {}
+    for name in modules:
+        tree = ast.parse((package / f"{name}.py").read_text())
+        found = set()
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.module:
+                if node.module == "bigrank.export":
+                    found |= {alias.name for alias in node.names}
+                elif node.module.startswith("bigrank.export."):
+                    found.add(node.module.split(".")[2])
+        graph[name] = found & modules
+    assert graph["format"] == set()
+    done: set[str] = set()
+
+    def visit(name: str, path: tuple[str, ...]) -> None:
+        assert name not in path, f"import cycle: {' -> '.join((*path, name))}"
+        if name not in done:
+            for target in graph[name]:
+                visit(target, (*path, name))
+            done.add(name)
+
+    for name in sorted(modules):
+        visit(name, ())

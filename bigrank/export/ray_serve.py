@@ -24,6 +24,11 @@ import sys
 import time
 from dataclasses import asdict, dataclass, field
 
+from bigrank.export import api
+from bigrank.export.format import index_name
+from bigrank.export.recommend import Recommender
+from bigrank.export.seen import SeenItems
+
 APP_NAME = "bigrank"
 DEPLOYMENT_NAME = "Recommend"
 
@@ -77,9 +82,6 @@ class RecommendDeployment:
     """One replica: a ``Recommender`` plus the HTTP routes of ``bigrank.export.api`` (Starlette requests)."""
 
     def __init__(self, settings: dict):
-        from bigrank.export.recommend import Recommender
-        from bigrank.export.seen import SeenItems
-
         self.settings = ServeSettings(**settings)
         if self.settings.search_threads > 0:
             import faiss
@@ -103,8 +105,6 @@ class RecommendDeployment:
 
     async def __call__(self, request):
         from starlette.responses import JSONResponse
-
-        from bigrank.export import api
 
         # The path below the application's route prefix ("/" by default; Serve sets it as root_path).
         root = request.scope.get("root_path", "").rstrip("/")
@@ -130,10 +130,8 @@ class RecommendDeployment:
         return await self._search_batch(query)
 
     async def _search_batch_impl(self, queries: list) -> list[dict]:
-        from bigrank.export.api import search_queries
-
         # FAISS releases the GIL: searching in a thread lets the event loop take in the next batch.
-        return await asyncio.to_thread(search_queries, self.rec, queries)
+        return await asyncio.to_thread(api.search_queries, self.rec, queries)
 
     def check_health(self) -> None:
         """Serve's periodic health check: the replica must still hold its index."""
@@ -240,8 +238,6 @@ def run_ray_serve(args) -> int:
     )
     port = args.port or 8000
     url = deploy(settings, args.host, port, args.address)
-    from bigrank.export.format import index_name
-
     replicas = f"autoscaled {settings.autoscale}" if settings.autoscale else f"{settings.replicas} replica(s)"
     index = index_name(settings.index, settings.quantize)
     print(

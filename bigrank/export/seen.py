@@ -28,7 +28,8 @@ from pathlib import Path
 
 import numpy as np
 
-from bigrank.export.format import SEEN_TABLE, part_file
+from bigrank.data import manifest as layout
+from bigrank.export.format import SEEN_TABLE, part_file, sha256_file
 
 SPLIT_BITS = {"train": 1, "valid": 2, "test": 4}
 SEEN_ROW_GROUP_USERS = 4096
@@ -57,8 +58,6 @@ class SeenItems:
     """
 
     def __init__(self, data_root: str | Path, splits: Sequence[str] = ("train", "valid", "test")):
-        from bigrank.data import manifest as layout
-
         self.root = Path(data_root)
         self.manifest = layout.validate_dataset(self.root, splits)
         self.splits = tuple(splits)
@@ -170,9 +169,6 @@ def write_seen_part(
     """
     import pyarrow as pa
     import pyarrow.parquet as pq
-
-    from bigrank.data import manifest as layout
-    from bigrank.export.format import sha256_file
 
     root = Path(dataset_root)
     manifest = layout.validate_dataset(root)
