@@ -7,7 +7,8 @@ aiohttp, keep-alive) for ``--seconds`` seconds of ``GET /recommend?user=U&k=10``
 prints queries/s, p50 / p99 latency, errors, and the recall@10 of the served answers against the exact
 top-10 (numpy brute force on ``--recall-users`` users). Ratios are to the stdlib server on the same index.
 ``--overload-clients`` adds a run against one replica with a small queue (``max_ongoing 8 + max_queued 8``)
-to show 503s instead of an unbounded queue.
+to show 503s instead of an unbounded queue; ``--post-batch B`` adds runs of ``POST /recommend`` with ``B``
+users per request (queries/s then counts users).
 
 Bounded: every server binds 127.0.0.1 only, each run lasts ``--seconds``, and the Ray runtime, the stdlib
 server process and the export (under a temporary directory) are removed at the end. The client shares the
@@ -66,8 +67,11 @@ def make_export(out: Path, args) -> dict:
     )
 
 
-async def load(url: str, users: int, clients: int, seconds: float) -> dict:
-    """``clients`` concurrent keep-alive clients for ``seconds``: counts, latencies and status codes."""
+async def load(url: str, users: int, clients: int, seconds: float, post: int = 0) -> dict:
+    """``clients`` concurrent keep-alive clients for ``seconds``: counts, latencies and status codes.
+
+    ``post > 0``: each request is a ``POST /recommend`` of ``post`` users; queries/s counts users.
+    """
     import aiohttp
 
     latencies: list[float] = []
@@ -80,7 +84,12 @@ async def load(url: str, users: int, clients: int, seconds: float) -> dict:
         while time.perf_counter() < deadline:
             started = time.perf_counter()
             try:
-                async with session.get(f"{url}/recommend?user={rng.randrange(users)}&k=10") as response:
+                if post:
+                    body = {"users": [rng.randrange(users) for _ in range(post)], "k": 10}
+                    request = session.post(f"{url}/recommend", json=body)
+                else:
+                    request = session.get(f"{url}/recommend?user={rng.randrange(users)}&k=10")
+                async with request as response:
                     await response.read()
                     status = response.status
             except (TimeoutError, aiohttp.ClientError) as error:
@@ -96,7 +105,7 @@ async def load(url: str, users: int, clients: int, seconds: float) -> dict:
         elapsed = time.perf_counter() - started
     lat = np.asarray(latencies) * 1000 if latencies else np.full(1, np.nan)
     return {
-        "qps": len(latencies) / elapsed,
+        "qps": len(latencies) * max(1, post) / elapsed,
         "p50": float(np.percentile(lat, 50)),
         "p99": float(np.percentile(lat, 99)),
         "ok": len(latencies),
@@ -151,6 +160,7 @@ def main() -> None:
     parser.add_argument("--indexes", default="exact,ivf", help="exact, ivf (comma-separated)")
     parser.add_argument("--max-batch-size", type=int, default=64)
     parser.add_argument("--recall-users", type=int, default=200)
+    parser.add_argument("--post-batch", type=int, default=0, help="also POST this many users per request")
     parser.add_argument("--overload-clients", type=int, default=64, help="0 skips the overload run")
     parser.add_argument("--keep", metavar="DIR", help="write the export here and keep it (default: a temp dir)")
     args = parser.parse_args()
@@ -188,6 +198,9 @@ def main() -> None:
                 recall = served_recall(url, items, user_vectors, recall_users)
                 rows.append((index, label, result, recall))
                 print_row(*rows[-1], base=_base(rows, index))
+                if args.post_batch:
+                    result = asyncio.run(load(url, args.users, args.clients, args.seconds, post=args.post_batch))
+                    print_row(index, f"{label} [POST x{args.post_batch}]", result, recall, base=_base(rows, index))
                 if server == "stdlib":
                     processes.pop().terminate()
         if args.overload_clients and any(s.startswith("ray") for s in servers):
@@ -227,6 +240,9 @@ def deploy_ray(export: Path, index: str, replicas: int, cores: int, batch: int, 
     from bigrank.export.ray_serve import ServeSettings, deploy
 
     if not ray.is_initialized():
+        import logging
+
+        logging.getLogger("ray.serve").setLevel(logging.WARNING)  # one INFO line per (re)deploy otherwise
         ray.init(
             address="local",
             num_cpus=max(4, cores),
