@@ -231,13 +231,16 @@ def _spill(files, bounds: np.ndarray, spill: Path) -> None:
     try:
         for users, items, bits in _scan_ratings(files, int(bounds[0]), int(bounds[-1])):
             block = np.searchsorted(bounds, users, side="right") - 1
-            for b in np.unique(block):
-                keep = block == b
+            order = np.argsort(block, kind="stable")  # one pass groups the row group's ratings by block
+            counts = np.bincount(block, minlength=len(bounds) - 1)
+            ends = np.cumsum(counts)
+            for b in np.flatnonzero(counts):
+                rows = order[ends[b] - counts[b] : ends[b]]
                 for name, values in (("users", users), ("items", items), ("bits", bits)):
                     key = (int(b), name)
                     if key not in handles:
                         handles[key] = open(spill / f"{b}.{name}", "ab")  # noqa: SIM115 - closed below
-                    values[keep].tofile(handles[key])
+                    values[rows].tofile(handles[key])
     finally:
         for handle in handles.values():
             handle.close()
