@@ -192,7 +192,11 @@ def write_seen_part(
     spill = Path(tempfile.mkdtemp(prefix=".seen-spill-", dir=path.parent)) if blocks > 1 else None
     nnz = 0
     try:
-        with pq.ParquetWriter(tmp, schema, compression="zstd") as writer:
+        # Items ascend within a user: delta encoding + zstd stores them in ~2 bytes each instead of ~3.6.
+        encoding = {"user_id": "DELTA_BINARY_PACKED", "items.list.element": "DELTA_BINARY_PACKED"}
+        with pq.ParquetWriter(
+            tmp, schema, compression="zstd", use_dictionary=["splits.list.element"], column_encoding=encoding
+        ) as writer:
             if spill is not None:
                 _spill(files, bounds, spill)
             for b in range(blocks):
