@@ -32,10 +32,10 @@ from bigrank.data import manifest as layout
 from bigrank.export.format import SEEN_TABLE, part_file, sha256_file
 
 SPLIT_BITS = {"train": 1, "valid": 2, "test": 4}
-SEEN_ROW_GROUP_USERS = 4096
+SEEN_ROW_GROUP_USERS = 512
 BLOCK_RATINGS = 50_000_000
 PRELOAD_MAX_RATINGS = 50_000_000
-CACHED_ROW_GROUPS = 64
+CACHED_ROW_GROUPS = 256
 
 
 def split_mask(splits: Sequence[str]) -> int:
@@ -292,6 +292,7 @@ class SeenItemsFile:
         self.num_items = int(manifest["num_items"])
         self._starts = np.asarray([p["row_start"] for p in self.parts], dtype=np.int64)
         self._cache: OrderedDict = OrderedDict()
+        self._files: dict[int, object] = {}  # open ParquetFile per part: the footer is parsed once
         self._lock = threading.Lock()
         self._whole = None
         if int(entry.get("nnz", 0)) <= preload_max_ratings:
@@ -308,8 +309,9 @@ class SeenItemsFile:
             first = 0
         else:
             part, group = key
-            handle = pq.ParquetFile(self.root / self.parts[part]["file"])
-            table = handle.read_row_group(group)
+            if part not in self._files:
+                self._files[part] = pq.ParquetFile(self.root / self.parts[part]["file"])
+            table = self._files[part].read_row_group(group)
             first = int(self.parts[part]["row_start"]) + group * int(self.parts[part]["row_group_users"])
         if table is None or table.num_rows == 0:
             return first, np.zeros(1, np.int64), np.empty(0, np.int32), np.empty(0, np.int8)
