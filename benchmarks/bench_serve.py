@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import logging
 import os
 import random
 import shutil
@@ -240,9 +241,6 @@ def deploy_ray(export: Path, index: str, replicas: int, cores: int, batch: int, 
     from bigrank.export.ray_serve import ServeSettings, deploy
 
     if not ray.is_initialized():
-        import logging
-
-        logging.getLogger("ray.serve").setLevel(logging.WARNING)  # one INFO line per (re)deploy otherwise
         ray.init(
             address="local",
             num_cpus=max(4, cores),
@@ -262,6 +260,7 @@ def deploy_ray(export: Path, index: str, replicas: int, cores: int, batch: int, 
         search_threads=max(1, cores // replicas),
         verify=False,
     )
+    logging.getLogger("ray.serve").setLevel(logging.WARNING)  # Serve resets it; else INFO lines per deploy
     url = deploy(settings, port=deploy_ray.port)
     wait_healthy(url)
     return url
