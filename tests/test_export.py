@@ -109,6 +109,14 @@ def test_two_rank_export_equals_the_full_tables(tmp_path):
     assert items["title"][5] == "Movie 5 (1999)"
     np.testing.assert_array_equal(read_table(out, manifest, "users")["original_id"], 10 * np.arange(NUM_USERS) + 7)
 
+    # Each rank wrote the seen items of half the users; together they equal the dataset's.
+    assert [part["row_start"] for part in manifest["tables"]["seen"]["parts"]] == [0, NUM_USERS // 2]
+    from bigrank.export.seen import SeenItemsFile
+
+    from_export, from_data = SeenItemsFile(out, manifest, ("train",)), SeenItems(dataset, ("train",))
+    for user in range(NUM_USERS):
+        np.testing.assert_array_equal(from_export.items_of(user), from_data.items_of(user))
+
     schema = pq.read_schema(out / "items/part-r00001.parquet")
     assert str(schema.field("item_id").type) == "int32"
     assert str(schema.field("embedding").type) == f"fixed_size_list<element: float>[{DIM}]"
@@ -406,9 +414,15 @@ def test_history_tower_user_vector_adds_the_mean_of_the_train_items(tmp_path, ca
         _, ref = brute_force_top_k(tables["items"].numpy(), expected, 5)
         assert [row["item_id"] for row in rec.recommend(user, 5)] == ref[0].tolist()
 
+    # The export's seen-items table carries the train items: serving needs no dataset.
     moved = Recommender(out, data_root=tmp_path / "gone")
+    for user in (0, 40):
+        np.testing.assert_array_equal(moved.user_vector(user), rec.user_vector(user))
+    # Without that table (and without the dataset) the error says what is missing.
+    bare = tmp_path / "bare"
+    export_single(bare, tables=tables, dataset_root=dataset, user_vectors=None, seen=False)
     with pytest.raises(ValueError, match="history-tower model"):
-        moved.recommend(0, 5)
+        Recommender(bare, data_root=tmp_path / "gone").recommend(0, 5)
 
 
 def test_a_failed_re_export_leaves_no_manifest_behind(tmp_path):
@@ -432,3 +446,149 @@ def test_build_index_command_records_recall(tmp_path, capsys):
     assert cli_main(["recommend", str(out), "--user", "2", "--index", "ivf", "--json"]) == 0
     ivf_rows = json.loads(capsys.readouterr().out)
     assert [row["item_id"] for row in ivf_rows] == [row["item_id"] for row in Recommender(out).recommend(2, 10)]
+
+
+SPLIT_CHOICES = [("train",), ("valid", "test"), ("train", "valid", "test")]
+
+
+def test_seen_items_file_excludes_exactly_what_the_dataset_holds(tmp_path):
+    """The export's compact seen table equals ``SeenItems`` over the dataset for every user and split set,
+    whether written by one rank in one block or by three ranks in spilled blocks, read whole or by row group."""
+    from bigrank.export.seen import SeenItemsFile, write_seen_part
+    from bigrank.export.writer import _seen_entry
+
+    data = tmp_path / "demo"
+    dataset = generate("demo", data, progress=False)
+    num_users = dataset["num_users"]
+    references = {splits: SeenItems(data, splits) for splits in SPLIT_CHOICES}
+    out = tmp_path / "export"
+    export_single(out, tables=_tables_for(dataset), dataset_root=data, history=False)
+    manifest = load_export(out)
+    assert manifest["tables"]["seen"]["rows"] == num_users and manifest["tables"]["seen"]["splits"] == list(
+        layout.SPLITS
+    )
+
+    split_out = tmp_path / "split"
+    bounds = [0, num_users // 3, num_users // 3, num_users]  # rank 1 owns no users
+    parts = [
+        write_seen_part(split_out, rank, data, bounds[rank], bounds[rank + 1], block_ratings=97, group_users=7)
+        for rank in range(3)
+    ]
+    split_manifest = {"num_items": dataset["num_items"], "tables": {"seen": _seen_entry(parts, data)}}
+    assert not list((split_out / "seen").glob(".seen-spill-*")), "spill files are removed"
+    readers = {
+        "one block, preloaded": lambda splits: SeenItemsFile(out, manifest, splits),
+        "three ranks, row groups": lambda splits: SeenItemsFile(split_out, split_manifest, splits, 0),
+    }
+    for name, make in readers.items():
+        for splits, reference in references.items():
+            seen = make(splits)
+            for user in range(num_users):
+                np.testing.assert_array_equal(seen.items_of(user), reference.items_of(user), err_msg=f"{name} {user}")
+        train = make(("valid",))
+        for user in range(0, num_users, 7):
+            np.testing.assert_array_equal(train.train_items_of(user), references[("train",)].items_of(user))
+    with pytest.raises(ValueError, match="outside"):
+        SeenItemsFile(out, manifest).items_of(num_users)
+
+
+def test_seen_items_file_counts_repeated_pairs_once_in_every_split_they_occur(tmp_path):
+    from bigrank.export.seen import SeenItemsFile, write_seen_part
+    from bigrank.export.writer import _seen_entry
+
+    rng = np.random.default_rng(4)
+    root = tmp_path / "repeats"
+    pairs = {
+        split: (rng.integers(0, 30, 400).astype(np.int32), rng.integers(0, 12, 400).astype(np.int32))
+        for split in layout.SPLITS
+    }
+    files = {
+        split: layout.write_split_parts(root, split, {"user_id": u, "item_id": i}) for split, (u, i) in pairs.items()
+    }
+    layout.write_manifest(root, num_users=30, num_items=12, split_files=files, seed=0, source="test", generator={})
+    parts = [write_seen_part(tmp_path / "out", 0, root, 0, 30, block_ratings=100, group_users=4)]
+    manifest = {"num_items": 12, "tables": {"seen": _seen_entry(parts, root)}}
+    assert manifest["tables"]["seen"]["nnz"] < 1200  # 1,200 ratings of 360 possible pairs: repeats were merged
+    for splits in SPLIT_CHOICES:
+        seen = SeenItemsFile(tmp_path / "out", manifest, splits, preload_max_ratings=0)
+        for user in range(30):
+            expected = np.unique(np.concatenate([pairs[s][1][pairs[s][0] == user] for s in splits]))
+            np.testing.assert_array_equal(seen.items_of(user), expected)
+
+
+def _tables_for(dataset) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(1)
+    return {
+        "items": torch.randn(dataset["num_items"], 4, generator=gen),
+        "users": torch.randn(dataset["num_users"], 4, generator=gen),
+        "history": torch.randn(dataset["num_items"], 4, generator=gen),
+    }
+
+
+def test_exclude_seen_from_the_export_equals_exclude_seen_from_the_dataset(tmp_path, capsys):
+    out, data, seen, heavy_user, _ = popularity_export(tmp_path)
+    assert cli_main(["recommend", str(out), "--user", str(heavy_user), "-k", "20", "--exclude-seen", "--json"]) == 0
+    from_export = json.loads(capsys.readouterr().out)
+    args = ["recommend", str(out), "--user", str(heavy_user), "-k", "20", "--exclude-seen", str(data), "--json"]
+    assert cli_main(args) == 0
+    assert from_export == json.loads(capsys.readouterr().out)
+    assert not {row["item_id"] for row in from_export} & set(seen.items_of(heavy_user).tolist())
+
+
+def test_quantised_indexes_record_recall_and_are_searched_by_name(tmp_path, capsys):
+    out = tmp_path / "export"
+    tables = random_tables()
+    export_single(out, tables=tables, index=("exact-int8",))
+    build_export_index(out, "ivf", {"nlist": 8, "nprobe": 8}, num_queries=100, quantize="float16")
+    manifest = load_export(out)
+    assert set(manifest["indexes"]) == {"exact-int8", "ivf-float16"}
+    for name, entry in manifest["indexes"].items():
+        assert entry["file"] == f"items/index-{name}.faiss" and 0.0 <= entry["recall_at_10_vs_exact"] <= 1.0
+    # float16 keeps ~3 significant digits: with every IVF cell probed the top-10 of random data is intact.
+    assert manifest["indexes"]["ivf-float16"]["recall_at_10_vs_exact"] >= 0.95
+    assert manifest["indexes"]["exact-int8"]["recall_at_10_vs_exact"] >= 0.8
+    int8 = Recommender(out, index="exact", quantize="int8")
+    assert int8.index_kind == "exact-int8" and "ScalarQuantizer" in type(int8.index).__name__
+    _, ref = brute_force_top_k(tables["items"].numpy(), tables["users"].numpy()[:50], 10)
+    got = np.stack([[row["item_id"] for row in int8.recommend(user, 10)] for user in range(50)])
+    from bigrank.export.index import recall_at_k
+
+    assert recall_at_k(got, ref) >= 0.8
+    with pytest.raises(ValueError, match="--quantize int8"):
+        Recommender(out, index="hnsw-int8")
+    assert cli_main(["build-index", str(out), "--kind", "hnsw", "--quantize", "int8"]) == 0
+    assert "hnsw (int8) index" in capsys.readouterr().out
+    assert "hnsw-int8" in load_export(out)["indexes"]
+
+
+def test_the_export_package_has_no_import_cycles():
+    """Every import between ``bigrank.export`` modules, function-local ones included, forms an acyclic graph
+    whose leaf is ``format`` (issue 12)."""
+    import ast
+    from pathlib import Path
+
+    package = Path(__file__).resolve().parents[1] / "bigrank" / "export"
+    modules = {path.stem for path in package.glob("*.py")} - {"__init__"}
+    graph = {}
+    for name in modules:
+        tree = ast.parse((package / f"{name}.py").read_text())
+        found = set()
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.module:
+                if node.module == "bigrank.export":
+                    found |= {alias.name for alias in node.names}
+                elif node.module.startswith("bigrank.export."):
+                    found.add(node.module.split(".")[2])
+        graph[name] = found & modules
+    assert graph["format"] == set()
+    done: set[str] = set()
+
+    def visit(name: str, path: tuple[str, ...]) -> None:
+        assert name not in path, f"import cycle: {' -> '.join((*path, name))}"
+        if name not in done:
+            for target in graph[name]:
+                visit(target, (*path, name))
+            done.add(name)
+
+    for name in sorted(modules):
+        visit(name, ())

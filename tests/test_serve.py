@@ -127,3 +127,30 @@ def test_bad_parameters_answer_400_with_a_message(served, query, message):
 def test_unknown_path_is_404(served):
     status, body = get(served["url"] + "/nothing")
     assert status == 404 and "unknown path" in body["error"]
+
+
+@pytest.mark.filterwarnings("ignore:Using extra keyword arguments on `Field`")  # Ray Serve's pydantic models
+def test_serve_config_and_rayservice_manifest_deploy_the_same_valid_application(tmp_path):
+    """cluster/serve-bigrank.yaml is a valid Ray Serve config whose args build the application, and the
+    RayService manifest carries the same application."""
+    from pathlib import Path
+
+    import yaml
+    from ray.serve.schema import ServeDeploySchema
+
+    from bigrank.export.ray_serve import DEPLOYMENT_NAME, ServeSettings, app_builder
+
+    cluster = Path(__file__).resolve().parents[1] / "cluster"
+    config = yaml.safe_load((cluster / "serve-bigrank.yaml").read_text())
+    service = yaml.safe_load((cluster / "kuberay/rayservice.yaml").read_text())
+    inner = yaml.safe_load(service["spec"]["serveConfigV2"])
+    assert {key: value for key, value in config.items() if key != "http_options"} == inner
+    ServeDeploySchema.model_validate(config)
+    (app,) = config["applications"]
+    assert app["import_path"] == "bigrank.export.ray_serve:app_builder"
+    settings = ServeSettings(**app["args"])
+    assert settings.autoscale_range() == (2, 16) and settings.max_queued_requests > 0
+    bound = app_builder(app["args"])  # builds (binds) without deploying
+    assert bound._bound_deployment.name == DEPLOYMENT_NAME
+    with pytest.raises(ValueError, match="unbounded"):
+        ServeSettings(export=str(tmp_path), max_queued_requests=-1)

@@ -10,7 +10,12 @@ import argparse
 import json
 import sys
 
-INDEX_CHOICES = ("exact", "ivf", "hnsw")
+from bigrank.export.format import INDEX_KINDS as INDEX_CHOICES
+from bigrank.export.format import INDEX_QUANTIZATIONS
+
+EXCLUDE_SEEN_HELP = (
+    "drop the items the user rated: alone, from the export's seen-items table; with DATA_ROOT, from that dataset"
+)
 
 
 def register(subparsers) -> None:
@@ -28,7 +33,7 @@ def register(subparsers) -> None:
         "--items", metavar="ID,ID,…", help="fold-in: the user's items (dense ids; original with --original-ids)"
     )
     recommend.add_argument("-k", type=int, default=10, help="number of items (default 10)")
-    recommend.add_argument("--exclude-seen", metavar="DATA_ROOT", help="drop the items the user rated in this dataset")
+    recommend.add_argument("--exclude-seen", metavar="DATA_ROOT", nargs="?", const="", help=EXCLUDE_SEEN_HELP)
     recommend.add_argument(
         "--data", metavar="DATA_ROOT", help="training dataset (history-tower models; default: the manifest's)"
     )
@@ -36,27 +41,55 @@ def register(subparsers) -> None:
         "--seen-splits", default="train,valid,test", help="splits counted as seen (default train,valid,test)"
     )
     recommend.add_argument("--original-ids", action="store_true", help="--user/--items are original (MovieLens) ids")
-    recommend.add_argument("--index", choices=INDEX_CHOICES, default="exact", help="index to search (default exact)")
+    _index_arguments(recommend)
     recommend.add_argument("--json", action="store_true", help="print a JSON list of {item_id, score, …}")
     recommend.add_argument("--no-verify", action="store_true", help="skip the sha256 check of the export files")
     recommend.set_defaults(func=run_recommend)
 
     serve = subparsers.add_parser(
         "serve",
-        help="serve recommendations over HTTP (JSON)",
-        description="GET /recommend?user=ID&k=K[&exclude_seen=1] or ?items=ID,ID,… and GET /health.",
+        help="serve recommendations over HTTP (JSON), alone or on Ray Serve (--ray)",
+        description="GET /recommend?user=ID&k=K[&exclude_seen=1] or ?items=ID,ID,…, POST /recommend "
+        '{"users": [ID, …], "k": K} or {"histories": [[ID, …], …]}, and GET /health. Without --ray: a '
+        "standard-library server (one search at a time). With --ray: a Ray Serve application whose replicas "
+        "search concurrent queries as one batch and answer 503 (Retry-After) when their queues are full.",
     )
     serve.add_argument("export", metavar="DIR", help="export directory")
     serve.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     serve.add_argument("--port", type=int, default=8080, help="port (default 8080; 0 picks a free one)")
-    serve.add_argument("--index", choices=INDEX_CHOICES, default="exact", help="index to search (default exact)")
-    serve.add_argument("--exclude-seen", metavar="DATA_ROOT", help="dataset for exclude_seen=1 requests")
+    _index_arguments(serve)
+    serve.add_argument(
+        "--exclude-seen",
+        metavar="DATA_ROOT",
+        help="dataset for exclude_seen=1 requests (default: the export's seen-items table)",
+    )
     serve.add_argument(
         "--data", metavar="DATA_ROOT", help="training dataset (history-tower models; default: the manifest's)"
     )
     serve.add_argument("--seen-splits", default="train,valid,test", help="splits counted as seen")
     serve.add_argument("--no-verify", action="store_true", help="skip the sha256 check of the export files")
     serve.add_argument("--quiet", action="store_true", help="do not log requests")
+    ray = serve.add_argument_group("Ray Serve (--ray)")
+    ray.add_argument("--ray", action="store_true", help="serve on Ray Serve instead of the standard-library server")
+    ray.add_argument("--address", help="Ray cluster address (e.g. auto, ray://head:10001; default: start Ray here)")
+    ray.add_argument("--replicas", type=int, default=1, help="replicas of the deployment (default 1)")
+    ray.add_argument(
+        "--autoscale", metavar="MIN:MAX", help="autoscale between MIN and MAX replicas instead of --replicas"
+    )
+    ray.add_argument("--max-batch-size", type=int, default=64, help="queries searched as one batch (default 64)")
+    ray.add_argument(
+        "--batch-wait-ms", type=float, default=2.0, help="longest wait for a batch to fill, ms (default 2)"
+    )
+    ray.add_argument(
+        "--max-ongoing-requests", type=int, default=128, help="requests a replica works on at once (default 128)"
+    )
+    ray.add_argument(
+        "--max-queued-requests",
+        type=int,
+        default=256,
+        help="requests queued per caller before 503 (default 256; never unbounded)",
+    )
+    ray.add_argument("--replica-cpus", type=float, default=1.0, help="CPUs reserved per replica (default 1)")
     serve.set_defaults(func=run_serve)
 
     build = subparsers.add_parser(
@@ -66,12 +99,28 @@ def register(subparsers) -> None:
     )
     build.add_argument("export", metavar="DIR", help="export directory")
     build.add_argument("--kind", choices=INDEX_CHOICES, default="exact", help="index kind (default exact)")
+    build.add_argument(
+        "--quantize",
+        choices=INDEX_QUANTIZATIONS,
+        default="float32",
+        help="store the vectors as float32 (default), float16 or int8 (FAISS scalar quantiser)",
+    )
     build.add_argument("--nlist", type=int, help="IVF: number of cells (default ~sqrt(n))")
     build.add_argument("--nprobe", type=int, help="IVF: cells scanned per query (default nlist/16, at least 8)")
     build.add_argument("--M", dest="M", type=int, help="HNSW: links per node (default 16)")
     build.add_argument("--ef-construction", type=int, help="HNSW: build candidate list (default 40)")
     build.add_argument("--ef-search", type=int, help="HNSW: search candidate list (default 128)")
     build.set_defaults(func=run_build_index)
+
+
+def _index_arguments(parser) -> None:
+    parser.add_argument("--index", choices=INDEX_CHOICES, default="exact", help="index to search (default exact)")
+    parser.add_argument(
+        "--quantize",
+        choices=INDEX_QUANTIZATIONS,
+        default="float32",
+        help="search the float16 or int8 copy of the index (built with build-index --quantize)",
+    )
 
 
 def _split_ids(text: str, what: str) -> list[int]:
@@ -84,19 +133,25 @@ def _split_ids(text: str, what: str) -> list[int]:
     return ids
 
 
-def _seen(data_root: str | None, splits: str):
+def _seen(data_root: str | None, splits: str, rec=None):
+    """Seen items of ``data_root`` (a dataset), of the export (``""``: its seen table), or None."""
     if data_root is None:
         return None
-    from bigrank.export.recommend import SeenItems
+    from bigrank.export.seen import SeenItems
 
-    return SeenItems(data_root, [s.strip() for s in splits.split(",") if s.strip()])
+    splits = [s.strip() for s in splits.split(",") if s.strip()]
+    if data_root == "" and rec is not None:
+        return rec.seen_items(splits)
+    return SeenItems(data_root, splits)
 
 
 def run_recommend(args: argparse.Namespace) -> int:
     from bigrank.export.recommend import Recommender
 
-    rec = Recommender(args.export, index=args.index, verify=not args.no_verify, data_root=args.data)
-    seen = _seen(args.exclude_seen, args.seen_splits)
+    rec = Recommender(
+        args.export, index=args.index, quantize=args.quantize, verify=not args.no_verify, data_root=args.data
+    )
+    seen = _seen(args.exclude_seen, args.seen_splits, rec)
     if seen is not None and seen.num_items != rec.num_items:
         raise ValueError(f"the dataset {args.exclude_seen} has {seen.num_items} items, the export {rec.num_items}")
     if args.user is not None:
@@ -117,7 +172,7 @@ def run_recommend(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(rows, indent=1))
     else:
-        print(f"{heading} ({args.index} index, inner product):")
+        print(f"{heading} ({rec.index_kind} index, inner product):")
         print(format_table(rows))
     return 0
 
@@ -143,14 +198,20 @@ def format_table(rows: list[dict]) -> str:
 
 
 def run_serve(args: argparse.Namespace) -> int:
+    if args.ray:
+        from bigrank.export.ray_serve import run_ray_serve
+
+        return run_ray_serve(args)
     from bigrank.export.recommend import Recommender
     from bigrank.export.serve import make_server
 
-    rec = Recommender(args.export, index=args.index, verify=not args.no_verify, data_root=args.data)
+    rec = Recommender(
+        args.export, index=args.index, quantize=args.quantize, verify=not args.no_verify, data_root=args.data
+    )
     server = make_server(rec, args.host, args.port, seen=_seen(args.exclude_seen, args.seen_splits), quiet=args.quiet)
     host, port = server.server_address[:2]
     print(
-        f"serving {args.export} ({rec.num_items:,} items, {rec.num_users:,} users, {args.index} index) "
+        f"serving {args.export} ({rec.num_items:,} items, {rec.num_users:,} users, {rec.index_kind} index) "
         f"on http://{host}:{port}/recommend?user=0&k=10",
         file=sys.stderr,
         flush=True,
@@ -168,8 +229,9 @@ def run_build_index(args: argparse.Namespace) -> int:
     names = {"nlist": "nlist", "nprobe": "nprobe", "M": "M", "ef_construction": "efConstruction"}
     names["ef_search"] = "efSearch"
     params = {key: getattr(args, attr) for attr, key in names.items() if getattr(args, attr) is not None}
-    entry = build_export_index(args.export, args.kind, params)
+    entry = build_export_index(args.export, args.kind, params, quantize=args.quantize)
     recall = entry.get("recall_at_10_vs_exact")
     extra = f", recall@10 vs exact {recall:.4f} on {entry['recall_queries']} queries" if recall is not None else ""
-    print(f"{args.kind} index: {entry['file']} built in {entry['build_seconds']:.1f}s {entry['params']}{extra}")
+    built = f"{entry['file']} built in {entry['build_seconds']:.1f}s {entry['params']}"
+    print(f"{args.kind} ({args.quantize}) index: {built}{extra}")
     return 0

@@ -10,8 +10,15 @@ dense item id (an export's parts tile ``[0, num_items)`` in order).
 * ``hnsw`` — ``IndexHNSWFlat`` (Malkov & Yashunin, 2018, hierarchical navigable small-world graph) with
   ``M`` links per node, ``efConstruction`` / ``efSearch`` candidate lists. Approximate.
 
-Approximate indexes are reported with their recall@k against the exact top-k (``recall_at_k``), measured
-when they are built into an export and recorded in its manifest.
+Each kind can also store its vectors scalar-quantised (FAISS ``ScalarQuantizer``: per dimension, the
+range seen in training is split into 2^8 levels for ``int8``, or the value rounded to IEEE half for
+``float16``): ``IndexScalarQuantizer``, ``IndexIVFScalarQuantizer``, ``IndexHNSWSQ``. That halves
+(float16) or quarters (int8) the index memory; scores are computed on the decoded vectors, so they are
+approximate too. An index is named ``kind`` or ``kind-quantisation`` (``"ivf-int8"``; see
+``bigrank.export.format.index_name``).
+
+Every index other than float32 ``exact`` is reported with its recall@k against the exact top-k
+(``recall_at_k``), measured when it is built into an export and recorded in its manifest.
 """
 
 from __future__ import annotations
@@ -23,16 +30,21 @@ from pathlib import Path
 
 import numpy as np
 
-INDEX_KINDS = ("exact", "ivf", "hnsw")
+from bigrank.atomic import write_atomic, write_json_atomic
+from bigrank.export.format import (
+    INDEX_KINDS,
+    MANIFEST_NAME,
+    index_file,
+    index_name,
+    load_export,
+    parse_index_name,
+    read_table,
+    sha256_file,
+)
+
 RECALL_K = 10
 RECALL_QUERIES = 1000
-
-
-def index_file(kind: str) -> str:
-    """Relative path of the ``kind`` index in an export: ``items/index-<kind>.faiss``."""
-    if kind not in INDEX_KINDS:
-        raise ValueError(f"unknown index kind {kind!r}; choose one of {INDEX_KINDS}")
-    return f"items/index-{kind}.faiss"
+SQ_TRAIN_ROWS = 65536
 
 
 def default_params(kind: str, num_items: int) -> dict:
@@ -52,34 +64,50 @@ def default_params(kind: str, num_items: int) -> dict:
     raise ValueError(f"unknown index kind {kind!r}; choose one of {INDEX_KINDS}")
 
 
-def build_index(vectors: np.ndarray, kind: str = "exact", params: dict | None = None, seed: int = 0):
+def build_index(
+    vectors: np.ndarray, kind: str = "exact", params: dict | None = None, seed: int = 0, quantize: str | None = None
+):
     """Build a FAISS inner-product index over the rows of ``vectors`` (float32[n, d]).
 
-    ``params`` overrides ``default_params(kind, n)``. Returns the index; position ``i`` is row ``i``.
+    ``params`` overrides ``default_params(kind, n)``; ``quantize`` (None/"float32", "float16", "int8")
+    stores the vectors scalar-quantised. Returns the index; position ``i`` is row ``i``.
     """
     import faiss
 
+    index_name(kind, quantize)  # validates the pair
     vectors = np.ascontiguousarray(vectors, dtype=np.float32)
     if vectors.ndim != 2 or vectors.shape[0] == 0:
         raise ValueError(f"cannot index an empty or non-2-D matrix of shape {vectors.shape}")
     n, d = vectors.shape
     settings = {**default_params(kind, n), **(params or {})}
+    qtype = {"float16": faiss.ScalarQuantizer.QT_fp16, "int8": faiss.ScalarQuantizer.QT_8bit}.get(quantize or "")
+    ip = faiss.METRIC_INNER_PRODUCT
+    rng = np.random.default_rng(seed)
+    train_rows = SQ_TRAIN_ROWS
     if kind == "exact":
-        index = faiss.IndexFlatIP(d)
+        index = faiss.IndexFlatIP(d) if qtype is None else faiss.IndexScalarQuantizer(d, qtype, ip)
     elif kind == "ivf":
         quantizer = faiss.IndexFlatIP(d)
-        index = faiss.IndexIVFFlat(quantizer, d, int(settings["nlist"]), faiss.METRIC_INNER_PRODUCT)
-        rng = np.random.default_rng(seed)
-        sample = vectors[np.sort(rng.choice(n, size=min(n, int(settings["train_rows"])), replace=False))]
+        nlist = int(settings["nlist"])
+        if qtype is None:
+            index = faiss.IndexIVFFlat(quantizer, d, nlist, ip)
+        else:
+            index = faiss.IndexIVFScalarQuantizer(quantizer, d, nlist, qtype, ip)
         index.cp.seed = seed
-        index.train(sample)
         index.nprobe = int(settings["nprobe"])
+        train_rows = int(settings["train_rows"])
     elif kind == "hnsw":
-        index = faiss.IndexHNSWFlat(d, int(settings["M"]), faiss.METRIC_INNER_PRODUCT)
+        if qtype is None:
+            index = faiss.IndexHNSWFlat(d, int(settings["M"]), ip)
+        else:
+            index = faiss.IndexHNSWSQ(d, qtype, int(settings["M"]), ip)
         index.hnsw.efConstruction = int(settings["efConstruction"])
         index.hnsw.efSearch = int(settings["efSearch"])
     else:
         raise ValueError(f"unknown index kind {kind!r}; choose one of {INDEX_KINDS}")
+    if not index.is_trained:  # IVF centroids (k-means) and the scalar quantiser's ranges
+        sample = vectors[np.sort(rng.choice(n, size=min(n, train_rows), replace=False))]
+        index.train(sample)
     index.add(vectors)
     return index
 
@@ -147,8 +175,6 @@ def write_index_atomic(index, path: str | Path) -> Path:
     """Save ``index`` to ``path`` via a temporary file and ``os.replace``."""
     import faiss
 
-    from bigrank.atomic import write_atomic
-
     return write_atomic(path, lambda tmp: faiss.write_index(index, str(tmp)))
 
 
@@ -163,28 +189,40 @@ def read_index(path: str | Path):
 
 
 def build_export_index(
-    export_dir: str | Path, kind: str = "exact", params: dict | None = None, num_queries: int = RECALL_QUERIES
+    export_dir: str | Path,
+    name: str = "exact",
+    params: dict | None = None,
+    num_queries: int = RECALL_QUERIES,
+    quantize: str | None = None,
 ) -> dict:
-    """Build the ``kind`` index of an export's items, save it beside the parts and record it in the manifest.
+    """Build the index ``name`` of an export's items, save it beside the parts and record it in the manifest.
 
-    For approximate kinds the recall@10 against the exact top-k is measured on ``num_queries`` user
-    vectors of the export (items when it has no users) and recorded with the build parameters and time.
-    The index file is written atomically before the manifest (rewritten atomically) names it. Returns the
-    manifest entry of the index.
+    ``name`` is a kind (``"exact"``, ``"ivf"``, ``"hnsw"``) or ``kind-quantisation`` (``"ivf-int8"``);
+    ``quantize`` is another way to give the quantisation. Except for float32 ``exact``, the recall@10
+    against the exact top-k is measured on ``num_queries`` user vectors of the export (items when it has
+    no users) and recorded with the build parameters and time. The index file is written atomically
+    before the manifest (rewritten atomically) names it. Returns the manifest entry of the index.
     """
-    from bigrank.data.manifest import write_json_atomic
-    from bigrank.export.recommend import load_export, read_table
-    from bigrank.export.writer import MANIFEST_NAME, sha256_file
-
+    kind, quantization = parse_index_name(name)
+    if quantize is not None and quantization != "float32" and quantize != quantization:
+        raise ValueError(f"index {name!r} and quantize={quantize!r} disagree")
+    name = index_name(kind, quantize or quantization)
+    quantization = quantize or quantization
     export_dir = Path(export_dir)
     manifest = load_export(export_dir)
     items = read_table(export_dir, manifest, "items")["embedding"]
     settings = {**default_params(kind, len(items)), **(params or {})}
     started = time.perf_counter()
-    index = build_index(items, kind, settings)
+    index = build_index(items, kind, settings, quantize=quantization)
     build_seconds = time.perf_counter() - started
-    entry = {"file": index_file(kind), "params": settings, "build_seconds": round(build_seconds, 3)}
-    if kind != "exact":
+    entry = {
+        "file": index_file(name),
+        "kind": kind,
+        "quantize": quantization,
+        "params": settings,
+        "build_seconds": round(build_seconds, 3),
+    }
+    if name != "exact":
         queries = _recall_queries(export_dir, manifest, items, num_queries)
         _, exact = brute_force_top_k(items, queries, RECALL_K)
         _, approx = search(index, queries, RECALL_K)
@@ -193,14 +231,12 @@ def build_export_index(
     path = write_index_atomic(index, export_dir / entry["file"])
     entry.update(bytes=path.stat().st_size, sha256=sha256_file(path))
     manifest = json.loads((export_dir / MANIFEST_NAME).read_text())
-    manifest.setdefault("indexes", {})[kind] = entry
+    manifest.setdefault("indexes", {})[name] = entry
     write_json_atomic(export_dir / MANIFEST_NAME, manifest)
     return entry
 
 
 def _recall_queries(export_dir: Path, manifest: dict, items: np.ndarray, num_queries: int) -> np.ndarray:
-    from bigrank.export.recommend import read_table
-
     users = read_table(export_dir, manifest, "users")["embedding"] if manifest["num_users"] else items
     rng = np.random.default_rng(0)
     rows = np.sort(rng.choice(len(users), size=min(num_queries, len(users)), replace=False))

@@ -1,7 +1,8 @@
 """Read an export back (with checksum verification) and recommend items from it.
 
-``load_export`` checks the manifest against the files (presence, byte size, sha256, Parquet row counts) so a
-truncated or replaced part is reported by name instead of producing wrong recommendations. ``Recommender``
+``load_export`` (``bigrank.export.format``) checks the manifest against the files (presence, byte size,
+sha256, Parquet row counts) so a truncated or replaced part is reported by name instead of producing wrong
+recommendations. ``Recommender``
 holds the item and user vectors and a FAISS index and returns the top-k items of a user by inner product
 
     top-k_i  <users[u], items[i]>,   i not in the excluded (e.g. already seen) items
@@ -13,162 +14,17 @@ items, ``f(H) = (1/|H|) sum_{i in H} E_hist[i]``; see ``bigrank.model.towers``).
 
 from __future__ import annotations
 
-import json
 import threading
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 import numpy as np
 
-from bigrank.export.writer import EXPORT_FORMAT_VERSION, EXPORT_KIND, MANIFEST_NAME, sha256_file
+from bigrank.export.format import load_export, parse_index_name, read_table
+from bigrank.export.index import build_index, read_index, search, set_search_params
+from bigrank.export.seen import SeenItems, SeenItemsFile
 
-PRELOAD_MAX_RATINGS = 50_000_000
-
-
-def load_export(export_dir: str | Path, verify: bool = True) -> dict:
-    """Read ``<export_dir>/manifest.json`` and check the files it lists; returns the manifest.
-
-    Always checks that every part and index file exists and has the recorded byte size; ``verify=True``
-    also checks each file's sha256 and each part's Parquet row count. Raises FileNotFoundError for a missing
-    directory, manifest or file and ValueError naming the file for a truncated, modified or corrupt one.
-    """
-    export_dir = Path(export_dir)
-    if not export_dir.is_dir():
-        raise FileNotFoundError(f"export directory does not exist: {export_dir}")
-    path = export_dir / MANIFEST_NAME
-    if not path.is_file():
-        raise FileNotFoundError(
-            f"no {MANIFEST_NAME} in {export_dir}: not a bigrank export, or the export did not finish (run it again)"
-        )
-    try:
-        manifest = json.loads(path.read_text())
-    except json.JSONDecodeError as error:
-        raise ValueError(f"{path} is not valid JSON: {error}") from error
-    if not isinstance(manifest, dict) or manifest.get("kind") != EXPORT_KIND:
-        raise ValueError(f"{path} is not the manifest of a bigrank embeddings export")
-    if manifest.get("format_version") != EXPORT_FORMAT_VERSION:
-        raise ValueError(f"{path} has format_version {manifest.get('format_version')}; this bigrank reads 1")
-    for name, table in manifest["tables"].items():
-        for part in table["parts"]:
-            _check_file(export_dir / part["file"], part, verify, f"part of table {name!r}")
-            if verify:
-                _check_rows(export_dir / part["file"], part["rows"])
-    for kind, entry in manifest.get("indexes", {}).items():
-        _check_file(export_dir / entry["file"], entry, verify, f"{kind} index")
-    return manifest
-
-
-def _check_file(path: Path, entry: dict, verify: bool, what: str) -> None:
-    if not path.is_file():
-        raise FileNotFoundError(f"export file listed in the manifest is missing ({what}): {path}")
-    size = path.stat().st_size
-    if size != entry["bytes"]:
-        raise ValueError(
-            f"export file is truncated or was modified ({what}): {path} has {size} bytes, "
-            f"the manifest records {entry['bytes']}"
-        )
-    if verify and sha256_file(path) != entry["sha256"]:
-        raise ValueError(f"export file is corrupt ({what}): {path} does not match its sha256 in the manifest")
-
-
-def _check_rows(path: Path, rows: int) -> None:
-    import pyarrow.parquet as pq
-
-    try:
-        found = pq.ParquetFile(path).metadata.num_rows
-    except Exception as error:  # pyarrow raises ArrowInvalid / OSError for a bad footer
-        raise ValueError(f"export file is corrupt (unreadable Parquet footer): {path}: {error}") from error
-    if found != rows:
-        raise ValueError(f"export file {path} holds {found} rows, the manifest records {rows}")
-
-
-def read_table(export_dir: str | Path, manifest: dict, name: str) -> dict[str, np.ndarray]:
-    """All rows of table ``name`` ("items", "users", "history", "items_float16", …) in id order.
-
-    Returns ``{"ids": int32[n], "embedding": [n, d] (float32, float16 or int8), "original_id": int64[n]?,
-    "title": object[n]?, "scale": float32[n]?}`` (optional keys when the parts have those columns).
-    """
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    if name not in manifest["tables"]:
-        raise ValueError(f"the export has no table {name!r}; it has {sorted(manifest['tables'])}")
-    entry = manifest["tables"][name]
-    parts = sorted(entry["parts"], key=lambda p: p["row_start"])
-    pieces = []
-    for part in parts:
-        path = Path(export_dir) / part["file"]
-        try:
-            pieces.append(pq.read_table(path))
-        except Exception as error:
-            raise ValueError(f"export file is corrupt (cannot decode): {path}: {error}") from error
-    table = pa.concat_tables(pieces)
-    ids = table.column(entry["id_column"]).to_numpy()
-    if not np.array_equal(ids, np.arange(entry["rows"])):
-        raise ValueError(f"table {name!r} of {export_dir}: the parts' ids are not 0 … {entry['rows'] - 1} in order")
-    embedding = table.column("embedding").combine_chunks()
-    if isinstance(embedding, pa.ChunkedArray):  # an empty table has no chunk to combine
-        embedding = pa.concat_arrays(embedding.chunks) if embedding.num_chunks else None
-    dim = int(entry["dim"])
-    flat = embedding.flatten().to_numpy(zero_copy_only=False) if embedding is not None else np.empty(0)
-    out = {"ids": ids.astype(np.int32), "embedding": flat.reshape(len(ids), dim)}
-    if "original_id" in table.column_names:
-        out["original_id"] = table.column("original_id").to_numpy().astype(np.int64)
-    if "title" in table.column_names:
-        out["title"] = np.asarray(table.column("title").to_pylist(), dtype=object)
-    if "scale" in table.column_names:
-        out["scale"] = table.column("scale").to_numpy()
-    return out
-
-
-class SeenItems:
-    """The items each user has rated in a dataset (``bigrank.data`` layout), for excluding them.
-
-    ``splits`` (default all three) are the interactions counted as seen. Datasets of at most
-    ``PRELOAD_MAX_RATINGS`` ratings are loaded once into a CSR array (user -> sorted items); larger ones are
-    scanned per user with a Parquet filter on ``user_id`` (row groups are skipped by their statistics).
-    """
-
-    def __init__(self, data_root: str | Path, splits: Sequence[str] = ("train", "valid", "test")):
-        from bigrank.data import manifest as layout
-
-        self.root = Path(data_root)
-        self.manifest = layout.validate_dataset(self.root, splits)
-        self.splits = tuple(splits)
-        self.files = [self.root / f for s in self.splits for f in layout.split_info(self.manifest, s)["files"]]
-        self.num_users = int(self.manifest["num_users"])
-        self.num_items = int(self.manifest["num_items"])
-        rows = sum(layout.split_info(self.manifest, s)["rows"] for s in self.splits)
-        self._indptr = self._items = None
-        if rows <= PRELOAD_MAX_RATINGS:
-            self._preload()
-
-    def _preload(self) -> None:
-        import pyarrow.parquet as pq
-
-        users, items = [np.empty(0, np.int32)], [np.empty(0, np.int32)]
-        for path in self.files:
-            table = pq.read_table(path, columns=["user_id", "item_id"])
-            users.append(table.column("user_id").to_numpy())
-            items.append(table.column("item_id").to_numpy())
-        users, items = np.concatenate(users), np.concatenate(items)
-        order = np.lexsort((items, users))
-        self._items = items[order]
-        self._indptr = np.concatenate([[0], np.cumsum(np.bincount(users, minlength=self.num_users))])
-
-    def items_of(self, user_id: int) -> np.ndarray:
-        """Sorted unique item ids (int32) that ``user_id`` rated in the chosen splits."""
-        if not 0 <= int(user_id) < self.num_users:
-            raise ValueError(f"user id {user_id} is outside [0, {self.num_users}) of the dataset {self.root}")
-        if self._indptr is not None:
-            return np.unique(self._items[self._indptr[user_id] : self._indptr[user_id + 1]])
-        import pyarrow.parquet as pq
-
-        found = [np.empty(0, np.int32)]
-        for path in self.files:
-            table = pq.read_table(path, columns=["item_id"], filters=[("user_id", "==", int(user_id))])
-            found.append(table.column("item_id").to_numpy())
-        return np.unique(np.concatenate(found))
+__all__ = ["Recommender", "SeenItems", "SeenItemsFile", "load_export", "read_table"]  # readers re-exported
 
 
 class Recommender:
@@ -177,16 +33,19 @@ class Recommender:
     Args:
         export_dir: a directory written by ``bigrank export`` (``export_embeddings``).
         index: ``"exact"`` (FAISS ``IndexFlatIP``; built in memory when the export has none saved), ``"ivf"``
-            or ``"hnsw"`` (must have been built into the export: ``bigrank build-index DIR --kind ivf``).
+            or ``"hnsw"``, or a scalar-quantised one such as ``"ivf-int8"`` / ``"exact-float16"`` (all but
+            float32 exact must have been built into the export: ``bigrank build-index DIR --kind ivf``).
         verify: check the files' sha256 checksums on load (``load_export``).
         search_params: search-time overrides, ``{"nprobe": …}`` (IVF) or ``{"efSearch": …}`` (HNSW).
-        data_root: the training dataset, needed when the manifest's ``user_vector`` is
-            ``"table+history_mean"`` (history-tower models): a known user's vector is then
-            ``E_user[u] + mean_{i in H(u)} E_hist[i]`` over its train items ``H(u)``. Default: the dataset
-            recorded in the manifest.
+        data_root: the training dataset, for history-tower exports without a ``seen`` table (older
+            exports): when the manifest's ``user_vector`` is ``"table+history_mean"``, a known user's
+            vector is ``E_user[u] + mean_{i in H(u)} E_hist[i]`` over its train items ``H(u)``, read from
+            the export's ``seen`` table when it has one, else from this dataset (default: the manifest's).
+        quantize: another way to name a quantised index: ``index="ivf", quantize="int8"``.
 
     Results are lists of ``{"item_id", "score"}`` dicts (plus ``"original_id"`` / ``"title"`` when the export
-    has them), best first. Searches are serialised by a lock, so one instance can serve many threads.
+    has them), best first. Index searches are serialised by a lock, so one instance can serve many threads;
+    ``search_batch`` answers many queries with one index search.
     """
 
     def __init__(
@@ -196,11 +55,12 @@ class Recommender:
         verify: bool = True,
         search_params: dict | None = None,
         data_root=None,
+        quantize: str | None = None,
     ):
-        from bigrank.export.index import INDEX_KINDS, build_index, read_index, set_search_params
-
-        if index not in INDEX_KINDS:
-            raise ValueError(f"unknown index {index!r}; choose one of {INDEX_KINDS}")
+        kind, quantization = parse_index_name(index)
+        if quantize not in (None, "float32") and quantization not in ("float32", quantize):
+            raise ValueError(f"index {index!r} and quantize={quantize!r} disagree")
+        index = kind if (quantize or quantization) == "float32" else f"{kind}-{quantize or quantization}"
         self.export_dir = Path(export_dir)
         self.manifest = load_export(self.export_dir, verify=verify)
         items = read_table(self.export_dir, self.manifest, "items")
@@ -222,15 +82,18 @@ class Recommender:
         elif index == "exact":
             self.index = build_index(self.item_vectors, "exact")
         else:
+            quantize_flag = f" --quantize {index.split('-')[1]}" if "-" in index else ""
             raise ValueError(
                 f"the export {self.export_dir} has no {index} index; build it with "
-                f"`bigrank build-index {self.export_dir} --kind {index}`"
+                f"`bigrank build-index {self.export_dir} --kind {kind}{quantize_flag}`"
             )
         if search_params:
             set_search_params(self.index, search_params)
+        self.index_entry = saved or {"kind": "exact", "quantize": "float32"}
         self.user_vector_rule = self.manifest.get("user_vector", "table")
         dataset = self.manifest.get("dataset") or {}
         self.data_root = data_root if data_root is not None else dataset.get("root")
+        self.seen = SeenItemsFile(self.export_dir, self.manifest) if "seen" in self.manifest["tables"] else None
         self._train_items = None
         self._lock = threading.Lock()
 
@@ -241,6 +104,10 @@ class Recommender:
     @property
     def num_users(self) -> int:
         return len(self.user_vectors)
+
+    @property
+    def dim(self) -> int:
+        return int(self.item_vectors.shape[1])
 
     @property
     def has_history(self) -> bool:
@@ -262,11 +129,22 @@ class Recommender:
         if self.user_vector_rule == "table":
             return self.user_vectors[user_id]
         # History tower: f(u) = E_user[u] + mean of the history rows of u's train items (empty bag: 0).
-        history = self.train_items().items_of(user_id)
+        if self.seen is not None:
+            history = self.seen.train_items_of(user_id)
+        else:
+            history = self.train_items().items_of(user_id)
         if len(history) == 0:
             return self.user_vectors[user_id]
         mean = self.history_vectors[history].mean(axis=0, dtype=np.float64)
         return (self.user_vectors[user_id] + mean).astype(np.float32)
+
+    def seen_items(self, splits: Sequence[str] = ("train", "valid", "test")):
+        """The export's seen items (``SeenItemsFile``) counting ``splits``; ValueError when it has none."""
+        if self.seen is None:
+            return SeenItemsFile(self.export_dir, self.manifest, splits)  # raises with a message
+        if tuple(splits) == self.seen.splits:
+            return self.seen
+        return SeenItemsFile(self.export_dir, self.manifest, splits)
 
     def train_items(self) -> SeenItems:
         """The users' train items (history bags) of the dataset, loaded on first use."""
@@ -275,8 +153,8 @@ class Recommender:
                 if self.data_root is None or not Path(self.data_root).is_dir():
                     raise ValueError(
                         "this export comes from a history-tower model: a user's vector needs the user's train "
-                        f"items, but the dataset {self.data_root!r} is not available; pass its directory "
-                        "(--data DATA_ROOT)"
+                        f"items, but the export has no seen-items table and the dataset {self.data_root!r} is "
+                        "not available; pass its directory (--data DATA_ROOT) or export again with the dataset"
                     )
                 train = SeenItems(self.data_root, ("train",))
                 if train.num_items != self.num_items or train.num_users != self.num_users:
@@ -291,7 +169,7 @@ class Recommender:
                 "this export has no history table (the model was trained without the history tower), so a user "
                 "given as a list of items cannot be folded in; recommend for a known user id instead"
             )
-        items = self._check_items(item_ids)
+        items = self.check_items(item_ids)
         if len(items) == 0:
             raise ValueError("fold-in needs at least one item id")
         return self.history_vectors[items].mean(axis=0, dtype=np.float64).astype(np.float32)
@@ -311,8 +189,8 @@ class Recommender:
 
         The history items themselves are excluded unless ``exclude_history=False``.
         """
-        items = self._check_items(item_ids)
-        excluded = self._check_items([] if exclude_item_ids is None else exclude_item_ids)
+        items = self.check_items(item_ids)
+        excluded = self.check_items([] if exclude_item_ids is None else exclude_item_ids)
         if exclude_history:
             excluded = np.concatenate([items, excluded])
         return self.recommend_vector(self.fold_in_vector(items), k, excluded)
@@ -325,24 +203,49 @@ class Recommender:
         The index is asked for ``k + |excluded|`` items, so with the exact index the result is the exact
         top-k of the remaining items (fewer when fewer remain).
         """
-        from bigrank.export.index import search
-
         k = _as_int(k, "k")
-        if k < 1:
-            raise ValueError(f"k must be >= 1, got {k}")
-        excluded = np.unique(self._check_items([] if exclude_item_ids is None else exclude_item_ids))
-        want = min(self.num_items, k + len(excluded))
-        query = np.asarray(vector, dtype=np.float32).reshape(1, -1)
-        while True:
-            with self._lock:
-                scores, ids = search(self.index, query, want)
-            keep = (ids[0] >= 0) & ~np.isin(ids[0], excluded)
-            chosen_ids, chosen_scores = ids[0][keep][:k], scores[0][keep][:k]
-            # Approximate indexes may return fewer hits than asked: widen the search until k are found.
-            if len(chosen_ids) >= k or want >= self.num_items:
-                break
-            want = min(self.num_items, 2 * want)
-        return [self._describe(int(item), float(score)) for item, score in zip(chosen_ids, chosen_scores, strict=True)]
+        excluded = self.check_items([] if exclude_item_ids is None else exclude_item_ids)
+        ((ids, scores),) = self.search_batch(np.asarray(vector, dtype=np.float32).reshape(1, -1), [k], [excluded])
+        return self.describe(ids, scores)
+
+    def search_batch(
+        self, vectors: np.ndarray, ks: Sequence[int], excluded: Sequence[np.ndarray]
+    ) -> list[tuple[np.ndarray, np.ndarray]]:
+        """Top-``ks[j]`` items of each query ``vectors[j]`` (float32[q, d]) skipping ``excluded[j]`` (int ids).
+
+        One index search answers the whole batch, asking for ``max_j (ks[j] + |excluded[j]|)`` items; a row
+        that an approximate index leaves short of ``ks[j]`` is searched again, alone, with a doubled width.
+        Returns per query ``(ids int64[<= k], scores float32[<= k])``, best first.
+        """
+        vectors = np.ascontiguousarray(np.atleast_2d(vectors), dtype=np.float32)
+        if len(vectors) != len(ks) or len(ks) != len(excluded):
+            raise ValueError(f"{len(vectors)} vectors, {len(ks)} ks and {len(excluded)} exclusion lists differ")
+        for k in ks:
+            if int(k) < 1:
+                raise ValueError(f"k must be >= 1, got {k}")
+        excluded = [np.unique(np.asarray(e, dtype=np.int64)) for e in excluded]
+        wants = [min(self.num_items, int(k) + len(e)) for k, e in zip(ks, excluded, strict=True)]
+        with self._lock:
+            scores, ids = search(self.index, vectors, max(wants))
+        out = []
+        for row, (k, skip, want) in enumerate(zip(ks, excluded, wants, strict=True)):
+            row_ids, row_scores = ids[row], scores[row]
+            while True:
+                keep = (row_ids >= 0) & ~np.isin(row_ids, skip)
+                chosen_ids, chosen_scores = row_ids[keep][: int(k)], row_scores[keep][: int(k)]
+                # Approximate indexes may return fewer hits than asked: widen the search until k are found.
+                if len(chosen_ids) >= int(k) or want >= self.num_items:
+                    break
+                want = min(self.num_items, 2 * want)
+                with self._lock:
+                    more_scores, more_ids = search(self.index, vectors[row : row + 1], want)
+                row_ids, row_scores = more_ids[0], more_scores[0]
+            out.append((chosen_ids, chosen_scores))
+        return out
+
+    def describe(self, ids: np.ndarray, scores: np.ndarray) -> list[dict]:
+        """Result rows ``{"item_id", "score", "original_id"?, "title"?}`` of item ids and their scores."""
+        return [self._describe(int(item), float(score)) for item, score in zip(ids, scores, strict=True)]
 
     def _describe(self, item: int, score: float) -> dict:
         row = {"item_id": item, "score": score}
@@ -352,7 +255,8 @@ class Recommender:
             row["title"] = str(self.item_titles[item])
         return row
 
-    def _check_items(self, item_ids: Iterable[int]) -> np.ndarray:
+    def check_items(self, item_ids: Iterable[int]) -> np.ndarray:
+        """``item_ids`` as int64[n]; ValueError naming the bad ones when not integers in ``[0, num_items)``."""
         if isinstance(item_ids, np.ndarray) and item_ids.dtype.kind in "iu":
             items = item_ids.astype(np.int64).reshape(-1)
         else:

@@ -1,14 +1,14 @@
 """A small HTTP JSON endpoint over a ``Recommender`` (standard library ``http.server`` only).
 
-Routes (GET only)::
+The zero-dependency default of ``bigrank serve``; ``bigrank serve --ray`` runs the same API on Ray Serve
+(``bigrank.export.ray_serve``). Routes and replies are defined in ``bigrank.export.api``::
 
-    /health                              {"status": "ok", "num_items", "num_users", "dim", "index", "has_history"}
-    /recommend?user=U&k=K                {"user": U, "k": K, "index": …, "items": [{"item_id", "score", …}]}
-    /recommend?items=I1,I2,…&k=K         fold-in of a user given by items (exports with a history table)
-               &exclude_seen=1           also drop the user's rated items (server started with a dataset)
+    GET  /health
+    GET  /recommend?user=U&k=K[&exclude_seen=1]   or   ?items=I1,I2,…&k=K
+    POST /recommend  {"users": [U, …], "k": K}    or   {"histories": [[I, …], …], "k": K}
 
 Bad parameters answer 400 with ``{"error": message}``; unknown paths 404. The server is threaded; the
-recommender serialises index searches with its own lock.
+recommender serialises index searches with its own lock, so requests are searched one at a time.
 """
 
 from __future__ import annotations
@@ -17,11 +17,11 @@ import json
 import sys
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from urllib.parse import parse_qs, urlsplit
+from urllib.parse import urlsplit
 
-DEFAULT_K = 10
-MAX_K = 1000
-RECOMMEND_PARAMETERS = {"user", "items", "k", "exclude_seen"}
+from bigrank.export.api import MAX_K, health, parse_get, parse_post, search_queries
+
+MAX_BODY_BYTES = 1 << 20
 
 
 class RecommendServer(ThreadingHTTPServer):
@@ -43,54 +43,35 @@ class RecommendHandler(BaseHTTPRequestHandler):
     server: RecommendServer
 
     def do_GET(self) -> None:  # noqa: N802 - the name http.server dispatches to
+        self._dispatch("GET")
+
+    def do_POST(self) -> None:  # noqa: N802 - the name http.server dispatches to
+        self._dispatch("POST")
+
+    def _dispatch(self, method: str) -> None:
         url = urlsplit(self.path)
+        server = self.server
         try:
-            if url.path == "/health":
-                self._send(HTTPStatus.OK, self._health())
-            elif url.path == "/recommend":
-                self._send(HTTPStatus.OK, self._recommend(url.query))
+            if url.path == "/health" and method == "GET":
+                self._send(HTTPStatus.OK, health(server.recommender, server.seen))
+            elif url.path == "/recommend" and method == "GET":
+                query = parse_get(server.recommender, server.seen, url.query, server.max_k)
+                self._send(HTTPStatus.OK, search_queries(server.recommender, [query])[0])
+            elif url.path == "/recommend" and method == "POST":
+                length = int(self.headers.get("Content-Length") or 0)
+                if length > MAX_BODY_BYTES:
+                    raise ValueError(f"the body is larger than {MAX_BODY_BYTES} bytes")
+                k, queries = parse_post(server.recommender, server.seen, self.rfile.read(length), server.max_k)
+                results = search_queries(server.recommender, queries)
+                self._send(HTTPStatus.OK, {"k": k, "index": server.recommender.index_kind, "results": results})
+            elif url.path in ("/health", "/recommend"):
+                self._send(HTTPStatus.METHOD_NOT_ALLOWED, {"error": f"{method} is not allowed on {url.path}"})
             else:
                 self._send(HTTPStatus.NOT_FOUND, {"error": f"unknown path {url.path!r}; use /recommend or /health"})
         except ValueError as error:
             self._send(HTTPStatus.BAD_REQUEST, {"error": str(error)})
         except Exception as error:  # noqa: BLE001 - a server answers 500 instead of dropping the connection
             self._send(HTTPStatus.INTERNAL_SERVER_ERROR, {"error": f"{type(error).__name__}: {error}"})
-
-    def _health(self) -> dict:
-        rec = self.server.recommender
-        return {
-            "status": "ok",
-            "num_items": rec.num_items,
-            "num_users": rec.num_users,
-            "dim": int(rec.item_vectors.shape[1]),
-            "index": rec.index_kind,
-            "has_history": rec.has_history,
-            "exclude_seen": self.server.seen is not None,
-        }
-
-    def _recommend(self, query: str) -> dict:
-        params = parse_query(query)
-        rec = self.server.recommender
-        k = parse_int(params.get("k", str(DEFAULT_K)), "k")
-        if not 1 <= k <= self.server.max_k:
-            raise ValueError(f"k must lie in [1, {self.server.max_k}], got {k}")
-        exclude_seen = parse_flag(params.get("exclude_seen", "0"), "exclude_seen")
-        if ("user" in params) == ("items" in params):
-            raise ValueError("give exactly one of user=<id> or items=<id,id,…>")
-        if exclude_seen and self.server.seen is None:
-            raise ValueError("exclude_seen needs a server started with --exclude-seen DATA_ROOT")
-        if "user" in params:
-            user = parse_int(params["user"], "user")
-            if not 0 <= user < rec.num_users:
-                raise ValueError(f"user {user} is outside [0, {rec.num_users})")
-            excluded = self.server.seen.items_of(user) if exclude_seen else None
-            return {"user": user, "k": k, "index": rec.index_kind, "items": rec.recommend(user, k, excluded)}
-        items = [parse_int(value, "items") for value in params["items"].split(",") if value.strip()]
-        if not items:
-            raise ValueError("items must list at least one item id")
-        if exclude_seen:
-            raise ValueError("exclude_seen applies to user=<id>; the given items are always excluded")
-        return {"items_given": items, "k": k, "index": rec.index_kind, "items": rec.recommend_items_history(items, k)}
 
     def _send(self, status: HTTPStatus, payload: dict) -> None:
         body = json.dumps(payload).encode()
@@ -105,44 +86,16 @@ class RecommendHandler(BaseHTTPRequestHandler):
             sys.stderr.write(f"{self.address_string()} {format % args}\n")
 
 
-def parse_query(query: str) -> dict[str, str]:
-    """Query string -> single values; ValueError for unknown or repeated parameters."""
-    params = parse_qs(query, keep_blank_values=True, strict_parsing=False)
-    unknown = sorted(set(params) - RECOMMEND_PARAMETERS)
-    if unknown:
-        raise ValueError(f"unknown parameters {unknown}; use {sorted(RECOMMEND_PARAMETERS)}")
-    repeated = sorted(name for name, values in params.items() if len(values) > 1)
-    if repeated:
-        raise ValueError(f"parameters given more than once: {repeated}")
-    return {name: values[0] for name, values in params.items()}
-
-
-def parse_int(value: str, name: str) -> int:
-    """``value`` as an int; ValueError naming the parameter otherwise."""
-    try:
-        return int(value.strip())
-    except ValueError:
-        raise ValueError(f"{name} must be an integer, got {value!r}") from None
-
-
-def parse_flag(value: str, name: str) -> bool:
-    """``1/true/yes`` -> True, ``0/false/no`` (or empty) -> False; ValueError otherwise."""
-    lowered = value.strip().lower()
-    if lowered in ("1", "true", "yes"):
-        return True
-    if lowered in ("", "0", "false", "no"):
-        return False
-    raise ValueError(f"{name} must be 0 or 1, got {value!r}")
-
-
 def make_server(recommender, host: str = "127.0.0.1", port: int = 0, seen=None, quiet: bool = False):
     """A ``RecommendServer`` bound to ``(host, port)`` (port 0: any free port; see ``server_address``).
 
-    ``seen``: optional ``bigrank.export.recommend.SeenItems`` enabling ``exclude_seen=1``. Call
+    ``seen``: the items ``exclude_seen=1`` drops: a ``bigrank.export.seen.SeenItems`` of a dataset, or by
+    default the export's own seen-items table (``recommender.seen``; None when it has none). Call
     ``serve_forever()`` to answer requests and ``shutdown()`` + ``server_close()`` to stop.
     """
+    seen = seen if seen is not None else recommender.seen
     if seen is not None and seen.num_items != recommender.num_items:
         raise ValueError(
-            f"the dataset {seen.root} has {seen.num_items} items but the export has {recommender.num_items}"
+            f"the seen items ({seen.root}) count {seen.num_items} items but the export has {recommender.num_items}"
         )
     return RecommendServer((host, port), recommender, seen=seen, quiet=quiet)

@@ -1,14 +1,7 @@
 """Write trained embeddings as an export directory: per-rank Parquet parts, then a checksummed manifest.
 
-Layout of an export ``DIR``::
-
-    DIR/manifest.json                          written last: its presence means the export is complete
-    DIR/items/part-rNNNNN.parquet              item_id: int32, [original_id: int64, title: string],
-                                               embedding: fixed_size_list<float32>[d]
-    DIR/users/part-rNNNNN.parquet              user_id: int32, [original_id: int64], embedding
-    DIR/history/part-rNNNNN.parquet            (models with a history tower) the history table, item-indexed
-    DIR/<table>_float16/…, DIR/<table>_int8/…  optional quantised copies (int8 adds ``scale: float32``)
-    DIR/items/index-<kind>.faiss               optional FAISS indexes (see ``bigrank.export.index``)
+The layout of an export is described in ``bigrank.export.format`` (the leaf module holding its names,
+checksums and readers).
 
 Every rank writes the rows it owns (no gather of the catalog or the user table through one process); the
 part of rank ``r`` is ``part-r{r:05d}.parquet``. Row ``i`` of a table is the dense id ``i`` and the parts
@@ -16,12 +9,12 @@ cover ``[0, rows)`` contiguously, so the concatenation of the parts in ``row_sta
 a position in a FAISS index built from it is the item id. The score of user ``u`` and item ``i`` is the
 inner product ``<users[u], items[i]>``. Each part is written to a temporary name and renamed into place; the
 manifest records each part's row range, byte size and sha256, so a truncated or replaced file is detected
-when the export is loaded (``bigrank.export.recommend.load_export``).
+when the export is loaded (``bigrank.export.format.load_export``). With a dataset, the export also
+carries the users' seen items (``bigrank.export.seen``), so serving needs no training data.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
@@ -32,29 +25,22 @@ from pathlib import Path
 import numpy as np
 
 from bigrank.data import manifest as layout
+from bigrank.export.format import (
+    EXPORT_FORMAT_VERSION,
+    EXPORT_KIND,
+    MANIFEST_NAME,
+    QUANTIZATIONS,
+    SCORE_FUNCTION,
+    SEEN_TABLE,
+    TABLE_ID_COLUMNS,
+    part_file,
+    sha256_file,
+)
+from bigrank.export.index import build_export_index
+from bigrank.export.seen import SPLIT_BITS, write_seen_part
 
-EXPORT_KIND = "bigrank-embeddings"
-EXPORT_FORMAT_VERSION = 1
-MANIFEST_NAME = "manifest.json"
-SCORE_FUNCTION = "inner_product"
 ROW_GROUP_ROWS = 65536
-QUANTIZATIONS = ("float16", "int8")
-TABLE_ID_COLUMNS = {"items": "item_id", "users": "user_id", "history": "item_id"}
 INT8_MAX = 127
-
-
-def part_file(table: str, rank: int) -> str:
-    """Relative path of the part of ``rank`` in ``table``: ``<table>/part-r{rank:05d}.parquet``."""
-    return f"{table}/part-r{rank:05d}.parquet"
-
-
-def sha256_file(path: str | Path, block_bytes: int = 1 << 22) -> str:
-    """Hex sha256 of the file at ``path`` (read in blocks of ``block_bytes``)."""
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        while block := handle.read(block_bytes):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def quantize_int8(vectors: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -221,7 +207,7 @@ def _is_export_dir(out_dir: Path) -> bool:
             return json.loads(manifest.read_text()).get("kind") == EXPORT_KIND
         except (json.JSONDecodeError, AttributeError):
             return False
-    ours = set(TABLE_ID_COLUMNS) | {f"{t}_{q}" for t in TABLE_ID_COLUMNS for q in QUANTIZATIONS}
+    ours = set(TABLE_ID_COLUMNS) | {f"{t}_{q}" for t in TABLE_ID_COLUMNS for q in QUANTIZATIONS} | {SEEN_TABLE}
     return all(entry.name in ours or entry.name.startswith(f".{MANIFEST_NAME}.tmp-") for entry in out_dir.iterdir())
 
 
@@ -234,6 +220,7 @@ def _prepare_directory(out_dir: Path) -> None:
     for table in TABLE_ID_COLUMNS:
         for name in (table, *(f"{table}_{q}" for q in QUANTIZATIONS)):
             shutil.rmtree(out_dir / name, ignore_errors=True)
+    shutil.rmtree(out_dir / SEEN_TABLE, ignore_errors=True)
     layout.remove_stale_temporaries(out_dir)
 
 
@@ -251,14 +238,25 @@ def _table_entry(name: str, parts: list[dict], dim: int) -> dict:
             )
         position = part["row_stop"]
     base = name.split("_")[0]
+    id_column = "user_id" if base == SEEN_TABLE else TABLE_ID_COLUMNS[base]
     dtype = name.split("_")[1] if "_" in name else "float32"
     return {
-        "id_column": TABLE_ID_COLUMNS[base],
+        "id_column": id_column,
         "rows": position,
         "dim": dim,
         "dtype": dtype,
         "parts": parts,
     }
+
+
+def _seen_entry(parts: list[dict], dataset_root) -> dict:
+    """Manifest entry of the ``seen`` table: the ranks' user ranges must tile ``[0, num_users)``."""
+    entry = _table_entry(SEEN_TABLE, parts, dim=0)
+    del entry["dim"], entry["dtype"]
+    entry["nnz"] = sum(int(part["nnz"]) for part in parts)
+    entry["splits"] = [s for s in SPLIT_BITS if s in layout.load_manifest(dataset_root)["splits"]]
+    entry["split_bits"] = dict(SPLIT_BITS)
+    return entry
 
 
 def export_embeddings(
@@ -274,6 +272,7 @@ def export_embeddings(
     quantize=(),
     history_rows=None,
     index=(),
+    seen: bool = True,
 ) -> dict | None:
     """Collective export of the embeddings that each rank holds; returns the manifest on rank 0, else None.
 
@@ -291,8 +290,12 @@ def export_embeddings(
         quantize: any of ``"float16"``, ``"int8"``: also write quantised copies of every table.
         history_rows: rows of the history table (item-indexed) for models with a history tower; enables
             fold-in of users given as item lists.
-        index: FAISS index kinds (``"exact"``, ``"ivf"``, ``"hnsw"``) that rank 0 builds after the manifest
-            (see ``bigrank.export.index.build_export_index``).
+        index: FAISS indexes that rank 0 builds after the manifest: ``"exact"``, ``"ivf"``, ``"hnsw"``,
+            optionally scalar-quantised as ``"ivf-int8"``, ``"hnsw-float16"`` …
+            (``bigrank.export.index.build_export_index``).
+        seen: with a ``dataset_root``, also write the table ``seen``: every user's distinct items per split
+            (``bigrank.export.seen``), each rank an even share of the users. Serving then excludes seen
+            items and builds history-tower user vectors without the dataset.
 
     Each rank writes its parts atomically; the ranks then exchange the parts' row ranges, sizes and sha256
     checksums (``all_gather_object``; no embedding leaves its rank) and rank 0 writes ``manifest.json``
@@ -325,6 +328,10 @@ def export_embeddings(
             raise ValueError(f"the tables have different dimensions: {dims}")
         status["dim"] = dims["items"]
         status["parts"] = _write_rank_parts(out_dir, rank, tables, dataset_root, quantize)
+        if seen and dataset_root is not None:
+            num_users = int(layout.load_manifest(dataset_root)["num_users"])
+            share = (rank * num_users // world_size, (rank + 1) * num_users // world_size)
+            status["parts"][SEEN_TABLE] = write_seen_part(out_dir, rank, dataset_root, *share)
     except (OSError, ValueError) as error:
         status = {"error": str(error)}
     statuses = _all_gather(status, world_size, group)
@@ -336,10 +343,8 @@ def export_embeddings(
         try:
             manifest = _write_manifest(out_dir, statuses, dataset_root, model_info, quantize, started)
             if index:
-                from bigrank.export.index import build_export_index
-
-                for kind in index:
-                    build_export_index(out_dir, kind)
+                for name in index:
+                    build_export_index(out_dir, name)
                 manifest = json.loads((out_dir / MANIFEST_NAME).read_text())
         except (OSError, ValueError, RuntimeError) as error:
             status["error"] = str(error)
@@ -367,8 +372,10 @@ def _write_manifest(out_dir: Path, statuses, dataset_root, model_info, quantize,
     (dim,) = dims
     if model_info.get("dim") is not None and int(model_info["dim"]) != dim:
         raise ValueError(f"model_info says dim={model_info['dim']} but the embeddings have d={dim}")
-    names = list(statuses[0]["parts"])
+    names = [name for name in statuses[0]["parts"] if name != SEEN_TABLE]
     tables = {name: _table_entry(name, [s["parts"].get(name) for s in statuses], dim) for name in names}
+    if SEEN_TABLE in statuses[0]["parts"]:
+        tables[SEEN_TABLE] = _seen_entry([s["parts"][SEEN_TABLE] for s in statuses], dataset_root)
     dataset = _dataset_summary(dataset_root)
     if dataset is not None:
         for name, expected in (("items", dataset["num_items"]), ("users", dataset["num_users"])):

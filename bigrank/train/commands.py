@@ -64,7 +64,11 @@ def register(subparsers) -> None:
     export.add_argument("--checkpoint", default=None, help="checkpoint directory (default: the newest)")
     export.add_argument("--workers", type=int, default=None, help="local processes (default: the run's)")
     export.add_argument(
-        "--index", action="append", default=[], choices=["exact", "ivf", "hnsw"], help="also build a FAISS index"
+        "--index",
+        action="append",
+        default=[],
+        choices=[f"{kind}{suffix}" for kind in ("exact", "ivf", "hnsw") for suffix in ("", "-float16", "-int8")],
+        help="also build a FAISS index (kind, or kind-float16 / kind-int8 for a scalar-quantised one)",
     )
     export.add_argument(
         "--quantize", action="append", default=[], choices=["float16", "int8"], help="also write quantised copies"

@@ -1,0 +1,182 @@
+"""The recommend HTTP API, independent of the server that carries it (stdlib ``serve`` or Ray ``ray_serve``).
+
+Routes::
+
+    GET  /health                         {"status": "ok", "num_items", "num_users", "dim", "index", …}
+    GET  /recommend?user=U&k=K           {"user": U, "k": K, "index": …, "items": [{"item_id", "score", …}]}
+    GET  /recommend?items=I1,I2,…&k=K    fold-in of a user given by items (exports with a history table)
+                   &exclude_seen=1       also drop the user's rated items
+    POST /recommend  {"users": [U, …], "k": K, "exclude_seen": false}
+                  or {"histories": [[I, …], …], "k": K}
+                                         {"k": K, "index": …, "results": [<one GET answer per user/history>]}
+
+A request is parsed into ``Query`` objects (query vector, k, excluded items, what to echo back), the
+server searches their vectors (one at a time or as a batch: ``Recommender.search_batch``) and ``answer``
+turns ids and scores into the JSON reply. Bad parameters raise ValueError, which both servers answer
+with 400 and ``{"error": message}``.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from urllib.parse import parse_qs
+
+import numpy as np
+
+DEFAULT_K = 10
+MAX_K = 1000
+MAX_POST_QUERIES = 1000
+RECOMMEND_PARAMETERS = {"user", "items", "k", "exclude_seen"}
+POST_FIELDS = {"users", "histories", "k", "exclude_seen"}
+
+
+@dataclass
+class Query:
+    """One search: ``vector`` float32[d], the ``k`` wanted, ``excluded`` item ids, and the request's ``echo``."""
+
+    vector: np.ndarray
+    k: int
+    excluded: np.ndarray
+    echo: dict
+
+
+def health(rec, seen) -> dict:
+    """The ``/health`` reply of a server holding ``rec`` (a ``Recommender``) and ``seen`` (or None)."""
+    return {
+        "status": "ok",
+        "num_items": rec.num_items,
+        "num_users": rec.num_users,
+        "dim": rec.dim,
+        "index": rec.index_kind,
+        "has_history": rec.has_history,
+        "exclude_seen": seen is not None,
+    }
+
+
+def parse_query(query: str) -> dict[str, str]:
+    """Query string -> single values; ValueError for unknown or repeated parameters."""
+    params = parse_qs(query, keep_blank_values=True, strict_parsing=False)
+    unknown = sorted(set(params) - RECOMMEND_PARAMETERS)
+    if unknown:
+        raise ValueError(f"unknown parameters {unknown}; use {sorted(RECOMMEND_PARAMETERS)}")
+    repeated = sorted(name for name, values in params.items() if len(values) > 1)
+    if repeated:
+        raise ValueError(f"parameters given more than once: {repeated}")
+    return {name: values[0] for name, values in params.items()}
+
+
+def parse_int(value, name: str) -> int:
+    """``value`` (a string or a JSON number) as an int; ValueError naming the parameter otherwise."""
+    if isinstance(value, bool):
+        raise ValueError(f"{name} must be an integer, got {value!r}")
+    if isinstance(value, int):
+        return value
+    try:
+        return int(str(value).strip())
+    except ValueError:
+        raise ValueError(f"{name} must be an integer, got {value!r}") from None
+
+
+def parse_flag(value, name: str) -> bool:
+    """``1/true/yes`` -> True, ``0/false/no`` (or empty) -> False; ValueError otherwise."""
+    if isinstance(value, bool):
+        return value
+    lowered = str(value).strip().lower()
+    if lowered in ("1", "true", "yes"):
+        return True
+    if lowered in ("", "0", "false", "no"):
+        return False
+    raise ValueError(f"{name} must be 0 or 1, got {value!r}")
+
+
+def _parse_k(value, max_k: int) -> int:
+    k = parse_int(value, "k")
+    if not 1 <= k <= max_k:
+        raise ValueError(f"k must lie in [1, {max_k}], got {k}")
+    return k
+
+
+def _user_query(rec, seen, user, k: int, exclude_seen: bool) -> Query:
+    user = parse_int(user, "user")
+    if not 0 <= user < rec.num_users:
+        raise ValueError(f"user {user} is outside [0, {rec.num_users})")
+    excluded = seen.items_of(user) if exclude_seen else np.empty(0, np.int64)
+    return Query(rec.user_vector(user), k, excluded, {"user": user})
+
+
+def _history_query(rec, items: list[int], k: int) -> Query:
+    if not items:
+        raise ValueError("items must list at least one item id")
+    checked = rec.check_items(items)
+    return Query(rec.fold_in_vector(checked), k, checked, {"items_given": [int(i) for i in items]})
+
+
+def _check_exclude_seen(exclude_seen: bool, seen) -> None:
+    if exclude_seen and seen is None:
+        raise ValueError(
+            "exclude_seen needs an export with a seen-items table (exported with its dataset) or a server "
+            "started with --exclude-seen DATA_ROOT"
+        )
+
+
+def parse_get(rec, seen, query: str, max_k: int = MAX_K) -> Query:
+    """The ``Query`` of ``GET /recommend?<query>``; ValueError with a message for bad parameters."""
+    params = parse_query(query)
+    k = _parse_k(params.get("k", str(DEFAULT_K)), max_k)
+    exclude_seen = parse_flag(params.get("exclude_seen", "0"), "exclude_seen")
+    if ("user" in params) == ("items" in params):
+        raise ValueError("give exactly one of user=<id> or items=<id,id,…>")
+    _check_exclude_seen(exclude_seen, seen)
+    if "user" in params:
+        return _user_query(rec, seen, params["user"], k, exclude_seen)
+    if exclude_seen:
+        raise ValueError("exclude_seen applies to user=<id>; the given items are always excluded")
+    return _history_query(rec, [parse_int(v, "items") for v in params["items"].split(",") if v.strip()], k)
+
+
+def parse_post(rec, seen, body: bytes, max_k: int = MAX_K, max_queries: int = MAX_POST_QUERIES) -> tuple[int, list]:
+    """``(k, queries)`` of ``POST /recommend`` with a JSON ``body``; ValueError with a message when bad."""
+    try:
+        payload = json.loads(body or b"null")
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise ValueError(f"the body must be JSON: {error}") from None
+    if not isinstance(payload, dict):
+        raise ValueError('the body must be a JSON object such as {"users": [1, 2], "k": 10}')
+    unknown = sorted(set(payload) - POST_FIELDS)
+    if unknown:
+        raise ValueError(f"unknown fields {unknown}; use {sorted(POST_FIELDS)}")
+    k = _parse_k(payload.get("k", DEFAULT_K), max_k)
+    exclude_seen = parse_flag(payload.get("exclude_seen", False), "exclude_seen")
+    if ("users" in payload) == ("histories" in payload):
+        raise ValueError('give exactly one of "users": [id, …] or "histories": [[id, …], …]')
+    _check_exclude_seen(exclude_seen, seen)
+    given = payload.get("users", payload.get("histories"))
+    if not isinstance(given, list) or not given:
+        raise ValueError("users / histories must be a non-empty JSON list")
+    if len(given) > max_queries:
+        raise ValueError(f"at most {max_queries} users or histories per request, got {len(given)}")
+    if "users" in payload:
+        return k, [_user_query(rec, seen, user, k, exclude_seen) for user in given]
+    if exclude_seen:
+        raise ValueError("exclude_seen applies to users; the items of a history are always excluded")
+    queries = []
+    for history in given:
+        if not isinstance(history, list):
+            raise ValueError(f"each history must be a list of item ids, got {history!r}")
+        queries.append(_history_query(rec, [parse_int(i, "histories") for i in history], k))
+    return k, queries
+
+
+def answer(rec, query: Query, ids: np.ndarray, scores: np.ndarray) -> dict:
+    """The JSON reply of one query: its echo, ``k``, the index and the result rows."""
+    return {**query.echo, "k": query.k, "index": rec.index_kind, "items": rec.describe(ids, scores)}
+
+
+def search_queries(rec, queries: list[Query]) -> list[dict]:
+    """Answer ``queries`` with one batched index search (``Recommender.search_batch``)."""
+    if not queries:
+        return []
+    vectors = np.stack([q.vector for q in queries]).astype(np.float32)
+    found = rec.search_batch(vectors, [q.k for q in queries], [q.excluded for q in queries])
+    return [answer(rec, q, ids, scores) for q, (ids, scores) in zip(queries, found, strict=True)]

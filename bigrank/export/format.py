@@ -1,0 +1,171 @@
+"""The export format: names, checksums and readers shared by the writer, the indexes and the servers.
+
+This module is the leaf of ``bigrank.export``: it imports no other module of the package, so the writer
+(``writer``), the indexes (``index``), the seen-items file (``seen``) and the servers (``recommend``,
+``serve``, ``ray_serve``) all import from it and never from each other in a cycle.
+
+Layout of an export ``DIR`` (see ``bigrank.export.writer`` for how it is written)::
+
+    DIR/manifest.json                          written last: its presence means the export is complete
+    DIR/items/part-rNNNNN.parquet              item_id: int32, [original_id: int64, title: string],
+                                               embedding: fixed_size_list<float32>[d]
+    DIR/users/part-rNNNNN.parquet              user_id: int32, [original_id: int64], embedding
+    DIR/history/part-rNNNNN.parquet            (models with a history tower) the history table, item-indexed
+    DIR/<table>_float16/…, DIR/<table>_int8/…  optional quantised copies (int8 adds ``scale: float32``)
+    DIR/seen/part-rNNNNN.parquet               per-user seen items (``bigrank.export.seen``), CSR-like
+    DIR/items/index-<name>.faiss               optional FAISS indexes (``bigrank.export.index``)
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import numpy as np
+
+EXPORT_KIND = "bigrank-embeddings"
+EXPORT_FORMAT_VERSION = 1
+MANIFEST_NAME = "manifest.json"
+SCORE_FUNCTION = "inner_product"
+QUANTIZATIONS = ("float16", "int8")
+TABLE_ID_COLUMNS = {"items": "item_id", "users": "user_id", "history": "item_id"}
+SEEN_TABLE = "seen"
+INDEX_KINDS = ("exact", "ivf", "hnsw")
+INDEX_QUANTIZATIONS = ("float32", *QUANTIZATIONS)
+
+
+def part_file(table: str, rank: int) -> str:
+    """Relative path of the part of ``rank`` in ``table``: ``<table>/part-r{rank:05d}.parquet``."""
+    return f"{table}/part-r{rank:05d}.parquet"
+
+
+def index_name(kind: str, quantize: str | None = None) -> str:
+    """Manifest key of an index: ``"ivf"`` (float32 vectors) or ``"ivf-int8"`` / ``"hnsw-float16"`` …
+
+    ``quantize``: None or ``"float32"`` (full precision), ``"float16"`` or ``"int8"`` (FAISS scalar quantiser).
+    """
+    if kind not in INDEX_KINDS:
+        raise ValueError(f"unknown index kind {kind!r}; choose one of {INDEX_KINDS}")
+    quantize = quantize or "float32"
+    if quantize not in INDEX_QUANTIZATIONS:
+        raise ValueError(f"unknown index quantisation {quantize!r}; choose one of {INDEX_QUANTIZATIONS}")
+    return kind if quantize == "float32" else f"{kind}-{quantize}"
+
+
+def parse_index_name(name: str) -> tuple[str, str]:
+    """``"ivf-int8"`` -> ``("ivf", "int8")``, ``"exact"`` -> ``("exact", "float32")``; ValueError otherwise."""
+    kind, _, quantize = str(name).partition("-")
+    index_name(kind, quantize or None)  # validates both halves
+    return kind, quantize or "float32"
+
+
+def index_file(name: str) -> str:
+    """Relative path of the index ``name`` (``index_name``) in an export: ``items/index-<name>.faiss``."""
+    parse_index_name(name)
+    return f"items/index-{name}.faiss"
+
+
+def sha256_file(path: str | Path, block_bytes: int = 1 << 22) -> str:
+    """Hex sha256 of the file at ``path`` (read in blocks of ``block_bytes``)."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        while block := handle.read(block_bytes):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def load_export(export_dir: str | Path, verify: bool = True) -> dict:
+    """Read ``<export_dir>/manifest.json`` and check the files it lists; returns the manifest.
+
+    Always checks that every part and index file exists and has the recorded byte size; ``verify=True``
+    also checks each file's sha256 and each part's Parquet row count. Raises FileNotFoundError for a missing
+    directory, manifest or file and ValueError naming the file for a truncated, modified or corrupt one.
+    """
+    export_dir = Path(export_dir)
+    if not export_dir.is_dir():
+        raise FileNotFoundError(f"export directory does not exist: {export_dir}")
+    path = export_dir / MANIFEST_NAME
+    if not path.is_file():
+        raise FileNotFoundError(
+            f"no {MANIFEST_NAME} in {export_dir}: not a bigrank export, or the export did not finish (run it again)"
+        )
+    try:
+        manifest = json.loads(path.read_text())
+    except json.JSONDecodeError as error:
+        raise ValueError(f"{path} is not valid JSON: {error}") from error
+    if not isinstance(manifest, dict) or manifest.get("kind") != EXPORT_KIND:
+        raise ValueError(f"{path} is not the manifest of a bigrank embeddings export")
+    if manifest.get("format_version") != EXPORT_FORMAT_VERSION:
+        raise ValueError(f"{path} has format_version {manifest.get('format_version')}; this bigrank reads 1")
+    for name, table in manifest["tables"].items():
+        for part in table["parts"]:
+            _check_file(export_dir / part["file"], part, verify, f"part of table {name!r}")
+            if verify:
+                _check_rows(export_dir / part["file"], part["rows"])
+    for name, entry in manifest.get("indexes", {}).items():
+        _check_file(export_dir / entry["file"], entry, verify, f"{name} index")
+    return manifest
+
+
+def _check_file(path: Path, entry: dict, verify: bool, what: str) -> None:
+    if not path.is_file():
+        raise FileNotFoundError(f"export file listed in the manifest is missing ({what}): {path}")
+    size = path.stat().st_size
+    if size != entry["bytes"]:
+        raise ValueError(
+            f"export file is truncated or was modified ({what}): {path} has {size} bytes, "
+            f"the manifest records {entry['bytes']}"
+        )
+    if verify and sha256_file(path) != entry["sha256"]:
+        raise ValueError(f"export file is corrupt ({what}): {path} does not match its sha256 in the manifest")
+
+
+def _check_rows(path: Path, rows: int) -> None:
+    import pyarrow.parquet as pq
+
+    try:
+        found = pq.ParquetFile(path).metadata.num_rows
+    except Exception as error:  # pyarrow raises ArrowInvalid / OSError for a bad footer
+        raise ValueError(f"export file is corrupt (unreadable Parquet footer): {path}: {error}") from error
+    if found != rows:
+        raise ValueError(f"export file {path} holds {found} rows, the manifest records {rows}")
+
+
+def read_table(export_dir: str | Path, manifest: dict, name: str) -> dict[str, np.ndarray]:
+    """All rows of table ``name`` ("items", "users", "history", "items_float16", …) in id order.
+
+    Returns ``{"ids": int32[n], "embedding": [n, d] (float32, float16 or int8), "original_id": int64[n]?,
+    "title": object[n]?, "scale": float32[n]?}`` (optional keys when the parts have those columns).
+    """
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    if name not in manifest["tables"]:
+        raise ValueError(f"the export has no table {name!r}; it has {sorted(manifest['tables'])}")
+    entry = manifest["tables"][name]
+    parts = sorted(entry["parts"], key=lambda p: p["row_start"])
+    pieces = []
+    for part in parts:
+        path = Path(export_dir) / part["file"]
+        try:
+            pieces.append(pq.read_table(path))
+        except Exception as error:
+            raise ValueError(f"export file is corrupt (cannot decode): {path}: {error}") from error
+    table = pa.concat_tables(pieces)
+    ids = table.column(entry["id_column"]).to_numpy()
+    if not np.array_equal(ids, np.arange(entry["rows"])):
+        raise ValueError(f"table {name!r} of {export_dir}: the parts' ids are not 0 … {entry['rows'] - 1} in order")
+    embedding = table.column("embedding").combine_chunks()
+    if isinstance(embedding, pa.ChunkedArray):  # an empty table has no chunk to combine
+        embedding = pa.concat_arrays(embedding.chunks) if embedding.num_chunks else None
+    dim = int(entry["dim"])
+    flat = embedding.flatten().to_numpy(zero_copy_only=False) if embedding is not None else np.empty(0)
+    out = {"ids": ids.astype(np.int32), "embedding": flat.reshape(len(ids), dim)}
+    if "original_id" in table.column_names:
+        out["original_id"] = table.column("original_id").to_numpy().astype(np.int64)
+    if "title" in table.column_names:
+        out["title"] = np.asarray(table.column("title").to_pylist(), dtype=object)
+    if "scale" in table.column_names:
+        out["scale"] = table.column("scale").to_numpy()
+    return out

@@ -1,0 +1,256 @@
+"""``bigrank serve --ray``: the recommend API (``bigrank.export.api``) as a Ray Serve application.
+
+Each replica loads the export (items, users, history, the seen-items table, the chosen FAISS index) once.
+Requests are parsed on arrival; their query vectors wait in a ``@serve.batch`` queue and are searched
+together, ``max_batch_size`` at most, by one FAISS call (``Recommender.search_batch``), which uses the
+index's BLAS/OpenMP kernels on a block of queries instead of one query at a time. The search runs in a
+worker thread so the replica keeps accepting requests (and filling the next batch) meanwhile.
+
+Overload is bounded, never an unbounded queue: a replica takes at most ``max_ongoing_requests`` at
+once, each caller (the HTTP proxy) queues at most ``max_queued_requests`` more, and beyond that Ray Serve
+answers ``503`` with a ``Retry-After`` header (``BackpressureConfig``). Replicas are ``num_replicas`` or
+autoscaled between ``min_replicas`` and ``max_replicas`` on ongoing requests.
+
+Two ways in: ``bigrank serve EXPORT --ray`` (``run_ray_serve``) and a Serve config file whose
+``import_path`` is ``bigrank.export.ray_serve:app_builder`` (``cluster/serve-bigrank.yaml``,
+``cluster/kuberay/rayservice.yaml``). ``ray`` and ``starlette`` are imported lazily: the stdlib server
+and the rest of ``bigrank.export`` do not need them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+
+from bigrank.export import api
+from bigrank.export.format import index_name
+from bigrank.export.recommend import Recommender
+from bigrank.export.seen import SeenItems
+
+APP_NAME = "bigrank"
+DEPLOYMENT_NAME = "Recommend"
+
+
+@dataclass
+class ServeSettings:
+    """Everything that defines the application; also the ``args`` of a Serve config file.
+
+    ``autoscale`` is ``"MIN:MAX"`` (replicas) or None for a fixed ``replicas``. ``seen_root``: a dataset for
+    ``exclude_seen`` (default: the export's seen-items table). ``search_threads``: FAISS OpenMP threads
+    per replica (0: FAISS's default).
+    """
+
+    export: str
+    index: str = "exact"
+    quantize: str = "float32"
+    replicas: int = 1
+    autoscale: str | None = None
+    max_batch_size: int = 64
+    batch_wait_ms: float = 2.0
+    max_ongoing_requests: int = 128
+    max_queued_requests: int = 256
+    retry_after_s: float = 1.0
+    replica_cpus: float = 1.0
+    search_threads: int = 0
+    verify: bool = True
+    data_root: str | None = None
+    seen_root: str | None = None
+    seen_splits: list[str] = field(default_factory=lambda: ["train", "valid", "test"])
+
+    def __post_init__(self) -> None:
+        if self.max_queued_requests < 1:
+            raise ValueError("max_queued_requests must be >= 1: an unbounded queue is not allowed")
+        if self.max_ongoing_requests < 1 or self.max_batch_size < 1 or self.replicas < 1:
+            raise ValueError("replicas, max_batch_size and max_ongoing_requests must be >= 1")
+        if self.autoscale is not None:
+            self.autoscale_range()
+
+    def autoscale_range(self) -> tuple[int, int]:
+        """``(min_replicas, max_replicas)`` of ``autoscale`` ("MIN:MAX"); ValueError when malformed."""
+        try:
+            low, high = (int(v) for v in str(self.autoscale).split(":"))
+        except ValueError:
+            raise ValueError(f"autoscale must be MIN:MAX replicas, got {self.autoscale!r}") from None
+        if not 0 <= low <= high or high < 1:
+            raise ValueError(f"autoscale needs 0 <= MIN <= MAX and MAX >= 1, got {self.autoscale!r}")
+        return low, high
+
+
+class RecommendDeployment:
+    """One replica: a ``Recommender`` plus the HTTP routes of ``bigrank.export.api`` (Starlette requests)."""
+
+    def __init__(self, settings: dict):
+        self.settings = ServeSettings(**settings)
+        if self.settings.search_threads > 0:
+            import faiss
+
+            faiss.omp_set_num_threads(self.settings.search_threads)
+        self.rec = Recommender(
+            self.settings.export,
+            index=self.settings.index,
+            quantize=self.settings.quantize,
+            verify=self.settings.verify,
+            data_root=self.settings.data_root,
+        )
+        splits = tuple(self.settings.seen_splits)
+        if self.settings.seen_root is not None:
+            self.seen = SeenItems(self.settings.seen_root, splits)
+        else:
+            self.seen = self.rec.seen_items(splits) if self.rec.seen is not None else None
+        # ``_search_batch`` is the ``serve.batch`` method of the subclass made by ``_batched_class``.
+        self._search_batch.set_max_batch_size(self.settings.max_batch_size)
+        self._search_batch.set_batch_wait_timeout_s(self.settings.batch_wait_ms / 1000)
+
+    async def __call__(self, request):
+        from starlette.responses import JSONResponse
+
+        # The path below the application's route prefix ("/" by default; Serve sets it as root_path).
+        root = request.scope.get("root_path", "").rstrip("/")
+        path, method = request.url.path.removeprefix(root) or "/", request.method
+        try:
+            if path == "/health" and method == "GET":
+                return JSONResponse(api.health(self.rec, self.seen))
+            if path == "/recommend" and method == "GET":
+                query = api.parse_get(self.rec, self.seen, request.url.query)
+                return JSONResponse(await self.search(query))
+            if path == "/recommend" and method == "POST":
+                k, queries = api.parse_post(self.rec, self.seen, await request.body())
+                results = await asyncio.gather(*(self.search(q) for q in queries))
+                return JSONResponse({"k": k, "index": self.rec.index_kind, "results": list(results)})
+            if path in ("/health", "/recommend"):
+                return JSONResponse({"error": f"{method} is not allowed on {path}"}, status_code=405)
+            return JSONResponse({"error": f"unknown path {path!r}; use /recommend or /health"}, status_code=404)
+        except ValueError as error:
+            return JSONResponse({"error": str(error)}, status_code=400)
+
+    async def search(self, query):
+        """Search one query; concurrent calls are gathered into one batch (``_search_batch``)."""
+        return await self._search_batch(query)
+
+    async def _search_batch_impl(self, queries: list) -> list[dict]:
+        # FAISS releases the GIL: searching in a thread lets the event loop take in the next batch.
+        return await asyncio.to_thread(api.search_queries, self.rec, queries)
+
+    def check_health(self) -> None:
+        """Serve's periodic health check: the replica must still hold its index."""
+        if self.rec.index.ntotal != self.rec.num_items:
+            raise RuntimeError("the replica's index lost its items")
+
+
+def _batched_class():
+    """``RecommendDeployment`` with its batch method wrapped by ``serve.batch`` (imports ray lazily)."""
+    from ray import serve
+
+    class Recommend(RecommendDeployment):
+        # The sizes are set per application in ``RecommendDeployment.__init__``.
+        @serve.batch(max_batch_size=64, batch_wait_timeout_s=0.002)
+        async def _search_batch(self, queries: list) -> list[dict]:
+            return await self._search_batch_impl(queries)
+
+    return Recommend
+
+
+def build_app(settings: ServeSettings):
+    """The Ray Serve ``Application`` for ``settings`` (bind only; ``serve.run`` deploys it)."""
+    from ray import serve
+    from ray.serve.config import BackpressureConfig
+
+    options = {
+        "name": DEPLOYMENT_NAME,
+        "max_ongoing_requests": settings.max_ongoing_requests,
+        "max_queued_requests": settings.max_queued_requests,
+        "backpressure_config": BackpressureConfig(status_code=503, retry_after_s=settings.retry_after_s),
+        "ray_actor_options": {"num_cpus": settings.replica_cpus},
+        "health_check_period_s": 5,
+        "graceful_shutdown_timeout_s": 5,
+    }
+    if settings.autoscale is not None:
+        low, high = settings.autoscale_range()
+        options["autoscaling_config"] = {
+            "min_replicas": low,
+            "max_replicas": high,
+            "initial_replicas": max(1, low),
+            "target_ongoing_requests": max(1, settings.max_batch_size // 2),
+        }
+    else:
+        options["num_replicas"] = settings.replicas
+    deployment = serve.deployment(**options)(_batched_class())
+    return deployment.bind(asdict(settings))
+
+
+def app_builder(args: dict):
+    """Application builder for Serve config files: ``import_path: bigrank.export.ray_serve:app_builder``.
+
+    ``args`` are the fields of ``ServeSettings`` (``export`` required).
+    """
+    if "export" not in args:
+        raise ValueError("the Serve config's args must name the export directory: args: {export: /path/to/export}")
+    return build_app(ServeSettings(**dict(args)))
+
+
+def deploy(
+    settings: ServeSettings,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    address: str | None = None,
+    name: str = APP_NAME,
+    route_prefix: str = "/",
+):
+    """Start (or connect to) Ray, start Serve's HTTP proxy on ``host:port`` and deploy; returns the URL.
+
+    ``address``: a Ray cluster address (``"auto"``, ``"ray://head:10001"``); None starts Ray here. Several
+    applications (``name``, ``route_prefix``) can share one Serve instance; the first call fixes the port.
+    """
+    import ray
+    from ray import serve
+
+    if not ray.is_initialized():
+        if address is None:  # a single-node Ray on this machine, reachable on loopback only
+            ray.init(address="local", include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=False)
+        else:
+            ray.init(address=address, log_to_driver=False)
+    serve.start(http_options={"host": host, "port": port})
+    serve.run(build_app(settings), name=name, route_prefix=route_prefix)
+    return f"http://{host}:{port}{route_prefix.rstrip('/')}"
+
+
+def run_ray_serve(args) -> int:
+    """``bigrank serve EXPORT --ray``: deploy, print the URL, and serve until interrupted."""
+    from ray import serve
+
+    settings = ServeSettings(
+        export=args.export,
+        index=args.index,
+        quantize=args.quantize,
+        replicas=args.replicas,
+        autoscale=args.autoscale,
+        max_batch_size=args.max_batch_size,
+        batch_wait_ms=args.batch_wait_ms,
+        max_ongoing_requests=args.max_ongoing_requests,
+        max_queued_requests=args.max_queued_requests,
+        replica_cpus=args.replica_cpus,
+        verify=not args.no_verify,
+        data_root=args.data,
+        seen_root=args.exclude_seen,
+        seen_splits=[s.strip() for s in args.seen_splits.split(",") if s.strip()],
+    )
+    port = args.port or 8000
+    url = deploy(settings, args.host, port, args.address)
+    replicas = f"autoscaled {settings.autoscale}" if settings.autoscale else f"{settings.replicas} replica(s)"
+    index = index_name(settings.index, settings.quantize)
+    print(
+        f"serving {args.export} on Ray Serve ({replicas}, {index} index, batches of "
+        f"<= {settings.max_batch_size}) at {url}/recommend?user=0&k=10",
+        file=sys.stderr,
+        flush=True,
+    )
+    try:
+        while True:
+            time.sleep(3600)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        serve.delete(APP_NAME)
+    return 0
