@@ -346,6 +346,13 @@ def train_worker(config: Config | dict) -> dict[str, Any]:
         rank=rank,
     )
 
+    # >>> tune: lr schedule + user L2 (bigrank.train.schedule / regularization)
+    from bigrank.train.regularization import user_l2_penalty
+    from bigrank.train.schedule import LearningRateSchedule
+
+    lr_schedule = LearningRateSchedule.from_config(config.optim, total_steps)
+    lr_factor = 1.0
+    # <<< tune
     step, last_checkpoint, first_loss = 0, None, None
     resume_from = latest_checkpoint(run_dir)
     if resume_from is not None:
@@ -429,6 +436,15 @@ def train_worker(config: Config | dict) -> dict[str, Any]:
                         "Lower optim.item_lr / optim.user_lr or check the data; the run stopped before updating."
                     )
                 item_optimizer.zero_grad(set_to_none=True)
+                # >>> tune: the rates of this update (fused user rows update inside backward), the user L2 term
+                if not lr_schedule.constant:
+                    lr_factor = lr_schedule.apply(
+                        step, item_optimizer, config.optim.item_lr, model.tower, config.optim.user_lr
+                    )
+                penalty = user_l2_penalty(local_vectors, train_cfg.batch_size, config.optim.user_l2)
+                if penalty is not None:
+                    loss = loss + penalty
+                # <<< tune
                 loss.backward()
                 item_optimizer.step()
                 step_loss.after_step()
@@ -449,8 +465,8 @@ def train_worker(config: Config | dict) -> dict[str, Any]:
                         "epoch": step / steps_per_epoch,
                         "loss": window_loss / window_steps,
                         "examples_per_s": window_steps * train_cfg.batch_size / max(window_seconds, 1e-9),
-                        "lr": config.optim.item_lr,
-                        "user_lr": config.optim.user_lr,
+                        "lr": config.optim.item_lr * lr_factor,  # tune: scheduled rates
+                        "user_lr": config.optim.user_lr * lr_factor,
                     }
                     if step_loss.temperature is not None:
                         record["temperature"] = step_loss.temperature

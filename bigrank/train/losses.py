@@ -36,7 +36,7 @@ def _full_catalog_module(name: str, params: dict) -> nn.Module:
     if name == "rankmax":
         return RankmaxLoss(k=params["k"], margin=params["margin"])
     if name == "softmax":
-        return SoftmaxLoss()
+        return SoftmaxLoss(temperature=params["temperature"])
     return SparsemaxLoss(support_guess=params["support_guess"])
 
 
