@@ -414,6 +414,13 @@ def train_worker(config: Config | dict) -> dict[str, Any]:
             stream.set_epoch(step // steps_per_epoch)
             for batch in stream:
                 _fail_once(config, run_dir, step + 1, rank)
+                # >>> tune: the rates of this step's updates, set before the forward pass: fbgemm's fused user
+                # update (inside backward) uses the rate its lookup saw in forward
+                if not lr_schedule.constant:
+                    lr_factor = lr_schedule.apply(
+                        step, item_optimizer, config.optim.item_lr, model.tower, config.optim.user_lr
+                    )
+                # <<< tune
                 users, items = batch["user_id"], batch["item_id"]
                 local_vectors = user_vectors(model, users, pad_to=local_batch, exclude=items)
                 global_vectors = all_gather_rows(local_vectors, group)
@@ -436,11 +443,7 @@ def train_worker(config: Config | dict) -> dict[str, Any]:
                         "Lower optim.item_lr / optim.user_lr or check the data; the run stopped before updating."
                     )
                 item_optimizer.zero_grad(set_to_none=True)
-                # >>> tune: the rates of this update (fused user rows update inside backward), the user L2 term
-                if not lr_schedule.constant:
-                    lr_factor = lr_schedule.apply(
-                        step, item_optimizer, config.optim.item_lr, model.tower, config.optim.user_lr
-                    )
+                # >>> tune: the user L2 term
                 penalty = user_l2_penalty(local_vectors, train_cfg.batch_size, config.optim.user_l2)
                 if penalty is not None:
                     loss = loss + penalty

@@ -11,15 +11,16 @@ steps is ``base_lr * factor(t)`` with, for ``W`` warm-up steps and final ratio `
     factor(t) = 1                                           no decay
 
 ``factor`` depends only on ``(t, T)``, so a resumed run needs no schedule state. :meth:`LearningRateSchedule.apply`
-sets the factor on both optimisers of the trainer before each step's backward pass:
+sets the factor on both optimisers of the trainer before each step's forward pass:
 
 * the item optimiser (any ``torch.optim`` optimiser): ``group["lr"] = base * factor`` for each param group;
 * the user tower's fused torchrec optimiser: the fbgemm kernels update the rows *inside* backward, with the rate
-  they hold. torchrec 1.8's ``EmbeddingFusedOptimizer`` (``dmp.fused_optimizer``, a ``CombinedOptimizer`` of
-  ``KeyedOptimizer``s) pushes ``param_groups[0]["lr"]`` into its fbgemm module (``set_learning_rate``) when its
-  ``step()`` or ``zero_grad()`` is called, and does nothing else there; ``set_optimizer_step`` only sets the
-  step counter of optimisers that have one (Adam), not the rate. So the rate is set with
-  :func:`bigrank.model.sharding.set_fused_learning_rate` (param groups, then ``step()``).
+  they held at the forward lookup (observed on fbgemm-gpu-cpu 1.8: a rate set between forward and backward
+  reached only the next step). torchrec 1.8's ``EmbeddingFusedOptimizer`` (``dmp.fused_optimizer``, a
+  ``CombinedOptimizer`` of ``KeyedOptimizer``s) pushes ``param_groups[0]["lr"]`` into its fbgemm module
+  (``set_learning_rate``) when its ``step()`` or ``zero_grad()`` is called, and does nothing else there;
+  ``set_optimizer_step`` only sets the step counter of optimisers that have one (Adam), not the rate. So the
+  rate is set with :func:`bigrank.model.sharding.set_fused_learning_rate` (param groups, then ``step()``).
 """
 
 from __future__ import annotations
@@ -87,7 +88,9 @@ class LearningRateSchedule:
     def apply(self, step: int, item_optimizer, item_lr: float, tower=None, user_lr: float | None = None) -> float:
         """Set the rates of the update of step ``step`` on ``item_optimizer`` (``item_lr * factor``) and on the
         fused optimizer of the sharded ``tower`` (``user_lr * factor``; skipped when ``tower`` is None).
-        Returns the factor. Call it before the step's backward pass (the fused update happens inside it)."""
+        Returns the factor. Call it before the step's forward pass: the fused update happens inside backward
+        with the rate fbgemm's lookup took in forward (measured: a rate set between forward and backward is
+        only used by the next step)."""
         factor = self.factor(step)
         for group in item_optimizer.param_groups:
             group["lr"] = item_lr * factor
