@@ -558,6 +558,7 @@ def run_search(
     trials: int | None = None,
     address: str | None = None,
     max_concurrent: int | None = None,
+    time_budget_s: float | None = None,
     callbacks: list | None = None,
     verbose: int = 0,
 ) -> SearchResult:
@@ -570,6 +571,8 @@ def run_search(
         trials: samples of the space (default: the space file's ``trials``).
         address: a Ray cluster to join (default: ``ray.address``, ``RAY_ADDRESS``, else an embedded runtime).
         max_concurrent: at most this many trials at once (default: as many as the CPUs allow).
+        time_budget_s: stop the search after this many seconds (running trials are stopped; a later run of
+            the same search does not resume them).
         callbacks: extra Tune callbacks (tests).
         verbose: Tune's own progress output (0: none; each trial prints a line per evaluation).
     Returns a :class:`SearchResult`. Raises SpaceError/ConfigError naming the bad key before Ray starts.
@@ -617,6 +620,7 @@ def run_search(
                     scheduler=scheduler,
                     num_samples=trials,
                     max_concurrent_trials=max_concurrent or space.max_concurrent,
+                    time_budget_s=time_budget_s,
                 ),
                 run_config=tune.RunConfig(
                     name=out.name,
@@ -664,6 +668,7 @@ def register(subparsers) -> None:
         "embedded local runtime)",
     )
     parser.add_argument("--max-concurrent", type=int, default=None, help="trials at once (default: CPUs allow)")
+    parser.add_argument("--time-budget", type=float, default=None, metavar="SECONDS", help="stop the search then")
     add_override_argument(parser)
     parser.set_defaults(func=run_tune)
 
@@ -678,7 +683,13 @@ def run_tune(args: argparse.Namespace) -> int:
     load_manifest(config.data.root)  # a missing dataset is reported before Ray starts
     out = Path(args.out) if args.out else Path(config.run_dir + "-tune")
     result = run_search(
-        config, space, out, trials=args.trials, address=args.address, max_concurrent=args.max_concurrent
+        config,
+        space,
+        out,
+        trials=args.trials,
+        address=args.address,
+        max_concurrent=args.max_concurrent,
+        time_budget_s=args.time_budget,
     )
     print(result.table)
     print(f"\ntrials: {result.out / 'trials.csv'}")
