@@ -129,13 +129,14 @@ def test_a_tiny_search_writes_the_trials_table_and_a_best_config_that_train_acce
 
 
 class InterruptOnce(Callback):
-    """A Tune callback that sends this process SIGINT (as Ctrl+C would) at the first trial result, once per
-    marker file (the restored search unpickles it again and must not interrupt itself)."""
+    """A Tune callback that sends this process SIGINT (as Ctrl+C would) once the first reported result's
+    checkpoint is registered, once per marker file (the restored search unpickles it again and must not
+    interrupt itself)."""
 
     def __init__(self, marker: Path):
         self.marker = marker
 
-    def on_trial_result(self, iteration, trials, trial, result, **info):
+    def on_checkpoint(self, iteration, trials, trial, checkpoint, **info):
         if not self.marker.exists():
             self.marker.write_text("interrupted\n")
             os.kill(os.getpid(), signal.SIGINT)
@@ -144,7 +145,9 @@ class InterruptOnce(Callback):
 def test_an_interrupted_search_resumes_where_it_stopped(ray_runtime, tmp_path, demo_data):
     from bigrank.launch.tune import load_space, run_search
 
-    space = load_space(_space(tmp_path, "space:\n  optim.user_lr: {grid: [0.05, 0.2]}\n  train.epochs: 3\n"))
+    # grace_period = epochs: ASHA stops no trial here (it would stop the worse of the two after epoch 1).
+    text = "scheduler: {grace_period: 2}\nspace:\n  optim.user_lr: {grid: [0.05, 0.2]}\n  train.epochs: 2\n"
+    space = load_space(_space(tmp_path, text))
     config = load_config(_base_config(tmp_path, demo_data))
     out = tmp_path / "search"
     marker = tmp_path / "interrupted"
@@ -156,17 +159,17 @@ def test_an_interrupted_search_resumes_where_it_stopped(ray_runtime, tmp_path, d
     assert [row["status"] for row in second.rows] == ["finished", "finished"]
     assert second.best_config is not None
     for row in second.rows:
-        assert float(row["epochs"]) == 3.0
+        assert float(row["epochs"]) == 2.0
     # Every evaluated epoch reached Tune exactly once, and some trial's run continued from its checkpoint.
     progress = [p for p in out.glob("bigrank_trial_*/progress.csv")]
     assert len(progress) == 2
     for path in progress:
         with open(path) as handle:
             epochs = [float(r["epoch"]) for r in csv.DictReader(handle)]
-        assert epochs == [1.0, 2.0, 3.0], path
+        assert epochs == [1.0, 2.0], path
     logs = [p.read_text() for p in (out / "runs").glob("*/train.log")]
     assert any("resuming from" in log for log in logs)
     # A changed space cannot resume this search.
-    other = load_space(_space(tmp_path, "space:\n  optim.user_lr: {grid: [0.1]}\n  train.epochs: 3\n"))
+    other = load_space(_space(tmp_path, "space:\n  optim.user_lr: {grid: [0.1]}\n  train.epochs: 2\n"))
     with pytest.raises(ConfigError, match="another space"):
         run_search(config, other, out)
