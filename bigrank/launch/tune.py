@@ -72,6 +72,7 @@ __all__ = [
     "load_space",
     "register",
     "run_search",
+    "search_base",
     "validate_space",
 ]
 
