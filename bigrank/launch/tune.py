@@ -468,8 +468,10 @@ def _trial_rows(results, space: SearchSpace) -> list[dict]:
             row["status"] = "error"
         elif metrics.get("finished"):
             row["status"] = "finished"
+        elif metrics.get("epoch") is None:
+            row["status"] = "no result"  # never started, or stopped before its first evaluation
         else:
-            row["status"] = "stopped"
+            row["status"] = "stopped"  # by ASHA, by the time budget or by an interruption
         for key in space.params:
             row[key] = _get_path(config, key)
         row["epochs"] = metrics.get("epoch")
