@@ -21,6 +21,7 @@ COMMAND_MODULES = [
     "bigrank.train.commands",
     "bigrank.export.commands",
     "bigrank.launch.commands",
+    "bigrank.launch.tune",
 ]
 
 

@@ -98,6 +98,13 @@ class OptimConfig:
     item_optimizer: str = field(default="adagrad", metadata=_choices("sgd", "adagrad", "adam", "rowwise_adagrad"))
     item_lr: float = 0.05
     weight_decay: float = 0.0  # items only (the fused user tables have none on CPU)
+    # L2 of the user tower (bigrank.train.regularization): + user_l2 * ||f(u)||^2 per training row, mean over
+    # the global batch; reaches the fused user (and history) rows through backward, on CPU too.
+    user_l2: float = 0.0
+    # Learning-rate schedule of both optimisers (bigrank.train.schedule): linear warm-up, then decay.
+    lr_warmup_steps: int = 0
+    lr_decay: str = field(default="none", metadata=_choices("none", "linear", "cosine"))
+    lr_final_ratio: float = 0.0  # lr of the last step / base lr, with lr_decay linear or cosine
 
 
 @dataclass
@@ -290,6 +297,9 @@ def validate(config: Config) -> Config:
     _check(optim.user_lr > 0, "optim.user_lr", f"must be > 0, got {optim.user_lr}")
     _check(optim.item_lr > 0, "optim.item_lr", f"must be > 0, got {optim.item_lr}")
     _check(optim.weight_decay >= 0, "optim.weight_decay", "must be >= 0")
+    _check(optim.user_l2 >= 0, "optim.user_l2", "must be >= 0")
+    _check(optim.lr_warmup_steps >= 0, "optim.lr_warmup_steps", "must be >= 0")
+    _check(0 <= optim.lr_final_ratio <= 1, "optim.lr_final_ratio", "must be in [0, 1]")
     train = config.train
     _check(train.batch_size >= 1, "train.batch_size", "must be >= 1")
     _check(

@@ -83,7 +83,7 @@ def test_resolved_config_round_trips_through_yaml(tmp_path):
         (_minimal(), ["optim.item_optimizer=lbfgs"], "optim.item_optimizer must be one of sgd, adagrad, adam"),
         (_minimal(), ["loss.name=hinge"], "loss.name must be one of rankmax"),
         (_minimal(), ["loss.name=rankmax", "loss.params.temperature=1"], "unknown key 'loss.params.temperature'"),
-        (_minimal(), ["loss.name=softmax", "loss.params.k=2"], "loss 'softmax' accepts no parameters"),
+        (_minimal(), ["loss.name=softmax", "loss.params.k=2"], "'loss.params.k': loss 'softmax' accepts temperature"),
         (_minimal(), ["loss.name=rankmax", "loss.params.k=1.5"], "loss.params.k must be an integer"),
         (_minimal(), ["model.dim=30"], "model.dim must be a positive multiple of 4"),
         (_minimal(), ["train.batch_size=101"], "train.batch_size (101) is the global batch"),

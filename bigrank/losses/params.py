@@ -61,10 +61,12 @@ class RankmaxParams:
 
 @dataclass(frozen=True)
 class SoftmaxParams:
-    """``SoftmaxLoss`` / ``softmax_loss``: full-catalog cross-entropy (no parameters)."""
+    """``SoftmaxLoss`` / ``softmax_loss``: full-catalog cross-entropy of ``softmax(z / temperature)``."""
+
+    temperature: float = field(default=1.0, metadata=_doc("divides the scores (< 1 sharpens the distribution)"))
 
     def check(self) -> None:
-        pass
+        _positive(self.temperature, "temperature")
 
 
 @dataclass(frozen=True)

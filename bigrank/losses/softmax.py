@@ -41,28 +41,50 @@ class _SoftmaxImpl:
         return grad
 
 
-def softmax_loss(scores, target: torch.Tensor, reduction: str = "mean", *, group=None, offset: int = 0):
-    """Softmax cross-entropy ``-log softmax(z)_y`` per row.
+def softmax_loss(
+    scores, target: torch.Tensor, reduction: str = "mean", *, group=None, offset: int = 0, temperature: float = 1.0
+):
+    """Softmax cross-entropy ``-log softmax(z / temperature)_y`` per row.
 
     Args:
         scores: float[B, n] (or ``ChunkedScores``); with ``group``, columns ``[offset, offset + n_local)``.
         target: int64[B] positive item of each row (global ids).
         reduction: "mean" | "sum" | "none".
+        temperature: T > 0 divides the scores (T < 1 sharpens the distribution); for ``ChunkedScores`` the
+            user vectors are divided instead (same scores, no B x n tensor).
     """
     check_reduction(reduction)
+    _check_temperature(temperature)
     if isinstance(scores, torch.Tensor):
         check_scores(scores)
+    if temperature != 1.0:
+        scores = _divide_scores(scores, float(temperature))
     per_row = catalog_loss_rows(_SoftmaxImpl(), scores, target, group, offset)
     return reduce_rows(per_row, reduction)
+
+
+def _check_temperature(temperature: float) -> None:
+    if not (isinstance(temperature, int | float) and temperature > 0 and temperature != float("inf")):
+        raise ValueError(f"temperature must be a finite number > 0, got {temperature!r}")
+
+
+def _divide_scores(scores, temperature: float):
+    from bigrank.losses.scores import ChunkedScores
+
+    if isinstance(scores, ChunkedScores):
+        return ChunkedScores(scores.user_vectors / temperature, scores.item_rows, scores.chunk_size)
+    return scores / temperature
 
 
 class SoftmaxLoss(torch.nn.Module):
     """``softmax_loss`` as a module."""
 
-    def __init__(self, reduction: str = "mean"):
+    def __init__(self, reduction: str = "mean", temperature: float = 1.0):
         super().__init__()
         check_reduction(reduction)
+        _check_temperature(temperature)
         self.reduction = reduction
+        self.temperature = float(temperature)
 
     def forward(self, scores, target: torch.Tensor, *, group=None, offset: int = 0) -> torch.Tensor:
-        return softmax_loss(scores, target, self.reduction, group=group, offset=offset)
+        return softmax_loss(scores, target, self.reduction, group=group, offset=offset, temperature=self.temperature)

@@ -47,6 +47,8 @@ from bigrank.train.evaluator import Evaluator
 from bigrank.train.item_optim import RowOptimizer
 from bigrank.train.losses import StepLoss
 from bigrank.train.model import build_model, model_identity, user_vectors
+from bigrank.train.regularization import user_l2_penalty
+from bigrank.train.schedule import LearningRateSchedule
 from bigrank.train.state import CatalogState, LossState, RNGState, StreamState, TowerState, TrainState
 
 __all__ = ["RunLog", "Trainer", "as_config", "require_process_group"]
@@ -190,6 +192,11 @@ class Trainer:
             score_dtype=self.precision.score_dtype,
         )
         self.state = TrainState()
+        run_steps = train_cfg.epochs * self.stream.steps_per_epoch()
+        if train_cfg.max_steps is not None:
+            run_steps = min(run_steps, train_cfg.max_steps)
+        self.lr_schedule = LearningRateSchedule.from_config(optim, run_steps)
+        self.lr_factor = 1.0
         self.checkpointer = Checkpointer(
             self.run_dir,
             {
@@ -251,6 +258,11 @@ class Trainer:
     def train_step(self, batch: dict[str, torch.Tensor]) -> tuple[float, int]:
         """One optimisation step on the global batch; returns ``(loss, rows of the global batch)``."""
         _fail_once(self.config, self.run_dir, self.state.step + 1, self.rank)
+        optim = self.config.optim
+        if not self.lr_schedule.constant:  # before the forward: fbgemm's fused update takes the forward's rate
+            self.lr_factor = self.lr_schedule.apply(
+                self.state.step, self.item_optimizer, optim.item_lr, self.model.tower, optim.user_lr
+            )
         users, items = batch["user_id"], batch["item_id"]
         local_vectors = user_vectors(self.model, users, pad_to=self.local_batch, exclude=items)
         target, sizes = self._gather_targets(items.to(self.device, non_blocking=True))
@@ -273,8 +285,9 @@ class Trainer:
                 f"loss is {value} at step {self.state.step + 1} (epoch {self.stream.epoch}); {where}. "
                 "Lower optim.item_lr / optim.user_lr or check the data; the run stopped before updating."
             )
+        penalty = user_l2_penalty(local_vectors, int(target.numel()), optim.user_l2)  # this rank's rows
         self.model.shard.weight.grad = None
-        loss.backward()
+        (loss if penalty is None else loss + penalty).backward()
         touched = self.step_loss.last_rows  # candidate losses: only the rows the step read (sparse update)
         if touched is not None:
             self.item_optimizer.step_rows(touched.ids, touched.grad)
@@ -345,8 +358,8 @@ class Trainer:
             "epoch": self.epochs_done(),
             "loss": window.loss / window.steps,
             "examples_per_s": window.steps * self.config.train.batch_size / max(window.seconds, 1e-9),
-            "lr": self.config.optim.item_lr,
-            "user_lr": self.config.optim.user_lr,
+            "lr": self.config.optim.item_lr * self.lr_factor,
+            "user_lr": self.config.optim.user_lr * self.lr_factor,
         }
         if self.step_loss.temperature is not None:
             record["temperature"] = self.step_loss.temperature
