@@ -57,9 +57,9 @@ def checkpoint_parameters(checkpoint):
     state = read_checkpoint(checkpoint)
     tower = state["tower"]
     user_table = tower["model"]["tables.embedding_bags.user_table.weight"]
-    user_optimizer = dict(_flatten(tower["optimizer"]))
+    user_optimizer = dict(_flatten(tower.get("optimizer", {})))  # SGD keeps no state (DCP drops empty dicts)
     optimizer = state["catalog"]["optimizer"]
-    item_states = [dict(optimizer["rows"], step=optimizer["step"])]
+    item_states = [dict(optimizer.get("rows", {}), step=optimizer["step"])]
     return state["catalog"]["weight"], user_table, user_optimizer, item_states, [state["stream"]["position"]]
 
 

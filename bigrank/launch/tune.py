@@ -242,7 +242,7 @@ def _get_path(raw: dict, key: str):
 
 def _check_trial_config(raw: dict) -> Config:
     """The Config of a trial's raw dict, loss parameters checked too (ConfigError naming the key)."""
-    from bigrank.train.losses import check_loss_config
+    from bigrank.losses.build import check_loss_config
 
     config = config_from_dict(copy.deepcopy(raw))
     check_loss_config(config.loss)
