@@ -13,7 +13,7 @@ import torch
 from bigrank.config import config_from_dict
 from bigrank.train.launcher import launch_local
 from bigrank.train.workers import train_worker
-from tests.conftest import read_checkpoint
+from tests.conftest import _flatten, read_checkpoint
 
 # Stated tolerance of the metrics after a change of worker count. The global batches differ after the change
 # (the rest of the epoch is re-split over the new ranks), so the runs are not identical; on this data they end
@@ -56,16 +56,8 @@ def _comparable(state):
         **{f"item {k}": v for k, v in state["catalog"]["optimizer"]["rows"].items()},
         "item step": state["catalog"]["optimizer"]["step"],
         "users": state["tower"]["model"]["tables.embedding_bags.user_table.weight"],
-        **{k: v for k, v in _flat(state["tower"]["optimizer"]) if torch.is_tensor(v)},
+        **{k: v for k, v in _flatten(state["tower"].get("optimizer", {})) if torch.is_tensor(v)},
     }
-
-
-def _flat(tree, prefix=""):
-    for key, value in tree.items():
-        if isinstance(value, dict):
-            yield from _flat(value, f"{prefix}{key}.")
-        else:
-            yield f"{prefix}{key}", value
 
 
 @pytest.fixture(scope="module")

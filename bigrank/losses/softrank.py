@@ -94,6 +94,20 @@ def check_flags(flags: torch.Tensor | None, scores: torch.Tensor, name: str) -> 
         raise ValueError(f"{name} must have the shape of scores {tuple(scores.shape)}, got {tuple(flags.shape)}")
 
 
+def check_pauc_params(alpha, beta, temperature, tau_scale, n_knots, scale_sample_size) -> float:
+    """Check pAUC@budget's parameters (ValueError naming the bad one); returns the temperature as a float."""
+    tau = check_positive_float(temperature, "temperature")
+    if not (0.0 <= float(alpha) < float(beta) <= 1.0):
+        raise ValueError(f"need 0 <= alpha < beta <= 1, got alpha={alpha!r}, beta={beta!r}")
+    if tau_scale not in ("iqr", "band"):
+        raise ValueError(f"tau_scale must be 'iqr' or 'band', got {tau_scale!r}")
+    if isinstance(n_knots, bool) or not isinstance(n_knots, int) or n_knots < 2:
+        raise ValueError(f"n_knots must be an integer >= 2, got {n_knots!r}")
+    if isinstance(scale_sample_size, bool) or not isinstance(scale_sample_size, int) or scale_sample_size < 4:
+        raise ValueError(f"scale_sample_size must be an integer >= 4, got {scale_sample_size!r}")
+    return tau
+
+
 def check_positive_float(value: float, name: str) -> float:
     if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or value <= 0:
         raise ValueError(f"{name} must be a positive finite number, got {value!r}")
@@ -386,15 +400,7 @@ def pauc_at_budget_loss(
     per cent, plenty for a temperature scale).
     Rows whose scale is not positive are degenerate (excluded), like rows without a positive or a negative.
     """
-    tau = check_positive_float(temperature, "temperature")
-    if not (0.0 <= float(alpha) < float(beta) <= 1.0):
-        raise ValueError(f"need 0 <= alpha < beta <= 1, got alpha={alpha!r}, beta={beta!r}")
-    if tau_scale not in ("iqr", "band"):
-        raise ValueError(f"tau_scale must be 'iqr' or 'band', got {tau_scale!r}")
-    if isinstance(n_knots, bool) or not isinstance(n_knots, int) or n_knots < 2:
-        raise ValueError(f"n_knots must be an integer >= 2, got {n_knots!r}")
-    if isinstance(scale_sample_size, bool) or not isinstance(scale_sample_size, int) or scale_sample_size < 4:
-        raise ValueError(f"scale_sample_size must be an integer >= 4, got {scale_sample_size!r}")
+    tau = check_pauc_params(alpha, beta, temperature, tau_scale, n_knots, scale_sample_size)
     cand = prepare(scores, labels, mask, reduction, group)
     negative = ~cand.positive if mask is None else cand.valid & ~cand.positive
     n_negative = cand.n_negative

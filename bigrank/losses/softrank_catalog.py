@@ -36,7 +36,7 @@ from bigrank.losses.scores import (
     merge_topk,
     sum_row_stats,
 )
-from bigrank.losses.softrank import check_positive_float, count_from_fraction
+from bigrank.losses.softrank import check_pauc_params, check_positive_float, count_from_fraction
 from bigrank.losses.validation import check_reduction, reduce_rows
 
 __all__ = ["pauc_at_budget_catalog_loss", "recall_at_quantile_catalog_loss", "smooth_ap_catalog_loss"]
@@ -109,15 +109,7 @@ def pauc_at_budget_catalog_loss(
     thresholds are the ceil(f_i (n - 1))-th largest negative scores (the positive's column left out), the
     IQR scale comes from the same strided columns of the global index as there."""
     check_reduction(reduction)
-    tau = check_positive_float(temperature, "temperature")
-    if not (0.0 <= float(alpha) < float(beta) <= 1.0):
-        raise ValueError(f"need 0 <= alpha < beta <= 1, got alpha={alpha!r}, beta={beta!r}")
-    if tau_scale not in ("iqr", "band"):
-        raise ValueError(f"tau_scale must be 'iqr' or 'band', got {tau_scale!r}")
-    if isinstance(n_knots, bool) or not isinstance(n_knots, int) or n_knots < 2:
-        raise ValueError(f"n_knots must be an integer >= 2, got {n_knots!r}")
-    if isinstance(scale_sample_size, bool) or not isinstance(scale_sample_size, int) or scale_sample_size < 4:
-        raise ValueError(f"scale_sample_size must be an integer >= 4, got {scale_sample_size!r}")
+    tau = check_pauc_params(alpha, beta, temperature, tau_scale, n_knots, scale_sample_size)
     source, layout = _prepare(scores, target, group, offset)
     knots = torch.linspace(float(alpha), float(beta), n_knots, dtype=torch.float64)
     k = count_from_fraction(knots, torch.tensor(layout.num_items - 1))  # [n_knots]
