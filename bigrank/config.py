@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -27,6 +26,7 @@ import yaml
 from bigrank.atomic import write_text_atomic
 from bigrank.errors import ConfigError
 from bigrank.losses.registry import CANDIDATE_LOSSES, FULL_CATALOG_LOSSES, LOSSES, parse_params
+from bigrank.scalars import EXPONENT_NUMBER, SCALAR_TYPES, convert_scalar
 
 __all__ = [
     "Config",
@@ -40,9 +40,6 @@ __all__ = [
     "save_config",
     "validate",
 ]
-
-# Numbers in exponent notation without a dot ("1e-3"), which YAML 1.1 (PyYAML) leaves as strings.
-_EXPONENT_NUMBER = re.compile(r"[-+]?[0-9]+(\.[0-9]*)?[eE][-+]?[0-9]+")
 
 
 def _choices(*values: str, doc: str = "") -> dict:
@@ -215,24 +212,8 @@ def _convert(value: Any, tp, key: str) -> Any:
         if not isinstance(value, dict):
             raise ConfigError(f"{key} must be a mapping, got {value!r}")
         return dict(value)
-    if tp is bool:
-        if not isinstance(value, bool):
-            raise ConfigError(f"{key} must be true or false, got {value!r}")
-        return value
-    if tp is int:
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise ConfigError(f"{key} must be an integer, got {value!r}")
-        return value
-    if tp is float:
-        if isinstance(value, str) and _EXPONENT_NUMBER.fullmatch(value.strip()):
-            value = float(value)  # YAML 1.1 reads 1e-3 (no dot) as a string
-        if isinstance(value, bool) or not isinstance(value, int | float):
-            raise ConfigError(f"{key} must be a number, got {value!r}")
-        return float(value)
-    if tp is str:
-        if not isinstance(value, str):
-            raise ConfigError(f"{key} must be a string, got {value!r}")
-        return value
+    if tp in SCALAR_TYPES:
+        return convert_scalar(value, tp, key)
     if tp is Any:
         return value
     raise ConfigError(f"{key}: unsupported type {_type_name(tp)}")  # a bug in the schema, not in the file
@@ -372,7 +353,7 @@ def parse_override(text: str) -> tuple[list[str], Any]:
         value = yaml.safe_load(raw) if raw.strip() else ""
     except yaml.YAMLError as error:
         raise ConfigError(f"override {key}: cannot parse value {raw!r}: {error}") from None
-    if isinstance(value, str) and _EXPONENT_NUMBER.fullmatch(value.strip()):
+    if isinstance(value, str) and EXPONENT_NUMBER.fullmatch(value.strip()):
         value = float(value)
     return key.split("."), value
 

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
-import re
 import types
 import typing
 from collections.abc import Callable
@@ -44,6 +43,7 @@ from bigrank.losses.params import (
     SoftNDCGParams,
     SparsemaxParams,
 )
+from bigrank.scalars import convert_scalar
 
 __all__ = [
     "CANDIDATE",
@@ -144,9 +144,6 @@ LOSSES: dict[str, LossSpec] = {
 FULL_CATALOG_LOSSES = tuple(name for name, spec in LOSSES.items() if spec.kind == FULL_CATALOG)
 CANDIDATE_LOSSES = tuple(name for name, spec in LOSSES.items() if spec.kind == CANDIDATE)
 
-# Numbers in exponent notation without a dot ("1e-3"), which YAML 1.1 (PyYAML) leaves as strings.
-_EXPONENT_NUMBER = re.compile(r"[-+]?[0-9]+(\.[0-9]*)?[eE][-+]?[0-9]+")
-
 
 def _typed(value: Any, tp, where: str) -> Any:
     """``value`` checked against a Params field annotation (int, float, str, X | None)."""
@@ -157,20 +154,8 @@ def _typed(value: Any, tp, where: str) -> Any:
         (tp,) = options
     if value is None:
         raise ConfigError(f"{where} must not be null")
-    if tp is int:
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise ConfigError(f"{where} must be an integer, got {value!r}")
-        return value
-    if tp is float:
-        if isinstance(value, str) and _EXPONENT_NUMBER.fullmatch(value.strip()):
-            value = float(value)
-        if isinstance(value, bool) or not isinstance(value, int | float):
-            raise ConfigError(f"{where} must be a number, got {value!r}")
-        return float(value)
-    if tp is str:
-        if not isinstance(value, str):
-            raise ConfigError(f"{where} must be a string, got {value!r}")
-        return value
+    if tp in (int, float, str):
+        return convert_scalar(value, tp, where)
     raise ConfigError(f"{where}: unsupported parameter type {tp}")  # a bug in bigrank.losses.params
 
 

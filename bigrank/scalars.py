@@ -1,0 +1,44 @@
+"""Scalar values of a YAML config checked against their declared type, shared by the config schema
+(``bigrank.config``) and the loss parameters (``bigrank.losses.registry``): one set of rules and messages.
+
+A leaf module (it imports only ``bigrank.errors``), so the loss registry can use it without importing the config.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from bigrank.errors import ConfigError
+
+__all__ = ["EXPONENT_NUMBER", "SCALAR_TYPES", "convert_scalar"]
+
+# Numbers in exponent notation without a dot ("1e-3"), which YAML 1.1 (PyYAML) leaves as strings.
+EXPONENT_NUMBER = re.compile(r"[-+]?[0-9]+(\.[0-9]*)?[eE][-+]?[0-9]+")
+SCALAR_TYPES = (bool, int, float, str)
+
+
+def convert_scalar(value: Any, tp: type, key: str) -> Any:
+    """``value`` checked against ``tp`` (bool, int, float or str); raises ConfigError naming ``key``.
+
+    ``int`` refuses booleans; ``float`` takes integers and exponent strings ("1e-3") and returns a float.
+    """
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{key} must be true or false, got {value!r}")
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{key} must be an integer, got {value!r}")
+        return value
+    if tp is float:
+        if isinstance(value, str) and EXPONENT_NUMBER.fullmatch(value.strip()):
+            value = float(value)  # YAML 1.1 reads 1e-3 (no dot) as a string
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise ConfigError(f"{key} must be a number, got {value!r}")
+        return float(value)
+    if tp is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"{key} must be a string, got {value!r}")
+        return value
+    raise ValueError(f"{key}: {tp!r} is not a scalar type")  # a bug in the caller's schema
