@@ -56,13 +56,12 @@ MAX_SCORE_ELEMENTS = 1 << 25  # 128 MiB of float32 scores per batch and rank
 def evaluation_users(data_root: str | Path, split: str, sample_users: int | None = None, seed: int = 0) -> np.ndarray:
     """Sorted int64 ids of the users with at least one item in ``split``, or a uniform sample of ``sample_users``
     of them drawn with ``numpy.random.default_rng(seed)`` (deterministic: the same on every rank and run)."""
-    return _sample(_users_with_items(data_root, split), sample_users, seed)
-
-
-def _users_with_items(data_root: str | Path, split: str) -> np.ndarray:
     manifest = layout.load_manifest(data_root)
     layout.split_info(manifest, split)
-    num_users = int(manifest["num_users"])
+    return _sample(_users_with_items(data_root, split, int(manifest["num_users"])), sample_users, seed)
+
+
+def _users_with_items(data_root: str | Path, split: str, num_users: int) -> np.ndarray:
     counts = np.zeros(num_users, dtype=np.int64)
     for group in iter_row_groups(data_root, split, columns=("user_id",)):
         _check_ids(group["user_id"], num_users, "user_id", data_root, split)
@@ -86,13 +85,12 @@ def _sample(users: np.ndarray, sample_users: int | None, seed: int) -> np.ndarra
 
 
 def _items_of_users(
-    data_root: str | Path, splits: Sequence[str], users: np.ndarray, num_users: int, item_range=None
+    data_root: str | Path, splits: Sequence[str], users: np.ndarray, num_users: int, num_items: int, item_range=None
 ) -> tuple[np.ndarray, np.ndarray]:
     """CSR ``(indptr int64[len(users) + 1], items int64)`` of the items of ``users`` (row i = ``users[i]``) in
     ``splits``, restricted to ``item_range = (start, stop)`` when given; items sorted and distinct per row."""
     position = np.full(num_users, -1, dtype=np.int64)
     position[users] = np.arange(len(users), dtype=np.int64)
-    num_items = int(layout.load_manifest(data_root)["num_items"])
     keys = []
     for split in splits:
         for group in iter_row_groups(data_root, split):
@@ -141,15 +139,17 @@ def evaluation_data(
     """Read what evaluating ``split`` needs (one pass over ``split``'s files for the users, one for their items,
     one over ``exclude_splits``), for this rank's catalog rows ``item_range = (start, stop)``."""
     manifest = layout.load_manifest(data_root)
-    num_users = int(manifest["num_users"])
-    for name in exclude_splits:
-        layout.split_info(manifest, name)
-    candidates = _users_with_items(data_root, split)
+    num_users, num_items = int(manifest["num_users"]), int(manifest["num_items"])
+    for name in (split, *exclude_splits):
+        layout.split_info(manifest, name)  # a missing split is named before any file is read
+    candidates = _users_with_items(data_root, split, num_users)
     users = _sample(candidates, sample_users, seed)
     if len(users) == 0:
         raise ValueError(f"split {split!r} of {data_root} has no users to evaluate")
-    relevant = _items_of_users(data_root, [split], users, num_users)
-    excluded = _items_of_users(data_root, list(exclude_splits), users, num_users, item_range=tuple(item_range))
+    relevant = _items_of_users(data_root, [split], users, num_users, num_items)
+    excluded = _items_of_users(
+        data_root, list(exclude_splits), users, num_users, num_items, item_range=tuple(item_range)
+    )
     return EvaluationData(
         split,
         users,
@@ -289,7 +289,7 @@ def ranked_batches(
         raise ValueError(f"user ids must lie in [0, {num_users}) for dataset {data_root}")
     if excluded is None:
         excluded = _items_of_users(
-            data_root, list(exclude_splits), users, num_users, item_range=(shard.start, shard.stop)
+            data_root, list(exclude_splits), users, num_users, num_items, item_range=(shard.start, shard.stop)
         )
     excluded_indptr, excluded_items = excluded
     widest_shard = math.ceil(num_items / group_size(group))
