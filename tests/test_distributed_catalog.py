@@ -417,3 +417,26 @@ def test_replicated_inputs_check_the_layout_once_and_still_catch_bad_scores_on_e
         for error, calls in run_distributed(_replicated_layout_body, 2, args=(case,), timeout=60):
             assert isinstance(error, str) and re.search(message, error), error
             assert len(calls) == 1  # the second step raised on every rank (no rank was left in a collective)
+
+
+@pytest.mark.parametrize("case", ["random", "ties", "excluded", "nan", "tail"])
+def test_row_topk_by_threshold_equals_torch_topk(case):
+    from bigrank.distributed.catalog import _row_topk
+
+    generator = torch.Generator().manual_seed(5)
+    rows, width, k = 6, 40_000 + (37 if case == "tail" else 0), 300
+    scores = torch.randn(rows, width, generator=generator)
+    if case == "ties":
+        scores = (scores * 4).round()  # thousands of exact ties around the k-th value
+    if case == "excluded":
+        scores[:, ::3] = float("-inf")
+        scores[0, 500:] = float("-inf")  # a row with fewer than k finite entries
+    if case == "nan":
+        scores[2, 17] = float("nan")
+    values, columns = _row_topk(scores, k)
+    expected = scores.topk(k, dim=1).values
+    assert torch.equal(values, expected) if case != "nan" else torch.equal(values.isnan(), expected.isnan())
+    finite = torch.isfinite(values)
+    assert torch.equal(scores.gather(1, columns)[finite], values[finite])  # the columns hold those values
+    for row in range(rows):  # no column twice
+        assert columns[row][finite[row]].unique().numel() == int(finite[row].sum())
