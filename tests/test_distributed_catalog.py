@@ -146,7 +146,7 @@ def test_full_catalog_losses_send_the_per_row_statistics_only_whatever_the_catal
     per-row statistics of the docstrings, the same for a catalog of 2,000 and of 100,000 items."""
     batch, k, world_size, sizes = 12, 5, 2, (2_000, 100_000)
     results = run_distributed(_full_catalog_bytes_body, world_size, args=(batch, sizes, k))
-    check = 8 + 6 * 8  # the layout check: the size exchange of all_gather_no_grad, then 6 int64 per rank
+    check = 6 * 8  # the layout check: 6 int64 per rank (equal shapes everywhere: no size exchange)
     positive = 8 * batch  # z_y, one float64 per row
     for n in sizes:
         scores, target = _full_catalog_scores(batch, n, k)
@@ -155,16 +155,16 @@ def test_full_catalog_losses_send_the_per_row_statistics_only_whatever_the_catal
         assert in_top_k >= batch // 3
         expected = {
             # pass 1: each shard's top k and two sums per row; pass 2: three sums per row whose y is in the top k
-            "rankmax": check + positive + (8 + 8 * batch * (k + 2)) + 8 * 3 * in_top_k,
-            "softmax": check + positive + (8 + 8 * batch * 2),  # max and sum of exp per row
+            "rankmax": check + positive + 8 * batch * (k + 2) + 8 * 3 * in_top_k,
+            "softmax": check + positive + 8 * batch * 2,  # max and sum of exp per row
             # top-m rounds: all rows with m = 2, then the 4 flat-top rows with m = 4, 8, 16
-            "sparsemax": check + positive + sum(8 + 8 * rows * m for rows, m in [(batch, 2), (4, 4), (4, 8), (4, 16)]),
+            "sparsemax": check + positive + sum(8 * rows * m for rows, m in [(batch, 2), (4, 4), (4, 8), (4, 16)]),
         }
         for name, want in expected.items():
             for rank_bytes, calls in (r[name, n] for r in results):
                 assert rank_bytes == want, (name, n, rank_bytes, want, calls)
     assert results[0]["rankmax", sizes[0]][1]["all_reduce"] == 2  # z_y, and the sums of pass 2
-    assert results[0]["sparsemax", sizes[0]][1]["all_gather"] == 2 + 2 * 4  # layout + 4 rounds (sizes + values)
+    assert results[0]["sparsemax", sizes[0]][1]["all_gather"] == 1 + 4  # the layout check + 4 top-m rounds
 
 
 def _candidate_bytes_body(rank, world_size, group, names, batch, dim, sizes, candidates):
@@ -344,3 +344,99 @@ def test_shard_range_covers_the_catalog_and_init_does_not_depend_on_the_split():
     whole = CatalogShard(100_000, 3, seed=5).weight
     part = CatalogShard(100_000, 3, seed=5, bounds=(60_000, 70_001)).weight
     torch.testing.assert_close(part, whole[60_000:70_001])
+
+
+# ------------------------------------------------------------------ one gather of vectors and ids; cached layout
+def _rows_with_ids_body(rank, world_size, group, rows_by_rank, pad_to):
+    from bigrank.distributed.collectives import all_gather_rows_with_ids
+
+    generator = torch.Generator().manual_seed(rank)
+    rows = rows_by_rank[rank]
+    x = torch.randn(rows, 3, generator=generator, dtype=torch.float64, requires_grad=True)
+    ids = torch.arange(rows, dtype=torch.int64) + 1_000_003 * (rank + 1) + (1 << 40)  # beyond float precision
+    with count_bytes() as counter:
+        gathered, gathered_ids = all_gather_rows_with_ids(x, ids, pad_to, group)
+        weights = torch.arange(gathered.numel(), dtype=torch.float64).view_as(gathered)
+        (gathered * weights).sum().backward()  # a different weight for every gathered entry
+    return x.detach(), ids, gathered.detach(), gathered_ids, x.grad, dict(counter.calls)
+
+
+def test_all_gather_rows_with_ids_equals_separate_gathers_with_padding():
+    rows_by_rank, pad_to, world = [4, 2, 0], 4, 3
+    results = run_distributed(_rows_with_ids_body, world, args=(rows_by_rank, pad_to))
+    expected_x, expected_ids = [], []
+    for x, ids, *_ in results:
+        expected_x.append(torch.cat([x, torch.zeros(pad_to - len(x), 3, dtype=torch.float64)]))
+        expected_ids.append(torch.cat([ids, torch.full((pad_to - len(ids),), -1)]))
+    weights = torch.arange(world * pad_to * 3, dtype=torch.float64).view(world * pad_to, 3)
+    for rank, (x, _ids, gathered, gathered_ids, grad, calls) in enumerate(results):
+        assert torch.equal(gathered, torch.cat(expected_x))
+        assert torch.equal(gathered_ids, torch.cat(expected_ids))  # byte-exact, even above 2^40
+        # every rank back-propagates the same weights: the reduce-scatter sums them over the 3 ranks
+        own = weights[rank * pad_to : rank * pad_to + len(x)]
+        assert torch.equal(grad, world * own)
+        assert calls == {"all_gather": 1, "all_reduce": 1}
+
+
+def _replicated_layout_body(rank, world_size, group, case):
+    from bigrank.losses.scores import replicated_inputs
+
+    n, batch = 20, 4
+    start, stop = shard_range(n, rank, world_size)
+    generator = torch.Generator().manual_seed(3)
+    scores = torch.randn(batch, n, generator=generator, dtype=torch.float64)
+    target = torch.tensor([0, 5, 10, 19])
+    calls = []
+    try:
+        with replicated_inputs():
+            for step in range(3):
+                local = scores[:, start:stop].clone()
+                if case == "nan_at_second_step" and step == 1 and rank == world_size - 1:
+                    local[2, 0] = float("nan")
+                if case == "target_out_of_range" and step == 1:
+                    target = torch.tensor([0, 5, 10, 20])
+                local.requires_grad_(True)
+                with count_bytes() as counter:
+                    loss = rankmax_loss(local, target, k=2, group=group, offset=start)
+                calls.append(dict(counter.by_op))
+    except ValueError as error:
+        return str(error), calls
+    return float(loss), calls
+
+
+def test_replicated_inputs_check_the_layout_once_and_still_catch_bad_scores_on_every_rank():
+    import re
+
+    results = run_distributed(_replicated_layout_body, 2, args=("ok",), timeout=60)
+    for value, calls in results:
+        assert value == pytest.approx(results[0][0])
+        # the first call checks the layout (an all-gather of 6 int64); later calls make no all-gather of it
+        first, later = calls[0]["all_gather"], calls[1]["all_gather"]
+        assert first - later == 6 * 8 and calls[2] == calls[1]
+    for case, message in [("nan_at_second_step", "NaN or infinite"), ("target_out_of_range", "outside \\[0, 20\\)")]:
+        for error, calls in run_distributed(_replicated_layout_body, 2, args=(case,), timeout=60):
+            assert isinstance(error, str) and re.search(message, error), error
+            assert len(calls) == 1  # the second step raised on every rank (no rank was left in a collective)
+
+
+@pytest.mark.parametrize("case", ["random", "ties", "excluded", "nan", "tail"])
+def test_row_topk_by_threshold_equals_torch_topk(case):
+    from bigrank.distributed.catalog import _row_topk
+
+    generator = torch.Generator().manual_seed(5)
+    rows, width, k = 6, 40_000 + (37 if case == "tail" else 0), 300
+    scores = torch.randn(rows, width, generator=generator)
+    if case == "ties":
+        scores = (scores * 4).round()  # thousands of exact ties around the k-th value
+    if case == "excluded":
+        scores[:, ::3] = float("-inf")
+        scores[0, 500:] = float("-inf")  # a row with fewer than k finite entries
+    if case == "nan":
+        scores[2, 17] = float("nan")
+    values, columns = _row_topk(scores, k)
+    expected = scores.topk(k, dim=1).values
+    assert torch.equal(values, expected) if case != "nan" else torch.equal(values.isnan(), expected.isnan())
+    finite = torch.isfinite(values)
+    assert torch.equal(scores.gather(1, columns)[finite], values[finite])  # the columns hold those values
+    for row in range(rows):  # no column twice
+        assert columns[row][finite[row]].unique().numel() == int(finite[row].sum())

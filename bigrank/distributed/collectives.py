@@ -13,7 +13,8 @@ Two kinds of all-gather exist because the consumers of a gathered tensor differ:
 ``all_reduce_sum`` is the matching reduction of local partial sums into a replicated value: forward all-reduce,
 backward identity (Megatron's ``reduce_from_tensor_model_parallel_region``).
 
-``all_reduce_max``, ``all_reduce_no_grad`` and ``all_gather_no_grad`` carry statistics without autograd.
+``all_reduce_max``, ``all_reduce_no_grad``, ``all_gather_no_grad`` and ``all_gather_equal`` carry statistics
+without autograd (``all_gather_equal`` for tensors of the same shape on every rank: no size exchange).
 
 Every collective here goes through one counted path (``_counted``), so ``count_bytes`` sees all the bytes a
 rank sends; inside ``count_bytes`` a direct ``torch.distributed`` collective raises ``UncountedCollectiveError``.
@@ -34,9 +35,11 @@ import torch.distributed as dist
 __all__ = [
     "ByteCounter",
     "UncountedCollectiveError",
+    "all_gather_equal",
     "all_gather_no_grad",
     "all_gather_replicated",
     "all_gather_rows",
+    "all_gather_rows_with_ids",
     "all_reduce_max",
     "all_reduce_no_grad",
     "all_reduce_sum",
@@ -71,6 +74,7 @@ GUARDED_COLLECTIVES = (
     "all_gather",
     "all_gather_into_tensor",
     "all_gather_object",
+    "all_gather_single",
     "all_reduce",
     "all_to_all",
     "all_to_all_single",
@@ -85,6 +89,7 @@ GUARDED_COLLECTIVES = (
     "recv",
     "reduce",
     "reduce_scatter",
+    "reduce_scatter_single",
     "reduce_scatter_tensor",
     "scatter",
     "scatter_object_list",
@@ -202,6 +207,10 @@ def _all_gather_dim0(
     x = x.contiguous()
     if sizes is None:
         sizes = _gather_sizes(x.shape[0], group, x.device)
+    if all(n == x.shape[0] for n in sizes):  # one buffer, no padding and no concatenation
+        out = x.new_empty((len(sizes) * x.shape[0], *x.shape[1:]))
+        _counted("all_gather", x, dist.all_gather_single, out, x, group=group)
+        return out, sizes
     largest = max(sizes)
     if x.shape[0] < largest:
         # gloo's all_gather wants equal shapes: pad to the largest shard and cut the padding off afterwards.
@@ -269,6 +278,55 @@ def all_gather_rows(
     return _AllGatherRows.apply(x, group, sizes)
 
 
+class _AllGatherRowsWithIds(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, ids, group, pad_to):
+        rows, width = x.shape
+        # Byte-exact packing (an int64 id never passes through a float): [pad_to, width * itemsize + 8] uint8.
+        row_bytes = width * x.element_size()
+        packed = torch.zeros((pad_to, row_bytes + 8), dtype=torch.uint8, device=x.device)
+        packed[rows:, row_bytes:] = 255  # id -1 (all bits set) marks a padding row
+        packed[:rows, :row_bytes] = x.detach().contiguous().view(torch.uint8)
+        ids = ids.to(device=x.device, dtype=torch.int64).contiguous()
+        packed[:rows, row_bytes:] = ids.view(-1, 1).view(torch.uint8)
+        world = dist.get_world_size(group)
+        out = packed.new_empty((world * pad_to, row_bytes + 8))
+        _counted("all_gather", packed, dist.all_gather_single, out, packed, group=group)
+        ctx.group, ctx.rows, ctx.pad_to = group, rows, pad_to
+        gathered = out[:, :row_bytes].contiguous().view(x.dtype)
+        gathered_ids = out[:, row_bytes:].contiguous().view(torch.int64).view(-1)
+        ctx.mark_non_differentiable(gathered_ids)
+        return gathered, gathered_ids
+
+    @staticmethod
+    def backward(ctx, grad, _grad_ids):
+        grad = grad.contiguous()
+        _counted("all_reduce", grad, dist.all_reduce, grad, op=dist.ReduceOp.SUM, group=ctx.group)
+        start = dist.get_rank(ctx.group) * ctx.pad_to
+        return grad[start : start + ctx.rows].clone(), None, None, None
+
+
+def all_gather_rows_with_ids(
+    x: torch.Tensor, ids: torch.Tensor, pad_to: int, group: dist.ProcessGroup | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``all_gather_rows`` of ``x: float[b, d]`` and, in the same all-gather, of ``ids: int64[b]``.
+
+    Every rank pads its rows to ``pad_to >= b`` (zero vectors, id -1), so the result is
+    ``(X: float[W * pad_to, d], ids: int64[W * pad_to])`` in rank order, padding included: the caller drops the
+    rows whose id is -1. One collective instead of two (ids travel byte-exact beside the vectors); backward
+    is ``all_gather_rows``'s reduce-scatter (an all-reduce, then this rank's rows).
+    """
+    if x.dim() != 2 or ids.dim() != 1 or ids.shape[0] != x.shape[0]:
+        raise ValueError(f"x must be [b, d] and ids [b], got {tuple(x.shape)} and {tuple(ids.shape)}")
+    if x.shape[0] > pad_to:
+        raise ValueError(f"pad_to={pad_to} is smaller than the {x.shape[0]} rows to gather")
+    if not is_distributed(group):
+        pad = pad_to - x.shape[0]
+        filler = torch.full((pad,), -1, dtype=torch.int64, device=x.device)
+        return torch.cat([x, x.new_zeros((pad, x.shape[1]))]), torch.cat([ids.to(x.device, torch.int64), filler])
+    return _AllGatherRowsWithIds.apply(x, ids, group, pad_to)
+
+
 def all_gather_replicated(
     x: torch.Tensor, group: dist.ProcessGroup | None = None, sizes: list[int] | None = None
 ) -> torch.Tensor:
@@ -306,6 +364,21 @@ def all_reduce_no_grad(x: torch.Tensor, group: dist.ProcessGroup | None = None) 
         return x.detach()
     out = x.detach().clone(memory_format=torch.contiguous_format)
     _counted("all_reduce", out, dist.all_reduce, out, op=dist.ReduceOp.SUM, group=group)
+    return out
+
+
+def all_gather_equal(x: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """``x: [n, ...]`` from every rank, concatenated along dim 0 -> ``[W * n, ...]``, without autograd.
+
+    For tensors whose shape is the same on every rank by construction (per-row statistics of one replicated
+    batch, fixed-size check vectors): one all-gather into one buffer, no size exchange. Shapes that differ
+    across ranks are the caller's bug; use ``all_gather_no_grad`` when they may.
+    """
+    if not is_distributed(group):
+        return x.detach()
+    x = x.detach().contiguous()
+    out = x.new_empty((dist.get_world_size(group) * x.shape[0], *x.shape[1:]))
+    _counted("all_gather", x, dist.all_gather_single, out, x, group=group)
     return out
 
 

@@ -69,7 +69,10 @@ def _stat_dtype(block: torch.Tensor) -> torch.dtype:
 
 def _support_sum_count(block: torch.Tensor, mu: torch.Tensor):
     shifted = block.to(mu.dtype) - mu.unsqueeze(1)
-    return shifted.clamp_min(0).to(torch.float64).sum(dim=1), (shifted > 0).to(torch.float64).sum(dim=1)
+    # sum(dtype=float64) accumulates in float64 without a float64 copy of the block (eager: the copies were
+    # most of the pass at demo sizes); the count is exact in int64.
+    count = (shifted > 0).sum(dim=1).to(torch.float64)
+    return shifted.clamp_min_(0).sum(dim=1, dtype=torch.float64), count
 
 
 def support_sum_count(block: torch.Tensor, mu: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -92,7 +95,7 @@ def masked_scale(block: torch.Tensor, lower: torch.Tensor, upper: torch.Tensor, 
 def _max_and_sum_exp(block):
     wide = block.to(torch.promote_types(block.dtype, torch.float32))
     row_max = wide.amax(dim=1)
-    return row_max.to(torch.float64), torch.exp(wide - row_max.unsqueeze(1)).to(torch.float64).sum(dim=1)
+    return row_max.to(torch.float64), torch.exp(wide - row_max.unsqueeze(1)).sum(dim=1, dtype=torch.float64)
 
 
 def max_and_sum_exp(block: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -9,7 +9,7 @@ score, sums, counts, maxima). It reads the matrix as a sequence of column blocks
   pattern). Gradients go straight to ``user_vectors`` and ``item_rows``.
 
 Devices and precision: every tensor a loss creates lives on the scores' device, and the step makes no
-host-device round trip except the one replicated input check per call (``catalog_layout``) and the few
+host-device round trip except the replicated input check (``catalog_layout``) and the few
 decisions that pick collectives (e.g. which rows need Rankmax's second pass). Scores may be bfloat16
 (``score_matrix(..., dtype=torch.bfloat16)``: bf16 GEMM inputs and scores, float32 parameters and gradients);
 the per-row statistics (top-k, sums, counts, maxima, log-sum-exp) are accumulated in float64 whatever the
@@ -22,16 +22,26 @@ ranks call the same collectives (no hang on bad input: every rank raises the sam
 
 from __future__ import annotations
 
+import contextlib
+import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
 
-from bigrank.distributed.collectives import all_gather_no_grad, all_reduce_no_grad, group_size, is_distributed
+from bigrank.distributed.collectives import all_gather_equal, all_reduce_no_grad, group_size, is_distributed
 from bigrank.losses.kernels import COMPILE_MIN_ELEMENTS, topk_values
 from bigrank.losses.validation import check_target, check_target_range, first_nonfinite_row
 
-__all__ = ["ChunkedScores", "DenseScores", "Layout", "as_score_source", "catalog_loss_rows", "score_matrix"]
+__all__ = [
+    "ChunkedScores",
+    "DenseScores",
+    "Layout",
+    "as_score_source",
+    "catalog_loss_rows",
+    "replicated_inputs",
+    "score_matrix",
+]
 
 
 class DenseScores:
@@ -233,6 +243,7 @@ class Layout:
     owned: torch.Tensor
     local_target: torch.Tensor
     positive: torch.Tensor | None = None
+    bad_rows: torch.Tensor | None = None  # bool [B], set when the non-finite check is deferred to the all-reduce
 
     def add_at_target(self, grad: torch.Tensor, start: int, values: torch.Tensor, rows=None) -> None:
         """``grad[b, y_b - start] += values[b]`` for rows whose positive falls in this block of columns.
@@ -248,23 +259,51 @@ class Layout:
         grad.index_put_((torch.arange(grad.shape[0], device=grad.device), columns), values, accumulate=True)
 
 
+_replicated = threading.local()  # ``depth``: inside ``replicated_inputs``
+_checked_shards: dict[tuple, int] = {}  # (group, offset, n_local) -> n, checked by one all-gather
+
+
+@contextlib.contextmanager
+def replicated_inputs() -> Iterator[None]:
+    """Inside this context the caller guarantees that every rank passes the same batch and the same target to
+    the full-catalog losses (the trainer all-gathers both), so ``catalog_layout`` checks the shard layout once
+    per (group, offset, shard size) and then makes no collective of its own.
+
+    Non-finite scores are still found on every rank at once: a rank that sees them poisons its contribution
+    to the positive scores' all-reduce (which every catalog loss makes anyway), and every rank raises the same
+    ``ValueError`` from the replicated result (``check_finite_positive``).
+    """
+    _replicated.depth = getattr(_replicated, "depth", 0) + 1
+    try:
+        yield
+    finally:
+        _replicated.depth -= 1
+
+
 def catalog_layout(source, target: torch.Tensor, group, offset: int) -> Layout:
     """Check the inputs of a full-catalog loss on every rank at once and locate each row's positive.
 
     One all-gather of 6 integers per rank carries what each rank needs to check that shards are contiguous
     and in rank order, that every rank has the same batch and the same targets, and that no rank saw
     non-finite scores; every rank then raises the same ``ValueError`` (no rank is left in a collective).
+    Inside ``replicated_inputs`` that all-gather runs once per shard layout; later calls check locally and
+    leave non-finite scores to the positive-score all-reduce (``Layout.bad_rows``).
     """
     check_target(target, source.batch)
     target = target.to(device=source.device, dtype=torch.int64)
     bad_rows = source.nonfinite_rows()
+    shard_key = (group, int(offset), source.num_local)
+    if getattr(_replicated, "depth", 0) and shard_key in _checked_shards:
+        num_items = _checked_shards[shard_key]
+        check_target_range(target, num_items)
+        return _locate(target, num_items, int(offset), source.num_local, bad_rows=bad_rows)
     weights = torch.arange(1, target.numel() + 1, dtype=torch.int64, device=target.device)
     # Built on the scores' device without reading anything back: the one sync is the gathered result's .cpu().
     sizes = torch.tensor([int(offset), source.num_local, source.batch], dtype=torch.int64, device=source.device)
     checks = torch.stack([bad_rows.sum(), target.sum(), (target * weights).sum()]).to(torch.int64)
     mine = torch.cat([sizes, checks])
     if is_distributed(group):
-        everyone = all_gather_no_grad(mine.unsqueeze(0).to(source.device), group).cpu()
+        everyone = all_gather_equal(mine.unsqueeze(0).to(source.device), group).cpu()
     else:
         if int(offset) != 0:
             raise ValueError(f"offset must be 0 without a process group, got {offset}")
@@ -288,10 +327,30 @@ def catalog_layout(source, target: torch.Tensor, group, offset: int) -> Layout:
         raise ValueError(f"scores hold NaN or infinite values (on ranks {ranks}; rows here: {local})")
     num_items = sum(sizes)
     check_target_range(target, num_items)  # target is the same on every rank (checked above)
-    local = target - int(offset)
-    owned = (local >= 0) & (local < source.num_local)
-    local_target = local.clamp(0, max(source.num_local - 1, 0))
-    return Layout(num_items, int(offset), source.num_local, owned, local_target)
+    _checked_shards[shard_key] = num_items
+    return _locate(target, num_items, int(offset), source.num_local)
+
+
+def _locate(target, num_items: int, offset: int, num_local: int, bad_rows=None) -> Layout:
+    local = target - offset
+    owned = (local >= 0) & (local < num_local)
+    local_target = local.clamp(0, max(num_local - 1, 0))
+    return Layout(num_items, offset, num_local, owned, local_target, bad_rows=bad_rows)
+
+
+def poison_bad_rows(local_positive: torch.Tensor, layout: Layout) -> torch.Tensor:
+    """This rank's share of the positive scores [B], NaN in the rows where it saw non-finite scores (only
+    when ``catalog_layout`` deferred that check): the all-reduce then carries the finding to every rank."""
+    if layout.bad_rows is None:
+        return local_positive
+    return torch.where(layout.bad_rows, torch.full_like(local_positive, float("nan")), local_positive)
+
+
+def check_finite_positive(positive: torch.Tensor, layout: Layout) -> None:
+    """Raise on every rank alike when the replicated positive scores [B] are not finite (deferred check)."""
+    if layout.bad_rows is not None and not bool(torch.isfinite(positive).all()):
+        rows = (~torch.isfinite(positive)).nonzero().squeeze(1)[:5].tolist()
+        raise ValueError(f"scores hold NaN or infinite values (rows {rows} on some rank)")
 
 
 def positive_scores(source, layout: Layout, group) -> torch.Tensor:
@@ -301,14 +360,16 @@ def positive_scores(source, layout: Layout, group) -> torch.Tensor:
     else:
         local = torch.zeros(source.batch, dtype=torch.float64, device=source.device)
     local = torch.where(layout.owned, local, torch.zeros_like(local))
-    return all_reduce_no_grad(local, group)
+    positive = all_reduce_no_grad(poison_bad_rows(local, layout), group)
+    check_finite_positive(positive, layout)
+    return positive
 
 
 def gather_row_stats(stats: torch.Tensor, group) -> torch.Tensor:
     """Per-row statistics [B, c] from every rank -> [W, B, c] (no autograd: gradients are analytic)."""
     if not is_distributed(group):
         return stats.unsqueeze(0)
-    return all_gather_no_grad(stats.contiguous(), group).view(group_size(group), *stats.shape)
+    return all_gather_equal(stats, group).view(group_size(group), *stats.shape)
 
 
 def merge_rank_topk(gathered: torch.Tensor) -> torch.Tensor:

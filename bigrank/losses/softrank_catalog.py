@@ -30,10 +30,12 @@ from bigrank.losses.scores import (
     as_score_source,
     catalog_layout,
     catalog_loss_rows,
+    check_finite_positive,
     empty_topk,
     gather_row_stats,
     merge_rank_topk,
     merge_topk,
+    poison_bad_rows,
     sum_row_stats,
 )
 from bigrank.losses.softrank import check_pauc_params, check_positive_float, count_from_fraction
@@ -56,7 +58,9 @@ def _positive_scores(source, layout: Layout, group) -> torch.Tensor:
     else:
         local = source.user_vectors.new_zeros(source.batch) if isinstance(source, ChunkedScores) else None
         local = source.scores.new_zeros(source.batch) if local is None else local
-    return all_reduce_sum(torch.where(layout.owned, local, local.new_zeros(())), group)
+    positive = all_reduce_sum(poison_bad_rows(torch.where(layout.owned, local, local.new_zeros(())), layout), group)
+    check_finite_positive(positive, layout)
+    return positive
 
 
 @torch.no_grad()

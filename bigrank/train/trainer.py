@@ -4,8 +4,8 @@ One step on rank r of W (global batch B, local batch b = B/W)::
 
     users, items  = the rank's next batch of (user, item) train pairs         ParquetStream, same steps on all ranks
     u_local       = tower(users)              [b, d]                           torchrec row-wise sharded user table
-    U             = all_gather_rows(u_local)  [B, d]      (backward: reduce-scatter of dL/dU to the owners)
-    target        = all-gathered items        [B]         global item ids
+    U, target     = all_gather_rows_with_ids(u_local, items)   [B, d], int64[B]   one all-gather
+                                                           (backward: reduce-scatter of dL/dU to the owners)
     loss          = L(U @ V_r^T, target; group, offset=start_r)               V_r: this rank's catalog rows
     loss.backward(); item_optimizer.step_rows(touched rows) | step_dense()   the fused user-table optimizer
                                                            updates in backward
@@ -39,8 +39,9 @@ from bigrank.config import Config, config_from_dict, save_config
 from bigrank.data.manifest import DatasetManifest
 from bigrank.data.stream import ParquetStream
 from bigrank.devices import setup_precision, worker_device
-from bigrank.distributed.collectives import all_gather_no_grad, all_gather_rows
+from bigrank.distributed.collectives import all_gather_rows_with_ids
 from bigrank.distributed.groups import init_control_group
+from bigrank.losses.scores import replicated_inputs
 from bigrank.train.checkpoint import Checkpointer, latest_checkpoint, remove_partial_checkpoints
 from bigrank.train.evaluate import write_eval_json
 from bigrank.train.evaluator import Evaluator
@@ -265,16 +266,16 @@ class Trainer:
             )
         users, items = batch["user_id"], batch["item_id"]
         local_vectors = user_vectors(self.model, users, pad_to=self.local_batch, exclude=items)
-        target, sizes = self._gather_targets(items.to(self.device, non_blocking=True))
-        global_vectors = all_gather_rows(local_vectors, self.group, sizes=sizes)
-        loss = self.step_loss(
-            global_vectors,
-            target,
-            self.model.shard.weight,
-            group=self.group,
-            chunk_size=self.config.train.chunk_size,
-            step=self.state.step,
-        )
+        global_vectors, target = self._gather_batch(local_vectors, items.to(self.device, non_blocking=True))
+        with replicated_inputs():  # the target and the batch are all-gathered: the same on every rank
+            loss = self.step_loss(
+                global_vectors,
+                target,
+                self.model.shard.weight,
+                group=self.group,
+                chunk_size=self.config.train.chunk_size,
+                step=self.state.step,
+            )
         if self.config.debug.nan_at_step == self.state.step + 1:
             loss = loss * float("nan")
         value = float(loss.detach())
@@ -299,15 +300,14 @@ class Trainer:
         self.state.last_loss = value
         return value, int(target.numel())
 
-    def _gather_targets(self, items: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
-        """The global batch's positives int64[B'] and every rank's row count, in one all-gather: each rank sends
-        its items padded to the local batch with -1 (the last batch of an epoch can be smaller, even empty)."""
-        padded = torch.full((self.local_batch,), -1, dtype=torch.int64, device=items.device)
-        padded[: items.numel()] = items
-        gathered = all_gather_no_grad(padded, self.group, sizes=[self.local_batch] * self.world_size)
-        valid = gathered >= 0
-        sizes = valid.view(self.world_size, self.local_batch).sum(dim=1).tolist()
-        return gathered[valid], sizes
+    def _gather_batch(self, local_vectors: torch.Tensor, items: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The global batch's user vectors float[B', d] and positives int64[B'] in one all-gather (each rank's
+        rows padded to the local batch: the last batch of an epoch can be smaller, even empty)."""
+        vectors, target = all_gather_rows_with_ids(local_vectors, items, self.local_batch, self.group)
+        valid = target >= 0
+        if bool(valid.all()):
+            return vectors, target
+        return vectors[valid], target[valid]
 
     def finished(self) -> bool:
         max_steps = self.config.train.max_steps
