@@ -40,7 +40,7 @@ from bigrank.distributed.collectives import (
 from bigrank.losses.kernels import topk_values
 from bigrank.losses.sampled import accidental_hits
 from bigrank.losses.scores import gather_row_stats, merge_rank_topk
-from bigrank.losses.softrank import check_pauc_params, check_positive_float, count_from_fraction, finish
+from bigrank.losses.softrank import check_pauc_params, check_positive_float, count_from_fraction, finish, row_iqr
 from bigrank.losses.validation import check_reduction
 
 __all__ = [
@@ -279,5 +279,4 @@ def _sampled_iqr(negatives: torch.Tensor, positive_columns: int, sample_size: in
         sample = all_gather_no_grad(sample.t().contiguous(), group).t()
     if sample.shape[1] == 0:
         return negatives.new_full((negatives.shape[0],), float("nan"))
-    quartiles = torch.nanquantile(sample, torch.tensor([0.25, 0.75], dtype=sample.dtype), dim=1)
-    return quartiles[1] - quartiles[0]
+    return row_iqr(sample)
