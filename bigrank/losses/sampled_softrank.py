@@ -38,7 +38,7 @@ from bigrank.distributed.collectives import (
     is_distributed,
 )
 from bigrank.losses.kernels import topk_values
-from bigrank.losses.sampled import accidental_hits
+from bigrank.losses.sampled import accidental_hits, block_rows, low_precision
 from bigrank.losses.scores import gather_row_stats, merge_rank_topk
 from bigrank.losses.softrank import check_pauc_params, check_positive_float, count_from_fraction, finish, row_iqr
 from bigrank.losses.validation import check_reduction
@@ -74,10 +74,14 @@ def _row_totals(positive_scores, hit_rows, width, group, *, local_anchor: bool):
 
 
 @torch.no_grad()
-def _negative_scores(user_vectors, negative_rows, hit_rows, hit_cols, fill: float) -> torch.Tensor:
-    """``u_b . v_j`` [B, N_r] without gradient, ``fill`` at the accidental hits."""
-    scores = user_vectors.detach() @ negative_rows.detach().T
-    if hit_rows.numel():
+def _negative_scores(user_vectors, negative_rows, hit_rows, hit_cols, fill: float, compute_dtype) -> torch.Tensor:
+    """``u_b . v_j`` [B, N_r] without gradient (in ``compute_dtype`` when lower), ``fill`` at the accidental hits
+    (None: no fill)."""
+    if low_precision(compute_dtype, user_vectors.dtype):
+        scores = user_vectors.detach().to(compute_dtype) @ negative_rows.detach().to(compute_dtype).T
+    else:
+        scores = user_vectors.detach() @ negative_rows.detach().T
+    if hit_rows is not None and hit_rows.numel():
         scores[hit_rows, hit_cols] = fill
     return scores
 
@@ -99,42 +103,51 @@ class _SharedSigmoidSums(torch.autograd.Function):
     One [B, N_r] buffer: the forward GEMM of ``[u / tau, -p / tau] . [v, 1]`` writes it in row blocks, each
     block turned in cache into the sigmoid (summed) and then its slope ``s (1 - s)``; backward scales the
     slopes in place into dS/dz and runs the two gradient GEMMs. 3 GEMMs of B x N_r x d a step.
+
+    ``compute_dtype`` bf16: the GEMMs run on bf16 operands into a bf16 buffer (the anchor is subtracted from
+    each block in float32, not folded into the bf16 GEMM: p / tau would lose its low bits), sums in float32.
     """
 
     @staticmethod
-    def forward(ctx, users, negative_rows, anchors, hit_rows, hit_cols, tau):
+    def forward(ctx, users, negative_rows, anchors, hit_rows, hit_cols, tau, compute_dtype=None):
         batch, width = users.shape[0], negative_rows.shape[0]
-        slopes = users.new_empty(batch, width)
+        low = low_precision(compute_dtype, users.dtype)
+        slopes = users.new_empty(batch, width, dtype=compute_dtype if low else users.dtype)
         sums = users.new_zeros(batch)
-        if width:
-            block = max(1, _ROW_BLOCK_ELEMENTS // width)
+        if low:
+            left, right = users.to(compute_dtype), negative_rows.to(compute_dtype)
+            right_t, shift = right.t(), anchors.detach().unsqueeze(1)
+        else:
             left = torch.cat([users / tau, (-anchors / tau).unsqueeze(1)], dim=1)
             right_t = torch.cat([negative_rows, negative_rows.new_ones(width, 1)], dim=1).t()
-            has_hits = hit_rows.numel() > 0
+        if width:
+            block = max(1, _ROW_BLOCK_ELEMENTS // width)
             for start in range(0, batch, block):
                 stop = min(start + block, batch)
-                s = slopes[start:stop]
-                torch.mm(left[start:stop], right_t, out=s)
+                out = slopes[start:stop]
+                torch.mm(left[start:stop], right_t, out=out)
+                s = out.to(users.dtype).sub_(shift[start:stop]).div_(tau) if low else out
                 s.sigmoid_()
-                if has_hits:
-                    inside = (hit_rows >= start) & (hit_rows < stop)
-                    if bool(inside.any()):
-                        s[hit_rows[inside] - start, hit_cols[inside]] = 0.0  # hits are positives: not in S
+                hits = block_rows(hit_rows, hit_cols, start, stop)
+                if hits is not None:
+                    s[hits] = 0.0  # hits are positives: not in S
                 sums[start:stop] = s.sum(dim=1)
                 s.addcmul_(s, s, value=-1.0)  # s (1 - s); 0 stays 0 at the hits
-        ctx.save_for_backward(users, negative_rows, slopes)
-        ctx.tau = tau
+                if low:
+                    out.copy_(s)
+        ctx.save_for_backward(left if low else users, right if low else negative_rows, slopes)
+        ctx.tau, ctx.dtype = tau, users.dtype
         return sums
 
     @staticmethod
     def backward(ctx, grad_sums):
         users, negative_rows, slopes = ctx.saved_tensors
         # dS_b / dz_bj = s (1 - s) / tau with z = u . v - p; the buffer becomes dL/dz (one backward only).
-        grad_z = slopes.mul_((grad_sums / ctx.tau).unsqueeze(1))
-        grad_anchors = -grad_z.sum(dim=1)
-        grad_users = grad_z @ negative_rows
-        grad_rows = grad_z.t() @ users
-        return grad_users, grad_rows, grad_anchors, None, None, None
+        grad_z = slopes.mul_((grad_sums / ctx.tau).to(slopes.dtype).unsqueeze(1))
+        grad_anchors = -grad_z.sum(dim=1, dtype=ctx.dtype)
+        grad_users = (grad_z @ negative_rows).to(ctx.dtype)
+        grad_rows = (grad_z.t() @ users).to(ctx.dtype)
+        return grad_users, grad_rows, grad_anchors, None, None, None, None
 
 
 def smooth_ap_shared_negatives(
@@ -148,6 +161,7 @@ def smooth_ap_shared_negatives(
     reduction: str = "mean",
     group=None,
     return_valid: bool = False,
+    compute_dtype: torch.dtype | None = None,
 ):
     """1 - Smooth-AP of each row over [its positive | the shared negatives] (Brown et al. 2020, eq. 4-7):
     ``smooth_ap_loss`` on the generic sampled columns, without them.
@@ -160,12 +174,14 @@ def smooth_ap_shared_negatives(
         temperature: sigmoid temperature tau (score units). reduction: "mean" | "sum" | "none" over rows
             with at least one negative that is not a hit.
         group: process group splitting the negatives across ranks.
+        compute_dtype: dtype of the negatives' GEMMs and buffer (``torch.bfloat16`` for ``train.precision=bf16``;
+            sigmoids and sums in float32); None = the inputs' dtype.
     """
     check_reduction(reduction)
     tau = check_positive_float(temperature, "temperature")
     hit_rows, hit_cols = accidental_hits(target, negative_ids)
     p, hits, others = _row_totals(positive_scores, hit_rows, negative_ids.numel(), group, local_anchor=True)
-    local = _SharedSigmoidSums.apply(user_vectors, negative_rows, p, hit_rows, hit_cols, tau)
+    local = _SharedSigmoidSums.apply(user_vectors, negative_rows, p, hit_rows, hit_cols, tau, compute_dtype)
     sums = all_reduce_sum(local, group)
     k = (hits + 1).to(sums.dtype)
     precision = (k + 1) / (k + 1 + 2 * sums)
@@ -185,6 +201,7 @@ def recall_at_quantile_shared_negatives(
     reduction: str = "mean",
     group=None,
     return_valid: bool = False,
+    compute_dtype: torch.dtype | None = None,
 ):
     """1 - soft recall above the row's top-``quantile`` threshold (``recall_at_quantile_loss`` on the generic
     sampled columns). theta = the k-th largest of {p_b} and every negative's score (hits included: they are
@@ -198,8 +215,8 @@ def recall_at_quantile_shared_negatives(
     p, hits, others = _row_totals(positive_scores, hit_rows, negative_ids.numel(), group, local_anchor=False)
     k = count_from_fraction(float(quantile), 1 + hits + others)  # [B], n_valid = 1 + every negative
     with torch.no_grad():
-        scores = user_vectors.detach() @ negative_rows.detach().T
-        top = _global_top(scores, int(k.max()) if k.numel() else 1, group)
+        scores = _negative_scores(user_vectors, negative_rows, None, None, 0.0, compute_dtype)
+        top = _global_top(scores, int(k.max()) if k.numel() else 1, group).to(p.dtype)
         merged = torch.cat([top, p.detach().unsqueeze(1)], dim=1).sort(dim=1, descending=True).values
         theta = merged.gather(1, (k - 1).unsqueeze(1)).squeeze(1)
         theta = torch.where(torch.isfinite(theta), theta, theta.new_zeros(()))
@@ -225,6 +242,7 @@ def pauc_at_budget_shared_negatives(
     reduction: str = "mean",
     group=None,
     return_valid: bool = False,
+    compute_dtype: torch.dtype | None = None,
 ):
     """1 - normalised partial AUC over FPR [alpha, beta] (``pauc_at_budget_loss`` on the generic sampled
     columns). The negatives of row b are the shared negatives that are not its hits; thresholds t_i = the
@@ -240,10 +258,10 @@ def pauc_at_budget_shared_negatives(
     hit_rows, hit_cols = accidental_hits(target, negative_ids)
     p, hits, others = _row_totals(positive_scores, hit_rows, negative_ids.numel(), group, local_anchor=False)
     with torch.no_grad():
-        negatives = _negative_scores(user_vectors, negative_rows, hit_rows, hit_cols, float("-inf"))
+        negatives = _negative_scores(user_vectors, negative_rows, hit_rows, hit_cols, float("-inf"), compute_dtype)
         knots = torch.linspace(float(alpha), float(beta), n_knots, dtype=torch.float64)
         k = count_from_fraction(knots.unsqueeze(0), others.unsqueeze(1))  # [B, n_knots]
-        top = _global_top(negatives, int(k.max()) if k.numel() else 1, group)
+        top = _global_top(negatives, int(k.max()) if k.numel() else 1, group).to(p.dtype)
         thresholds = top.gather(1, k - 1)
         thresholds = torch.where(torch.isfinite(thresholds), thresholds, thresholds.new_zeros(()))
         if tau_scale == "band":
@@ -273,7 +291,7 @@ def _sampled_iqr(negatives: torch.Tensor, positive_columns: int, sample_size: in
     if first < positive_columns:  # the first sampled column at or after the negatives
         first += math.ceil((positive_columns - first) / stride) * stride
     columns = torch.arange(first - positive_columns, negatives.shape[1], stride, device=negatives.device)
-    sample = negatives[:, columns]
+    sample = negatives[:, columns].to(torch.promote_types(negatives.dtype, torch.float32))
     sample = sample.masked_fill(~torch.isfinite(sample), float("nan"))  # the hits (-inf) are not negatives
     if is_distributed(group):
         sample = all_gather_no_grad(sample.t().contiguous(), group).t()

@@ -107,7 +107,7 @@ class StepLoss:
     ):
         self.config = config
         self.module = build_loss(config)
-        self.score_dtype = score_dtype  # train.precision: the dtype full-catalog scores are computed in
+        self.score_dtype = score_dtype  # train.precision: the dtype scores are computed in
         self.full_catalog = config.name in FULL_CATALOG_LOSSES
         self.start, self.stop = int(shard_start), int(shard_stop)
         self.seed, self.rank = int(seed), int(rank)
@@ -269,6 +269,7 @@ class StepLoss:
         loss, valid = sampled_softmax_shared_negatives(
             user_vectors, negative_rows, draw.negatives, draw.neg_log_q, target, positive_logits,
             temperature=temperature, reduction=inner.reduction, group=group, return_valid=True,
+            compute_dtype=self.score_dtype,
         )  # fmt: skip
         inner.last_excluded_rows = int((~valid).sum())
         return loss
@@ -296,7 +297,7 @@ class StepLoss:
             )  # fmt: skip
         loss, valid = fn(
             user_vectors, negative_rows, draw.negatives, target, positive_scores, group=group, return_valid=True,
-            **params,
+            compute_dtype=self.score_dtype, **params,
         )  # fmt: skip
         inner.last_excluded_rows = int((~valid).sum())
         return loss
