@@ -16,6 +16,10 @@ the (replicated) loss of the global batch:
     accidental hit (labelled positive). ``log_q`` is the expected number of draws of each column under the
     rank's proposal (Yi et al. RecSys 2019), used by ``sampled_softmax`` only.
 
+Sampled softmax, Smooth-AP, Recall@quantile and pAUC@budget over ``sampled`` candidates take fused paths
+(``bigrank.losses.sampled`` / ``sampled_softrank``: shared negatives in one [B, N_r] buffer, no [B, C] labels,
+mask or log_q), also inside a warm-up wrapper; SoftNDCG takes the materialised columns.
+
 The loss module comes from the loss registry (``bigrank.losses.build.build_loss``).
 Optional warm-up (``loss.warmup``): :class:`bigrank.losses.warmup.LossWarmupWrapper` from the warm-up loss to
 the main loss with a geometric temperature schedule; its step counter is checkpointed (``state_dict``).
