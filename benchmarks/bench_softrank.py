@@ -15,6 +15,12 @@ in the same process, so the ratios are comparable on a shared CPU. The softmax r
     .venv/bin/python benchmarks/bench_softrank.py --items 100000   # quicker
     .venv/bin/python benchmarks/bench_softrank.py --threads 1      # steadier when other jobs share the CPU
     .venv/bin/python benchmarks/bench_softrank.py --dense-full     # also the dense [B, n] full-catalog steps
+    .venv/bin/python benchmarks/bench_softrank.py --fused-only     # only the trainer's fused sampled steps
+
+Fused sampled (``--fused-batch`` rows, default 4,096): the trainer's own sampled step (``StepLoss`` on one rank:
+the draw, the touched rows, the fused shared-negatives loss and backward) for sampled softmax, Smooth-AP,
+Recall@quantile and pAUC@budget with ``--sampled`` uniform negatives, in float32 and with bf16 scoring
+(``train.precision=bf16``: bf16 GEMMs, float32 statistics).
 
 Full catalog: softmax and the catalog-scale Smooth-AP / Recall@quantile / pAUC of
 ``bigrank.losses.softrank_catalog`` through the chunked engine (what the trainer runs for
@@ -24,6 +30,7 @@ Full catalog: softmax and the catalog-scale Smooth-AP / Recall@quantile / pAUC o
 from __future__ import annotations
 
 import argparse
+import itertools
 import statistics
 import time
 
@@ -97,6 +104,35 @@ def catalog_engine_steps(users, items, target):
     return {name: make(fn) for name, fn in functions.items()}
 
 
+FUSED_LOSSES = ("sampled_softmax", "smooth_ap", "recall_at_quantile", "pauc_at_budget")
+
+
+def fused_sampled_steps(users, catalog, batch: int, negatives: int, seed: int) -> dict:
+    """``StepLoss`` steps (one rank, the whole catalog as its shard) of the fused sampled losses, float32 and
+    bf16 scoring: name -> step()."""
+    from bigrank.config import LossConfig
+    from bigrank.train.losses import StepLoss
+
+    generator = torch.Generator().manual_seed(seed)
+    rows = (torch.randn(batch, users.shape[1], generator=generator) / users.shape[1] ** 0.5).requires_grad_(True)
+    target = torch.randint(0, catalog.shape[0], (batch,), generator=generator)
+    weight = catalog.detach()
+    steps = {}
+    for name in FUSED_LOSSES:
+        for label, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
+            config = LossConfig(name=name, candidates="sampled", num_negatives=negatives)
+            step_loss = StepLoss(config, num_items=catalog.shape[0], shard_start=0, shard_stop=catalog.shape[0],
+                                 seed=seed, score_dtype=dtype)  # fmt: skip
+
+            def step(step_loss=step_loss, counter=itertools.count(1)):  # noqa: B008 - one counter per step
+                rows.grad = None
+                step_loss(rows, target, weight, step=next(counter)).backward()
+                step_loss.last_rows.grad  # noqa: B018 - the touched rows' gradient, as the trainer reads it
+
+            steps[f"{name} {label}"] = step
+    return steps
+
+
 def time_round_robin(steps: dict, repeats: int, label: str) -> dict:
     """Median time of each step; the repeats run in rounds over all steps, so a change of load on the shared
     CPU during the run affects every loss alike (ratios stay comparable)."""
@@ -125,6 +161,8 @@ def main(argv=None) -> int:
     parser.add_argument(
         "--dense-full", action="store_true", help="also time the dense [B, n] full-catalog steps (6+ GB at 849K)"
     )
+    parser.add_argument("--fused-batch", type=int, default=4096, help="rows of the fused sampled steps")
+    parser.add_argument("--fused-only", action="store_true", help="only the fused sampled (StepLoss) steps")
     args = parser.parse_args(argv)
     if args.threads > 0:
         torch.set_num_threads(args.threads)
@@ -136,6 +174,21 @@ def main(argv=None) -> int:
     catalog = (torch.randn(args.items, args.dim, generator=gen) / args.dim**0.5).requires_grad_(True)
     target = torch.randint(0, args.items, (args.batch,), generator=gen)
     table = losses(args.ndcg_candidates)
+
+    # The trainer's fused sampled steps (StepLoss), float32 and bf16 scoring.
+    fused = time_round_robin(
+        fused_sampled_steps(users, catalog, args.fused_batch, args.sampled, args.seed), args.repeats, "fused"
+    )
+    print()
+    print(f"fused sampled (StepLoss, 1 rank): B={args.fused_batch} d={args.dim} items={args.items:,} "
+          f"negatives={args.sampled:,} threads={torch.get_num_threads()}; median of {args.repeats} steps")  # fmt: skip
+    reference = fused["sampled_softmax fp32"]
+    print(f"{'loss':<22s} {'fp32 s':>8s} {'bf16 s':>8s} {'fp32/bf16':>10s} {'fp32 /sampled softmax fp32':>27s}")
+    for name in FUSED_LOSSES:
+        fp32, bf16 = fused[f"{name} fp32"], fused[f"{name} bf16"]
+        print(f"{name:<22s} {fp32:8.3f} {bf16:8.3f} {fp32 / bf16:10.2f} {fp32 / reference:27.2f}")
+    if args.fused_only:
+        return 0
 
     # Full catalog: one positive per row.
     full_labels = torch.zeros(args.batch, args.items, dtype=torch.bool)

@@ -244,3 +244,27 @@ def test_distributed_equals_single_process(splits):
             assert torch.equal(rank_valid, valid) and not valid[0]
         grads = torch.cat([r[num_candidates][2] for r in results], dim=1)
         torch.testing.assert_close(grads, full.grad, rtol=1e-9, atol=1e-12)
+
+
+def test_distributions_of_chosen_candidates_equal_those_of_the_whole_list():
+    """SoftNDCG computes only the positives' rank distributions ([B, P, N] from a [B, N, P] contest block):
+    each equals the full list's row, values and gradients; padded slots are point masses at rank 0."""
+    from bigrank.losses.softndcg import _rank_distributions_of
+
+    gen = torch.Generator().manual_seed(9)
+    scores = torch.randn(3, 6, generator=gen, dtype=torch.float64)
+    valid = torch.rand(3, 6, generator=gen) < 0.85
+    slots = torch.tensor([[4, 0, 2], [1, 5, 0], [3, 3, 3]])
+    present = torch.tensor([[True, True, True], [True, True, False], [True, False, False]])
+    ours, theirs = scores.clone().requires_grad_(), scores.clone().requires_grad_()
+    chosen = _rank_distributions_of(ours, valid, slots, present, 0.4)
+    full = rank_distributions(theirs, valid, 0.4)
+    expected = full.gather(1, slots.unsqueeze(2).expand(-1, -1, 6))
+    mask = (present & valid.gather(1, slots)).unsqueeze(2)
+    point_mass = torch.zeros(6, dtype=torch.float64)
+    point_mass[0] = 1.0
+    torch.testing.assert_close(chosen, torch.where(mask, expected, point_mass), rtol=1e-12, atol=1e-14)
+    weights = torch.rand(3, 3, 6, generator=gen, dtype=torch.float64) * mask
+    (chosen * weights).sum().backward()
+    (expected * weights).sum().backward()
+    torch.testing.assert_close(ours.grad, theirs.grad, rtol=1e-9, atol=1e-12)

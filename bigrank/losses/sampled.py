@@ -161,41 +161,65 @@ def accidental_hits(target: torch.Tensor, negative_ids: torch.Tensor) -> tuple[t
     return rows, order[first + torch.arange(total, device=target.device)]
 
 
+def low_precision(compute_dtype: torch.dtype | None, dtype: torch.dtype) -> bool:
+    """True when the fused GEMMs should run in ``compute_dtype`` (e.g. bf16) below the parameters' ``dtype``."""
+    return compute_dtype is not None and compute_dtype != dtype and torch.finfo(compute_dtype).bits < 32
+
+
+def block_rows(hit_rows, hit_cols, start, stop):
+    """The accidental hits inside rows [start, stop) of a row block: (block rows, columns), or None."""
+    if hit_rows.numel() == 0:
+        return None
+    inside = (hit_rows >= start) & (hit_rows < stop)
+    return (hit_rows[inside] - start, hit_cols[inside]) if bool(inside.any()) else None
+
+
 class _NegativeLogSumExp(torch.autograd.Function):
     """``lse[b] = log sum_{j not a hit of b} exp(u_b . v_j / T - log_q_j)``: [B], -inf for rows without a
     negative. One [B, N] buffer: the forward GEMM writes it in row blocks, each block turned into
     ``exp(z - rowmax)`` while in cache; backward scales it in place into dL/dz and runs the two gradient GEMMs.
-    So a step costs the 3 GEMMs of B x N x d plus ~4 passes over the buffer (no second [B, N] tensor)."""
+    So a step costs the 3 GEMMs of B x N x d plus ~4 passes over the buffer (no second [B, N] tensor).
+
+    ``compute_dtype`` bf16 (``train.precision=bf16``): the GEMMs run on bf16 operands into a bf16 buffer; each
+    block is shifted, exponentiated and summed in float32 (logQ added there, not in the bf16 GEMM), and the
+    gradients come back in the parameters' dtype."""
 
     @staticmethod
-    def forward(ctx, user_vectors, negative_rows, log_q, hit_rows, hit_cols, temperature):
+    def forward(ctx, user_vectors, negative_rows, log_q, hit_rows, hit_cols, temperature, compute_dtype=None):
         batch, width = user_vectors.shape[0], negative_rows.shape[0]
+        low = low_precision(compute_dtype, user_vectors.dtype)
         scaled = user_vectors / temperature
-        exps = user_vectors.new_empty(batch, width)
+        exps = user_vectors.new_empty(batch, width, dtype=compute_dtype if low else user_vectors.dtype)
         row_max = user_vectors.new_full((batch,), float("-inf"))
         sums = user_vectors.new_zeros(batch)
+        if low:
+            left, right = scaled.to(compute_dtype), negative_rows.to(compute_dtype)
+            right_t, shift = right.t(), (-log_q).to(user_vectors.dtype)
+        else:
+            # The logQ correction rides in the GEMM as one more dimension: [u / T, 1] . [v, -log q] = z.
+            left = torch.cat([scaled, scaled.new_ones(batch, 1)], dim=1)
+            right_t = torch.cat([negative_rows, (-log_q).to(negative_rows.dtype).unsqueeze(1)], dim=1).t()
+            right = None
         if width:
             block = max(1, _ROW_BLOCK_ELEMENTS // width)
-            # The logQ correction rides in the GEMM as one more dimension: [u / T, 1] . [v, -log q] = z.
-            users_1 = torch.cat([scaled, scaled.new_ones(batch, 1)], dim=1)
-            items_t = torch.cat([negative_rows, (-log_q).to(negative_rows.dtype).unsqueeze(1)], dim=1).t()
-            has_hits = hit_rows.numel() > 0
             for start in range(0, batch, block):
                 stop = min(start + block, batch)
-                z = exps[start:stop]
-                torch.mm(users_1[start:stop], items_t, out=z)
-                if has_hits:
-                    inside = (hit_rows >= start) & (hit_rows < stop)
-                    if bool(inside.any()):
-                        z[hit_rows[inside] - start, hit_cols[inside]] = float("-inf")
+                out = exps[start:stop]
+                torch.mm(left[start:stop], right_t, out=out)
+                z = out.to(user_vectors.dtype).add_(shift) if low else out  # a cache-sized float32 block
+                hits = block_rows(hit_rows, hit_cols, start, stop)
+                if hits is not None:
+                    z[hits] = float("-inf")
                 top = z.amax(dim=1)
                 top = torch.where(torch.isfinite(top), top, top.new_zeros(()))
                 z.sub_(top.unsqueeze(1)).exp_()
                 row_max[start:stop] = top
                 sums[start:stop] = z.sum(dim=1)
+                if low:
+                    out.copy_(z)
         lse = torch.where(sums > 0, row_max + torch.log(sums), sums.new_full((), float("-inf")))
-        ctx.save_for_backward(scaled, negative_rows, exps, sums)
-        ctx.temperature = temperature
+        ctx.save_for_backward(left if low else scaled, right if low else negative_rows, exps, sums)
+        ctx.temperature, ctx.dtype = temperature, user_vectors.dtype
         return lse
 
     @staticmethod
@@ -203,10 +227,10 @@ class _NegativeLogSumExp(torch.autograd.Function):
         scaled, negative_rows, exps, sums = ctx.saved_tensors
         # dlse_b / dz_bj = exp(z_bj - lse_b) = exps_bj / sums_b; the buffer is reused for dL/dz (one backward).
         scale = torch.where(sums > 0, grad_lse / sums, sums.new_zeros(()))
-        grad_z = exps.mul_(scale.unsqueeze(1))
-        grad_users = (grad_z @ negative_rows).div_(ctx.temperature)
-        grad_rows = grad_z.t() @ scaled
-        return grad_users, grad_rows, None, None, None, None
+        grad_z = exps.mul_(scale.to(exps.dtype).unsqueeze(1))
+        grad_users = (grad_z @ negative_rows).to(ctx.dtype).div_(ctx.temperature)
+        grad_rows = (grad_z.t() @ scaled).to(ctx.dtype)
+        return grad_users, grad_rows, None, None, None, None, None
 
 
 def sampled_softmax_shared_negatives(
@@ -221,6 +245,7 @@ def sampled_softmax_shared_negatives(
     reduction: str = "mean",
     group=None,
     return_valid: bool = False,
+    compute_dtype: torch.dtype | None = None,
 ):
     """Sampled softmax with logQ correction when every row shares the same negatives: the loss of
     ``sampled_softmax_loss`` on the columns [row positives | shared negatives] of ``StepLoss``'s sampled
@@ -240,10 +265,13 @@ def sampled_softmax_shared_negatives(
             target this rank owns, 0 elsewhere (summed over ranks here).
         temperature: T > 0. reduction: "mean" | "sum" | "none" (over rows with a negative).
         group: process group splitting the negatives across ranks.
+        compute_dtype: dtype of the negatives' GEMMs and buffer (``torch.bfloat16`` for ``train.precision=bf16``;
+            row statistics stay float32); None = the inputs' dtype.
     """
     check_reduction(reduction)
+    hits = accidental_hits(target, negative_ids)
     lse_local = _NegativeLogSumExp.apply(
-        user_vectors, negative_rows, negative_log_q, *accidental_hits(target, negative_ids), float(temperature)
+        user_vectors, negative_rows, negative_log_q, *hits, float(temperature), compute_dtype
     )
     positive = all_reduce_sum(positive_logits, group)
     shift = all_reduce_max(lse_local, group)

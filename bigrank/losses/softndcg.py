@@ -13,8 +13,11 @@ candidate as independent (Taylor et al.'s pairwise-contest approximation; they s
 reality): expected ranks are exact, and whole distributions are close to Monte-Carlo sampling of the Gaussian
 scores when sigma is small against the score gaps (tests check both).
 
-Cost: the recursion is O(N^3) time and O(N^2) memory per row for a list of N candidates, so it runs on a
-candidate list per row: all positives (gain > 0) plus the highest-scoring negatives, ``num_candidates`` in all.
+Cost: the recursion is O(N^2) time per candidate whose distribution is needed, for a list of N candidates.
+Only candidates with a gain add to the expected DCG, so the loss computes the distributions of the P
+positives of each row alone: O(N^2 P) time and O(N P) memory per row (``rank_distributions`` gives all N:
+O(N^3)). It runs on a candidate list per row: all positives (gain > 0) plus the highest-scoring negatives,
+``num_candidates`` in all.
 The backward pass does not store the N intermediate distributions (that would be O(N^3) memory): the gradient
 of ``p_j`` w.r.t. ``pi_ij`` needs j's rank distribution without contestant i, which is recovered by dividing
 the generating polynomial ``prod_i ((1 - pi_ij) + pi_ij z)`` by the factor of i, in the numerically stable
@@ -50,50 +53,68 @@ def _negligible(dtype: torch.dtype) -> float:
 class _RankBinomial(torch.autograd.Function):
     """``p[b, j, r]`` = probability that candidate j has rank r, from ``pi[b, i, j]`` = P(i beats j).
 
+    ``pi`` is [B, N, M]: the N contestants of each of M candidates (M = N for the whole list; fewer when only
+    some candidates' distributions are needed, e.g. the positives of SoftNDCG); the result is [B, M, N].
     Entries of ``pi`` that are not contests (i == j, padding) must be 0: a factor ``(1 - 0) + 0 z`` is a no-op.
     """
 
     @staticmethod
     def forward(ctx, pi):
-        batch, size, _ = pi.shape
-        p = pi.new_zeros(batch, size, size)
-        p[:, :, 0] = 1.0
-        for i in range(size):
-            beats = pi[:, i, :].unsqueeze(2)  # [B, j, 1]
-            top = min(i + 2, size)  # after i + 1 contests the support is ranks 0 .. i + 1
-            old = p[:, :, :top]
-            new = old * (1.0 - beats)
-            new[:, :, 1:] += old[:, :, : top - 1] * beats
-            p[:, :, :top] = F.threshold_(new, _negligible(pi.dtype), 0.0)
-        ctx.save_for_backward(pi, p)
-        return p
+        batch, size, width = pi.shape
+        # Rank-major [r, b, j] (each rank's slice a contiguous operand), on blocks of rows that stay in cache,
+        # two buffers in turn: no allocation inside the ~N iterations (they went to memory on the whole batch).
+        ranks = pi.new_empty(size, batch, width)
+        block = max(1, _CACHE_ELEMENTS // max(1, size * width))
+        for start in range(0, batch, block):
+            rows = slice(start, start + block)
+            ranks[:, rows] = _rank_binomial_block(pi[rows])
+        ctx.save_for_backward(pi, ranks)
+        return ranks.permute(1, 2, 0).contiguous()
 
     @staticmethod
     def backward(ctx, grad_p):
-        pi, p = ctx.saved_tensors
-        size = p.shape[-1]
+        pi, ranks = ctx.saved_tensors
+        size, width = ranks.shape[0], ranks.shape[2]
         if size < 2:
             return torch.zeros_like(pi)
-        # Rows are independent: run the recursions on blocks of rows whose [b, N, N] tensors stay in cache
+        # Rows are independent: run the recursions on blocks of rows whose [b, N, M] tensors stay in cache
         # (each of the ~2N iterations makes 4 passes over them; on the whole batch those passes went to memory).
-        block = max(1, _CACHE_ELEMENTS // (size * size))
+        block = max(1, _CACHE_ELEMENTS // max(1, size * width))
         grad_pi = torch.empty_like(pi)
         for start in range(0, pi.shape[0], block):
             rows = slice(start, start + block)
-            grad_pi[rows] = _rank_binomial_grad(pi[rows], p[rows], grad_p[rows])
+            grad_pi[rows] = _rank_binomial_grad(pi[rows], ranks[:, rows], grad_p[rows])
         return grad_pi
 
 
-def _rank_binomial_grad(pi, p, grad_p):
-    """dL/dpi [b, N, N] of ``_RankBinomial`` for a block of rows."""
-    size = p.shape[-1]
+def _rank_binomial_block(pi):
+    """The rank-binomial recursion (Taylor et al. 2008, eq. 5) for a block of rows of ``pi`` [b, N, M]:
+    ``p[r, b, j]`` [N, b, M]."""
+    batch, size, width = pi.shape
+    beats = pi.transpose(0, 1).contiguous()  # [i, b, j]
+    keep = 1.0 - beats
+    current, following = pi.new_zeros(size, batch, width), pi.new_zeros(size, batch, width)
+    current[0] = 1.0
+    floor = _negligible(pi.dtype)
+    for i in range(size):
+        top = min(i + 2, size)  # after i + 1 contests the support is ranks 0 .. i + 1 (current[top - 1] is 0)
+        torch.mul(current[:top], keep[i], out=following[:top])
+        following[1:top].addcmul_(current[: top - 1], beats[i])
+        F.threshold_(following[:top], floor, 0.0)
+        current, following = following, current
+    return current
+
+
+def _rank_binomial_grad(pi, ranks, grad_p):
+    """dL/dpi [b, N, M] of ``_RankBinomial`` for a block of rows; ``ranks`` is its output rank-major [N, b, M]."""
+    size = ranks.shape[0]
     # dL/dpi_ij = sum_r q_ij(r) (w_j(r + 1) - w_j(r)), with q_ij = p_j without contestant i and w = grad_p.
     # Rank-major copies, so that each rank's slice is a contiguous [b, 1, j] operand (strided [..., r] slices
     # of the [b, j, N] tensors made every addcmul_ below several times slower).
     step = (grad_p[:, :, 1:] - grad_p[:, :, :-1]).permute(2, 0, 1).contiguous().unsqueeze(2)  # [N-1, b, 1, j]
     nonzero = step.ne(0).flatten(1, 3).any(dim=1).nonzero()
     last = int(nonzero.max()) + 1 if nonzero.numel() else 0  # ranks past the last non-zero step add 0
-    target = p.permute(2, 0, 1).contiguous().unsqueeze(2)  # [N, b, 1, j]
+    target = ranks.unsqueeze(2)  # [N, b, 1, j]
     keep = 1.0 - pi
     forward = pi <= 0.5  # which division is stable for each pair; the other one is skipped (zero factors)
     zero = pi.new_zeros(())
@@ -132,6 +153,18 @@ def rank_distributions(scores: torch.Tensor, valid: torch.Tensor | None = None, 
     diff = (scores.unsqueeze(2) - scores.unsqueeze(1)) / (math.sqrt(2.0) * sigma)  # [b, i, j]: s_i - s_j
     eye = torch.eye(size, dtype=torch.bool, device=scores.device)
     contest = valid.unsqueeze(2) & valid.unsqueeze(1) & ~eye
+    pi = torch.where(contest, torch.special.ndtr(diff), diff.new_zeros(()))
+    return _RankBinomial.apply(pi)
+
+
+def _rank_distributions_of(scores, valid, slots, present, sigma) -> torch.Tensor:
+    """``rank_distributions(scores, valid, sigma)[b, slots[b, m]]`` for the slots flagged in ``present``
+    [B, M] (0 elsewhere: no contest): [B, M, N], without the other candidates' distributions."""
+    size = scores.shape[1]
+    chosen = scores.gather(1, slots)
+    diff = (scores.unsqueeze(2) - chosen.unsqueeze(1)) / (math.sqrt(2.0) * sigma)  # [b, i, m]: s_i - s_m
+    others = torch.arange(size, device=scores.device).view(1, size, 1) != slots.unsqueeze(1)
+    contest = valid.unsqueeze(2) & (present & valid.gather(1, slots)).unsqueeze(1) & others
     pi = torch.where(contest, torch.special.ndtr(diff), diff.new_zeros(()))
     return _RankBinomial.apply(pi)
 
@@ -206,7 +239,7 @@ def softrank_ndcg_loss(
         return_valid: also return ``valid: bool[B]`` (False = no positive or no negative: excluded).
 
     The ideal DCG is taken over the list, which holds every positive, so it is the row's ideal DCG(@k).
-    Memory O(B N^2), time O(B N^3) for a list of N candidates.
+    Memory O(B N P), time O(B N^2 P) for a list of N candidates, P of them positive (at most).
     """
     check_reduction(reduction)
     check_scores(scores)
@@ -246,10 +279,14 @@ def softrank_ndcg_loss(
             f"SoftNDCG candidate list has {list_scores.shape[1]} entries (> {MAX_LIST_SIZE}): the recursion is "
             "O(N^3); pass num_candidates to keep the positives and the top-scoring negatives only"
         )
-    p = rank_distributions(list_scores, in_list, sigma)  # [B, N, N]
-    discount = _discounts(list_scores.shape[1], k, scores.dtype, scores.device)
     list_gains = torch.where(in_list, list_gains, list_gains.new_zeros(()))
-    expected_dcg = torch.einsum("bj,bjr,r->b", list_gains, p, discount)
+    # Only candidates with a gain add to the expected DCG, so only their rank distributions are computed:
+    # O(B N^2 P) for P positives a row instead of O(B N^3) (the values of the whole list's distributions).
+    slots, has_gain = local_positives(torch.arange(list_gains.shape[1]).expand_as(list_gains), list_gains > 0)
+    p = _rank_distributions_of(list_scores, in_list, slots, has_gain, sigma)  # [B, P, N]
+    discount = _discounts(list_scores.shape[1], k, scores.dtype, scores.device)
+    chosen_gains = torch.where(has_gain, list_gains.gather(1, slots), list_gains.new_zeros(()))  # 0: padding
+    expected_dcg = torch.einsum("bm,bmr,r->b", chosen_gains, p, discount)
     ideal_dcg = (list_gains.sort(dim=1, descending=True).values * discount).sum(dim=1)
     valid_rows = (n_positive > 0) & (n_positive < n_valid) & (ideal_dcg > 0)
     ndcg = expected_dcg / torch.where(valid_rows, ideal_dcg, ideal_dcg.new_ones(()))

@@ -27,6 +27,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -440,8 +441,29 @@ def _negative_iqr(scores, negative, sample_size, group) -> torch.Tensor:
         sample = all_gather_no_grad(sample.t().contiguous(), group).t()
     if sample.shape[1] == 0:
         return scores.new_full((scores.shape[0],), float("nan"))
-    quartiles = torch.nanquantile(sample, torch.tensor([0.25, 0.75], dtype=sample.dtype), dim=1)
-    return quartiles[1] - quartiles[0]
+    return row_iqr(sample)
+
+
+@torch.no_grad()
+def row_iqr(sample: torch.Tensor) -> torch.Tensor:
+    """q75 - q25 of each row's non-NaN entries (linear interpolation: ``torch.nanquantile``'s values), [B];
+    NaN for a row without one. On CPU the rows are sorted by numpy (~7x faster than ``torch.sort`` on rows of
+    a few hundred values here), elsewhere by torch."""
+    missing = torch.isnan(sample)
+    if sample.device.type == "cpu":
+        wide = sample.to(torch.promote_types(sample.dtype, torch.float32))
+        ordered = torch.from_numpy(np.sort(wide.numpy(), axis=1)).to(sample.dtype)  # NaN sorts last
+    else:
+        ordered = sample.masked_fill(missing, float("inf")).sort(dim=1).values
+    count = (~missing).sum(dim=1)
+    quartiles = []
+    for fraction in (0.25, 0.75):
+        position = fraction * (count - 1).clamp_min(0).to(torch.float64)
+        low, high = position.floor().to(torch.int64), position.ceil().to(torch.int64)
+        below = ordered.gather(1, low.unsqueeze(1)).squeeze(1)
+        above = ordered.gather(1, high.unsqueeze(1)).squeeze(1)
+        quartiles.append(torch.lerp(below, above, (position - low).to(sample.dtype)))
+    return torch.where(count > 0, quartiles[1] - quartiles[0], sample.new_full((), float("nan")))
 
 
 # ------------------------------------------------------------------------------------------------- modules

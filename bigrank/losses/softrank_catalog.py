@@ -38,7 +38,7 @@ from bigrank.losses.scores import (
     poison_bad_rows,
     sum_row_stats,
 )
-from bigrank.losses.softrank import check_pauc_params, check_positive_float, count_from_fraction
+from bigrank.losses.softrank import check_pauc_params, check_positive_float, count_from_fraction, row_iqr
 from bigrank.losses.validation import check_reduction, reduce_rows
 
 __all__ = ["pauc_at_budget_catalog_loss", "recall_at_quantile_catalog_loss", "smooth_ap_catalog_loss"]
@@ -149,8 +149,7 @@ def _negative_iqr(source, layout: Layout, sample_size: int, group) -> torch.Tens
         sample = all_gather_no_grad(sample.t().contiguous(), group).t()
     if sample.shape[1] == 0:
         return torch.full((source.batch,), float("nan"), dtype=torch.float64, device=source.device)
-    quartiles = torch.nanquantile(sample, torch.tensor([0.25, 0.75], dtype=sample.dtype), dim=1)
-    return (quartiles[1] - quartiles[0]).to(torch.float64)
+    return row_iqr(sample).to(torch.float64)
 
 
 # ------------------------------------------------------------------------------------------------ Smooth-AP

@@ -16,6 +16,10 @@ the (replicated) loss of the global batch:
     accidental hit (labelled positive). ``log_q`` is the expected number of draws of each column under the
     rank's proposal (Yi et al. RecSys 2019), used by ``sampled_softmax`` only.
 
+Sampled softmax, Smooth-AP, Recall@quantile and pAUC@budget over ``sampled`` candidates take fused paths
+(``bigrank.losses.sampled`` / ``sampled_softrank``: shared negatives in one [B, N_r] buffer, no [B, C] labels,
+mask or log_q), also inside a warm-up wrapper; SoftNDCG takes the materialised columns.
+
 The loss module comes from the loss registry (``bigrank.losses.build.build_loss``).
 Optional warm-up (``loss.warmup``): :class:`bigrank.losses.warmup.LossWarmupWrapper` from the warm-up loss to
 the main loss with a geometric temperature schedule; its step counter is checkpointed (``state_dict``).
@@ -31,6 +35,7 @@ from bigrank.config import LossConfig
 from bigrank.data.samplers import PopularitySampler, UniformSampler
 from bigrank.losses.build import CandidateLoss, build_loss
 from bigrank.losses.registry import FULL_CATALOG_LOSSES
+from bigrank.losses.warmup import LossWarmupWrapper
 
 __all__ = ["StepLoss", "TouchedRows"]
 
@@ -60,6 +65,26 @@ class _Draw:
     neg_log_q: torch.Tensor
 
 
+@dataclass
+class _SampledStep:
+    """The inputs of one sampled step's loss, and its materialised columns once built (generic path)."""
+
+    user_vectors: torch.Tensor
+    target: torch.Tensor
+    rows: torch.Tensor
+    inverse: torch.Tensor
+    draw: _Draw
+    group: object
+    columns: tuple | None = None
+
+    def arguments(self) -> tuple:
+        return self.user_vectors, self.target, self.rows, self.inverse, self.draw, self.group
+
+
+# Candidate losses with a fused shared-negatives path besides sampled softmax.
+_FUSED_SOFT_RANK = ("smooth_ap", "recall_at_quantile", "pauc_at_budget")
+
+
 class StepLoss:
     """The configured loss of one training step on an item-parallel catalog.
 
@@ -86,7 +111,7 @@ class StepLoss:
     ):
         self.config = config
         self.module = build_loss(config)
-        self.score_dtype = score_dtype  # train.precision: the dtype full-catalog scores are computed in
+        self.score_dtype = score_dtype  # train.precision: the dtype scores are computed in
         self.full_catalog = config.name in FULL_CATALOG_LOSSES
         self.start, self.stop = int(shard_start), int(shard_stop)
         self.seed, self.rank = int(seed), int(rank)
@@ -164,10 +189,29 @@ class StepLoss:
         ids, inverse = torch.unique(torch.cat([draw.positives, draw.negatives]) - self.start, return_inverse=True)
         rows = item_weight.detach().index_select(0, ids).requires_grad_()
         self.last_rows = TouchedRows(ids, rows)
-        if isinstance(self.module, CandidateLoss) and self.module.name == "sampled_softmax":
-            return self._fused_sampled_softmax(user_vectors, target, rows, inverse, draw, group)
-        scores, labels, mask, log_q = self._sampled_candidates(user_vectors, target, rows, inverse, draw)
-        return self.module(scores, labels, mask, group=group, log_q=log_q)
+        step = _SampledStep(user_vectors, target, rows, inverse, draw, group)
+        if isinstance(self.module, LossWarmupWrapper):  # the wrapper's phases and blend, each loss fused
+            weight = self.module.main_weight
+            if weight == 0.0:
+                return self._sampled_loss(self.module.warmup_loss, step)
+            if weight == 1.0:
+                return self._sampled_loss(self.module.main_loss, step)
+            warm = self._sampled_loss(self.module.warmup_loss, step)
+            return (1.0 - weight) * warm + weight * self._sampled_loss(self.module.main_loss, step)
+        return self._sampled_loss(self.module, step)
+
+    def _sampled_loss(self, module, step: _SampledStep) -> torch.Tensor:
+        """``module``'s loss on the step's sampled candidates: the fused shared-negatives path for sampled
+        softmax, Smooth-AP, Recall@quantile and pAUC@budget; the materialised [B, C] columns otherwise."""
+        if isinstance(module, CandidateLoss):
+            if module.name == "sampled_softmax":
+                return self._fused_sampled_softmax(module, *step.arguments())
+            if module.name in _FUSED_SOFT_RANK:
+                return self._fused_soft_rank(module, *step.arguments())
+        if step.columns is None:  # built once per step, shared by a blended warm-up
+            step.columns = self._sampled_candidates(step.user_vectors, step.target, step.rows, step.inverse, step.draw)
+        scores, labels, mask, log_q = step.columns
+        return module(scores, labels, mask, group=step.group, log_q=log_q)
 
     def _catalog_function(self):
         """``loss(scores, target, *, group, offset)`` of ``bigrank.losses.softrank_catalog`` for the configured
@@ -213,12 +257,12 @@ class StepLoss:
         device = target.device
         return _Draw(owned_rows, positives, pos_log_q.to(device), negatives.to(device), neg_log_q.to(device))
 
-    def _fused_sampled_softmax(self, user_vectors, target, rows, inverse, draw, group):
+    def _fused_sampled_softmax(self, module, user_vectors, target, rows, inverse, draw, group):
         """Sampled softmax without the [B, C] candidate tensors (``sampled_softmax_shared_negatives``): each
         row's positive scored as a dot product, the shared negatives in one fused pass."""
         from bigrank.losses.sampled import sampled_softmax_shared_negatives
 
-        inner = self.module.inner
+        inner = module.inner
         temperature = float(inner.temperature)
         count = draw.positives.numel()
         positive_rows, negative_rows = rows[inverse[:count]], rows[inverse[count:]]
@@ -229,6 +273,35 @@ class StepLoss:
         loss, valid = sampled_softmax_shared_negatives(
             user_vectors, negative_rows, draw.negatives, draw.neg_log_q, target, positive_logits,
             temperature=temperature, reduction=inner.reduction, group=group, return_valid=True,
+            compute_dtype=self.score_dtype,
+        )  # fmt: skip
+        inner.last_excluded_rows = int((~valid).sum())
+        return loss
+
+    def _fused_soft_rank(self, module, user_vectors, target, rows, inverse, draw, group):
+        """Smooth-AP / Recall@quantile / pAUC@budget over the shared negatives (``bigrank.losses.sampled_softrank``):
+        the positive as a dot product, the negatives as one [B, N_r] buffer, no [B, C] labels or mask."""
+        from bigrank.losses import sampled_softrank
+
+        inner = module.inner
+        count = draw.positives.numel()
+        positive_rows, negative_rows = rows[inverse[:count]], rows[inverse[count:]]
+        owned_scores = (user_vectors[draw.owned_rows] * positive_rows).sum(dim=1)
+        positive_scores = user_vectors.new_zeros(target.numel()).index_add(0, draw.owned_rows, owned_scores)
+        params = {"temperature": float(inner.temperature), "reduction": inner.reduction}
+        if module.name == "smooth_ap":
+            fn = sampled_softrank.smooth_ap_shared_negatives
+        elif module.name == "recall_at_quantile":
+            fn, params["quantile"] = sampled_softrank.recall_at_quantile_shared_negatives, inner.quantile
+        else:
+            fn = sampled_softrank.pauc_at_budget_shared_negatives
+            params.update(
+                positive_columns=int(torch.unique(draw.positives).numel()), alpha=inner.alpha, beta=inner.beta,
+                tau_scale=inner.tau_scale, n_knots=inner.n_knots, scale_sample_size=inner.scale_sample_size,
+            )  # fmt: skip
+        loss, valid = fn(
+            user_vectors, negative_rows, draw.negatives, target, positive_scores, group=group, return_valid=True,
+            compute_dtype=self.score_dtype, **params,
         )  # fmt: skip
         inner.last_excluded_rows = int((~valid).sum())
         return loss
