@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import signal
 import sys
 import time
 from dataclasses import asdict, dataclass, field
@@ -62,6 +63,19 @@ def set_ingress_environment(ingress: str) -> None:
             os.environ[name] = value
         else:
             os.environ.pop(name, None)
+    if ingress == "haproxy":
+        # HAProxy's stats and metrics listeners default to the fixed ports 8404 and 9101: a second Serve on
+        # the machine (or a leftover HAProxy) would make it fail to start, so a Ray started here picks free ones.
+        for name in ("RAY_SERVE_HAPROXY_STATS_PORT", "RAY_SERVE_HAPROXY_METRICS_PORT"):
+            os.environ.setdefault(name, str(_free_port()))
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 @dataclass
@@ -292,6 +306,8 @@ def run_ray_serve(args) -> int:
         file=sys.stderr,
         flush=True,
     )
+    # SIGTERM (kill, Kubernetes, systemd) stops like Ctrl-C: the application is deleted and Ray shut down.
+    signal.signal(signal.SIGTERM, _interrupt)
     try:
         while True:
             time.sleep(3600)
@@ -299,4 +315,13 @@ def run_ray_serve(args) -> int:
         pass
     finally:
         serve.delete(APP_NAME)
+        if args.address is None:
+            import ray
+
+            serve.shutdown()
+            ray.shutdown()
     return 0
+
+
+def _interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt
