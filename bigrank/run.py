@@ -111,12 +111,13 @@ def export(
     index: tuple[str, ...] = (),
     quantize: tuple[str, ...] = (),
     workers: int | None = None,
+    seen: bool = True,
 ) -> dict[str, Any]:
     """Export the embeddings of a checkpoint (default: the newest) to ``out`` in ``workers`` local processes;
-    returns rank 0's result (``out``, ``checkpoint``, ``manifest``)."""
+    returns rank 0's result (``out``, ``checkpoint``, ``manifest``). ``seen=False`` skips the seen-items table."""
     workers = workers or config.workers
     config, kind = inference_config(config, workers)
-    args = (config, str(out), checkpoint, tuple(index), tuple(quantize))
+    args = (config, str(out), checkpoint, tuple(index), tuple(quantize), seen)
     return _launch_local(export_worker, workers, args, kind)[0]
 
 

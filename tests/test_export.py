@@ -592,3 +592,31 @@ def test_the_export_package_has_no_import_cycles():
 
     for name in sorted(modules):
         visit(name, ())
+
+
+def test_export_no_seen_writes_no_seen_table_and_serving_takes_the_dataset(workflow_run, tmp_path, capsys):
+    """``bigrank export --no-seen`` (the seen table reads the whole dataset once per rank): the same tables
+    as the default export, no ``seen`` table, and ``--exclude-seen DATA_ROOT`` then gives the answers the
+    default export gives from its table."""
+    from bigrank.cli import build_parser
+    from tests.conftest import bigrank
+
+    assert build_parser().parse_args(["export", "RUN", "--out", "OUT"]).seen is True
+    assert build_parser().parse_args(["export", "RUN", "--out", "OUT", "--no-seen"]).seen is False
+    out = tmp_path / "export-no-seen"
+    bigrank("export", workflow_run.run, "--out", out, "--workers", 1, "--no-seen")
+    without, default = load_export(out), load_export(workflow_run.export)
+    assert "seen" not in without["tables"] and "seen" in default["tables"]
+    for table in ("items", "users"):
+        np.testing.assert_array_equal(
+            read_table(out, without, table)["embedding"], read_table(workflow_run.export, default, table)["embedding"]
+        )
+    with pytest.raises(ValueError, match="no seen-items table"):
+        Recommender(out).seen_items()
+    for user in (0, 3, 7):
+        capsys.readouterr()
+        command = ["recommend", "--user", str(user), "-k", "5", "--json", "--exclude-seen"]
+        assert cli_main([*command[:1], str(out), *command[1:], str(workflow_run.data)]) == 0
+        from_dataset = json.loads(capsys.readouterr().out)
+        assert cli_main([*command[:1], str(workflow_run.export), *command[1:]]) == 0
+        assert from_dataset == json.loads(capsys.readouterr().out)

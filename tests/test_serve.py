@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import threading
 import urllib.error
 import urllib.request
@@ -154,3 +155,20 @@ def test_serve_config_and_rayservice_manifest_deploy_the_same_valid_application(
     assert bound._bound_deployment.name == DEPLOYMENT_NAME
     with pytest.raises(ValueError, match="unbounded"):
         ServeSettings(export=str(tmp_path), max_queued_requests=-1)
+
+
+def test_ingress_choice_sets_and_clears_rays_haproxy_environment(monkeypatch):
+    """``--ingress haproxy`` (the CLI default) turns on Ray 2.60's HAProxy + direct ingress for a Ray started
+    here; ``proxy`` clears it; anything else is refused."""
+    from bigrank.cli import build_parser
+    from bigrank.export.ray_serve import HAPROXY_ENVIRONMENT, set_ingress_environment
+
+    for name in HAPROXY_ENVIRONMENT:
+        monkeypatch.delenv(name, raising=False)
+    assert build_parser().parse_args(["serve", "DIR", "--ray"]).ingress == "haproxy"
+    set_ingress_environment("haproxy")
+    assert {name: os.environ.get(name) for name in HAPROXY_ENVIRONMENT} == HAPROXY_ENVIRONMENT
+    set_ingress_environment("proxy")
+    assert not any(name in os.environ for name in HAPROXY_ENVIRONMENT)
+    with pytest.raises(ValueError, match="ingress must be one of"):
+        set_ingress_environment("nginx")

@@ -8,6 +8,7 @@ answered 200 and the application recovers.
 from __future__ import annotations
 
 import json
+import os
 import socket
 import threading
 import time
@@ -36,14 +37,15 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-@pytest.fixture(scope="module")
-def apps(tmp_path_factory):
+@pytest.fixture(scope="module", params=["proxy", "haproxy"])
+def apps(request, tmp_path_factory):
     """A demo export (history tower, seen table), the stdlib server, and two Ray Serve applications:
-    ``/`` (2 replicas) and ``/tight`` (1 replica, 1 ongoing + 1 queued request)."""
+    ``/`` (2 replicas) and ``/tight`` (1 replica, 1 ongoing + 1 queued request), behind Serve's Python proxy
+    and then behind HAProxy with direct ingress (each a Ray runtime of its own: Serve reads it at start)."""
     import ray
     from ray import serve
 
-    from bigrank.export.ray_serve import ServeSettings, deploy
+    from bigrank.export.ray_serve import HAPROXY_ENVIRONMENT, ServeSettings, deploy, set_ingress_environment
 
     root = tmp_path_factory.mktemp("serve-ray")
     dataset = generate("demo", root / "demo", progress=False)
@@ -72,6 +74,8 @@ def apps(tmp_path_factory):
     thread = threading.Thread(target=stdlib.serve_forever, daemon=True)
     thread.start()
     export = str(root / "export")
+    saved = {name: os.environ.get(name) for name in HAPROXY_ENVIRONMENT}
+    set_ingress_environment(request.param)  # Ray's processes read it when they start
     ray.init(address="local", num_cpus=4, include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=False)
     try:
         port = _free_port()
@@ -91,6 +95,11 @@ def apps(tmp_path_factory):
     finally:
         serve.shutdown()
         ray.shutdown()
+        for name, value in saved.items():  # the next module's Ray gets the environment this one found
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
         stdlib.shutdown()
         stdlib.server_close()
         thread.join(timeout=5)
@@ -201,7 +210,10 @@ def test_a_killed_replica_loses_no_answered_request_and_the_app_recovers(apps):
         position = offset
         while not stop.is_set():
             user = users[position % len(users)]
-            status, body, _ = request(apps["ray"] + f"/recommend?user={user}&k=10", timeout=30)
+            try:
+                status, body, _ = request(apps["ray"] + f"/recommend?user={user}&k=10", timeout=30)
+            except OSError as error:  # behind HAProxy, a request in flight on the killed replica is cut off
+                status, body = type(error).__name__, {}
             answers.append((user, status, body))
             position += 1
 

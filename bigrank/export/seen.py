@@ -101,38 +101,47 @@ def _csr_block(users: np.ndarray, items: np.ndarray, bits: np.ndarray, start: in
     """Distinct (user, item) pairs of users ``[start, stop)`` with OR-ed split bits, as CSR arrays.
 
     Returns ``(indptr int64[stop - start + 1], items int32[nnz], bits int8[nnz])``, items ascending per user.
+    Each rating becomes one int64 ``((user - start) * num_items + item) * 8 + bits``, so a single
+    (unstable, vectorised) sort orders the pairs and places a pair's split bits next to each other: about
+    3x faster than a stable argsort of the pair keys followed by gathers (``bits < 8``, ``SPLIT_BITS``).
     """
-    key = (users.astype(np.int64) - start) * num_items + items.astype(np.int64)
-    order = np.argsort(key, kind="stable")
-    key, bits = key[order], bits[order]
-    first = np.concatenate([[True], key[1:] != key[:-1]]) if len(key) else np.empty(0, bool)
-    starts = np.flatnonzero(first)
-    merged = np.bitwise_or.reduceat(bits, starts) if len(starts) else np.empty(0, np.int8)
-    unique = key[starts]
-    rows = unique // num_items
-    counts = np.bincount(rows, minlength=stop - start)
-    indptr = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
-    return indptr, (unique % num_items).astype(np.int32), merged.astype(np.int8)
+    pair = (users.astype(np.int64) - start) * num_items + items
+    keys = np.sort(pair * 8 + bits)
+    pair = keys >> 3
+    starts = np.flatnonzero(np.concatenate([[True], pair[1:] != pair[:-1]])) if len(keys) else np.empty(0, np.int64)
+    merged = np.bitwise_or.reduceat((keys & 7).astype(np.int8), starts) if len(starts) else np.empty(0, np.int8)
+    unique = pair[starts]
+    # The rows are sorted, so a row's pairs start at the first key >= row * num_items.
+    indptr = np.searchsorted(unique, np.arange(stop - start + 1, dtype=np.int64) * num_items).astype(np.int64)
+    row_base = np.repeat(np.arange(stop - start, dtype=np.int64) * num_items, np.diff(indptr))
+    return indptr, (unique - row_base).astype(np.int32), merged
 
 
 def _write_block(writer, start: int, indptr: np.ndarray, items: np.ndarray, bits: np.ndarray, group_users: int):
-    """Append users ``start …`` of one CSR block to ``writer`` in row groups of ``group_users`` users."""
+    """Append users ``start …`` of one CSR block to ``writer`` in row groups of ``group_users`` users.
+
+    One table per block; the writer cuts it into row groups (a row is a user), which is several times
+    cheaper than building and writing a table per row group.
+    """
     import pyarrow as pa
 
     num_users = len(indptr) - 1
-    for lo in range(0, num_users, group_users):
-        hi = min(num_users, lo + group_users)
-        offsets = pa.array((indptr[lo : hi + 1] - indptr[lo]).astype(np.int32))
-        span = slice(int(indptr[lo]), int(indptr[hi]))
-        table = pa.Table.from_arrays(
-            [
-                pa.array(np.arange(start + lo, start + hi, dtype=np.int32)),
-                pa.ListArray.from_arrays(offsets, pa.array(items[span], type=pa.int32())),
-                pa.ListArray.from_arrays(offsets, pa.array(bits[span], type=pa.int8())),
-            ],
-            names=["user_id", "items", "splits"],
-        )
-        writer.write_table(table, row_group_size=group_users)
+    if num_users == 0:
+        return
+    if indptr[-1] - indptr[0] >= 2**31:
+        size = int(indptr[-1] - indptr[0])
+        raise ValueError(f"a seen-items block of {size} items overflows int32 list offsets; lower block_ratings")
+    offsets = pa.array((indptr - indptr[0]).astype(np.int32))
+    span = slice(int(indptr[0]), int(indptr[-1]))
+    table = pa.Table.from_arrays(
+        [
+            pa.array(np.arange(start, start + num_users, dtype=np.int32)),
+            pa.ListArray.from_arrays(offsets, pa.array(items[span], type=pa.int32())),
+            pa.ListArray.from_arrays(offsets, pa.array(bits[span], type=pa.int8())),
+        ],
+        names=["user_id", "items", "splits"],
+    )
+    writer.write_table(table, row_group_size=group_users)
 
 
 def _scan_ratings(files: Sequence[tuple[Path, int]], start: int, stop: int):

@@ -28,6 +28,9 @@ class RecommendServer(ThreadingHTTPServer):
     """``ThreadingHTTPServer`` that holds the recommender (and optional seen items) for its handlers."""
 
     daemon_threads = True
+    # socketserver's default listen backlog is 5: with a few dozen clients opening connections (HTTP/1.0, one
+    # request per connection) the kernel drops SYNs and clients wait out a 1 s retransmit.
+    request_queue_size = 128
 
     def __init__(self, address, recommender, seen=None, max_k: int = MAX_K, quiet: bool = False):
         super().__init__(address, RecommendHandler)

@@ -73,6 +73,13 @@ def register(subparsers) -> None:
     export.add_argument(
         "--quantize", action="append", default=[], choices=["float16", "int8"], help="also write quantised copies"
     )
+    export.add_argument(
+        "--no-seen",
+        dest="seen",
+        action="store_false",
+        help="skip the per-user seen-items table (writing it reads the whole dataset once per rank); serving "
+        "then takes the dataset with --exclude-seen DATA_ROOT (and --data for a history-tower model)",
+    )
     export.set_defaults(func=run_export)
 
 
@@ -107,7 +114,7 @@ def run_export(args: argparse.Namespace) -> int:
     out = str(Path(args.out).resolve())
     result = run.export(
         config, out, checkpoint=args.checkpoint, index=tuple(args.index), quantize=tuple(args.quantize),
-        workers=args.workers,
+        workers=args.workers, seen=args.seen,
     )  # fmt: skip
     manifest = result.get("manifest") or {}
     print(f"exported {result['checkpoint']} to {out}")

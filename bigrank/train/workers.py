@@ -74,10 +74,11 @@ def export_worker(
     checkpoint: str | None = None,
     index: tuple[str, ...] = (),
     quantize: tuple[str, ...] = (),
+    seen: bool = True,
 ) -> dict[str, Any]:
     """Write the user (and history) and item embeddings of a checkpoint (default: the newest) with
-    ``bigrank.export.writer.export_embeddings``, each rank its own rows. Collective; returns the export
-    manifest (rank 0) or None."""
+    ``bigrank.export.writer.export_embeddings``, each rank its own rows (``seen``: also the seen-items
+    table). Collective; returns the export manifest (rank 0) or None."""
     from bigrank.export.writer import export_embeddings
     from bigrank.model.sharding import local_table_rows, local_user_rows
     from bigrank.model.towers import HISTORY_TABLE
@@ -113,6 +114,7 @@ def export_worker(
         quantize=tuple(quantize),
         history_rows=history_rows,
         index=tuple(index),
+        seen=seen,
     )
     dist.barrier(group)
     return {"out": str(out_dir), "checkpoint": str(path), "manifest": manifest}
