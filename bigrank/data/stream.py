@@ -297,14 +297,14 @@ class ParquetStream:
         than the Parquet decode (cache misses, page faults).
         """
         parts = [self._read_piece(*piece) for piece in pieces]
-        if len(parts) == 1:
-            columns = parts[0]
-        else:
-            columns = {name: np.concatenate([p[name] for p in parts]) for name in self.columns}
-        rows = len(columns[self.columns[0]])
+        rows = sum(len(p[self.columns[0]]) for p in parts)
         if not self.shuffle:
-            return _Chunk(columns, None, 0, rows)
+            return _Chunk(parts[0], None, 0, rows)  # unshuffled windows are single pieces
         grouping, order = shuffle_order(rows, [self.seed, epoch, rank, window_index, 0x5B0F])
+        if len(self.columns) == 2 and all(p[name].dtype == np.int32 for p in parts for name in self.columns):
+            # user and item ids (int32 in the files): one int64 gather instead of two
+            return _Chunk({}, order, 0, rows, np.take(_pack(parts, self.columns), grouping), self.columns)
+        columns = {name: np.concatenate([p[name] for p in parts]) for name in self.columns}
         return _Chunk({name: np.take(values, grouping) for name, values in columns.items()}, order, 0, rows)
 
     def _read_intervals(self, epoch: int, layout_world_size: int, intervals, stop_event=None):
@@ -360,9 +360,9 @@ class ParquetStream:
             batch = {}
             for name in self.columns:
                 if len(pieces) == 1:
-                    values = pieces[0][name].astype(_numpy_dtype(name))
+                    values = pieces[0][name]
                 elif pieces:  # the batch straddles two windows
-                    values = np.concatenate([p[name] for p in pieces]).astype(_numpy_dtype(name))
+                    values = np.concatenate([p[name] for p in pieces])
                 else:  # the empty final batch of a rank with the smaller share
                     values = np.empty(0, dtype=_numpy_dtype(name))
                 batch[name] = torch.from_numpy(values)
@@ -485,22 +485,45 @@ def shuffle_order(rows: int, entropy, bucket_rows: int = BUCKET_ROWS) -> tuple[n
 
 class _Chunk:
     """Rows ``lo:hi`` of a window in hand-out order: row ``k`` is ``columns[name][order[k]]`` (``order`` None:
-    ``columns[name][k]``)."""
+    ``columns[name][k]``). ``packed`` (int64, or None): the two int32 columns ``names`` of a shuffled window
+    as one array, ``first << 32 | second`` (one gather moves both)."""
 
-    def __init__(self, columns: dict[str, np.ndarray], order: np.ndarray | None, lo: int, hi: int):
+    def __init__(self, columns: dict, order: np.ndarray | None, lo: int, hi: int, packed=None, names=()):
         self.columns, self.order, self.lo, self.rows = columns, order, lo, hi - lo
+        self.packed, self.names = packed, names
 
     def part(self, lo: int, hi: int) -> _Chunk:
         """Rows ``lo:hi`` of this chunk."""
-        return _Chunk(self.columns, self.order, self.lo + lo, self.lo + hi)
+        return _Chunk(self.columns, self.order, self.lo + lo, self.lo + hi, self.packed, self.names)
 
     def take(self, lo: int, hi: int) -> dict[str, np.ndarray]:
-        """Rows ``lo:hi`` of this chunk, one array per column (a gather when shuffled, else views)."""
+        """Rows ``lo:hi`` of this chunk, one new array per column in its output dtype (``_numpy_dtype``)."""
         lo, hi = self.lo + lo, self.lo + hi
         if self.order is None:
-            return {name: values[lo:hi] for name, values in self.columns.items()}
+            return {name: values[lo:hi].astype(_numpy_dtype(name)) for name, values in self.columns.items()}
         index = self.order[lo:hi]
-        return {name: np.take(values, index) for name, values in self.columns.items()}
+        if self.packed is not None:
+            rows = np.take(self.packed, index)
+            second = rows << 32
+            second >>= 32  # arithmetic shifts: exact for any int32 pair
+            rows >>= 32
+            return {self.names[0]: rows, self.names[1]: second}
+        return {name: np.take(values, index).astype(_numpy_dtype(name)) for name, values in self.columns.items()}
+
+
+def _pack(parts: list[dict[str, np.ndarray]], names: Sequence[str]) -> np.ndarray:
+    """The int32 columns ``names[0]``, ``names[1]`` of ``parts`` (concatenated) as int64 ``first << 32 | second``."""
+    rows = sum(len(part[names[0]]) for part in parts)
+    packed = np.empty(rows, dtype=np.int64)
+    start = 0
+    for part in parts:
+        first, second = part[names[0]], part[names[1]]
+        target = packed[start : start + len(first)]
+        target[...] = first
+        target <<= 32
+        target |= second.view(np.uint32)
+        start += len(first)
+    return packed
 
 
 class _QueueSource:
