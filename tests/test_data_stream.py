@@ -317,3 +317,19 @@ def test_batches_own_their_memory(tmp_path):
     stream.set_epoch(0)
     again = [keys_of(b) for b in stream]
     assert all(np.array_equal(x, y) for x, y in zip(snapshot, again, strict=True))
+
+
+def test_packed_user_item_rows_unpack_exactly():
+    """A shuffled window of two int32 columns moves as one int64 (first << 32 | second): every int32 pair,
+    negative and extreme ones included, comes back unchanged and as int64, across part boundaries."""
+    from bigrank.data.stream import _Chunk, _pack
+
+    rng = np.random.default_rng(0)
+    first = np.concatenate([[0, -1, 2**31 - 1, -(2**31)], rng.integers(-(2**31), 2**31, 500)]).astype(np.int32)
+    second = np.concatenate([[-(2**31), 2**31 - 1, -1, 0], rng.integers(-(2**31), 2**31, 500)]).astype(np.int32)
+    parts = [{"u": first[:3], "i": second[:3]}, {"u": first[3:], "i": second[3:]}]
+    order = rng.permutation(len(first)).astype(np.int32)
+    rows = _Chunk({}, order, 0, len(first), _pack(parts, ("u", "i")), ("u", "i")).take(0, len(first))
+    assert rows["u"].dtype == rows["i"].dtype == np.int64
+    np.testing.assert_array_equal(rows["u"], first[order])
+    np.testing.assert_array_equal(rows["i"], second[order])
