@@ -70,7 +70,8 @@ class ParquetStream:
 
     ``for batch in stream`` yields the rest of the current epoch; ``len(stream)`` and
     ``steps_per_epoch()`` give the number of steps every rank runs per epoch. Batches are dicts of torch
-    tensors of shape (b,), b <= batch_size.
+    tensors of shape (b,), b <= batch_size, owned by the caller. ``prefetch > 0``: a background thread reads
+    one window ahead (the value itself no longer counts batches); ``prefetch <= 0``: read on the caller's thread.
     """
 
     def __init__(
@@ -303,9 +304,9 @@ class ParquetStream:
         grouping, order = shuffle_order(rows, [self.seed, epoch, rank, window_index, 0x5B0F])
         if len(self.columns) == 2 and all(p[name].dtype == np.int32 for p in parts for name in self.columns):
             # user and item ids (int32 in the files): one int64 gather instead of two
-            return _Chunk({}, order, 0, rows, np.take(_pack(parts, self.columns), grouping), self.columns)
+            return _Chunk({}, order, 0, rows, _gather(_pack(parts, self.columns), grouping), self.columns)
         columns = {name: np.concatenate([p[name] for p in parts]) for name in self.columns}
-        return _Chunk({name: np.take(values, grouping) for name, values in columns.items()}, order, 0, rows)
+        return _Chunk({name: _gather(values, grouping) for name, values in columns.items()}, order, 0, rows)
 
     def _read_intervals(self, epoch: int, layout_world_size: int, intervals, stop_event=None):
         """Yield the rows of the intervals ``[a, b)`` of the epoch's sequence (laid out by ``layout_world_size``
@@ -456,12 +457,14 @@ def shuffle_order(rows: int, entropy, bucket_rows: int = BUCKET_ROWS) -> tuple[n
     """A uniformly random permutation of ``rows`` rows in two cache-friendly parts (Rao-Sandelius shuffle).
 
     Every row draws a uniform bucket among ``k`` (a power of two, mean bucket size <= ``bucket_rows``);
-    ``grouping`` (int64, shape (rows,)) lists the rows bucket by bucket (a stable counting sort), and ``order``
+    ``grouping`` (uint64, shape (rows,)) lists the rows bucket by bucket (a stable counting sort), and ``order``
     (int32, shape (rows,)) permutes each bucket's segment of ``grouping`` uniformly (``torch.randperm``), so
     ``grouping[order]`` is the permutation. Independent uniform buckets followed by uniform shuffles within
     them give every one of the ``rows!`` orders the same probability (Rao 1961, Sandelius 1962; Bacher et al.,
     "MergeShuffle", 2015, section 2). ``entropy`` (ints) seeds it: the same entropy, the same permutation.
     """
+    import pyarrow as pa
+    import pyarrow.compute as pc
     import torch
 
     numpy_seed, torch_seed = np.random.SeedSequence(entropy).generate_state(2)
@@ -471,7 +474,8 @@ def shuffle_order(rows: int, entropy, bucket_rows: int = BUCKET_ROWS) -> tuple[n
     key_type = np.uint8 if buckets <= 256 else np.uint16
     raw = np.random.default_rng(int(numpy_seed)).bit_generator.random_raw((rows * key_type().itemsize + 7) // 8)
     keys = raw.view(key_type)[:rows] & key_type(buckets - 1)  # buckets divides 2^bits: exactly uniform
-    grouping = np.argsort(keys, kind="stable")  # radix sort for 8/16-bit keys
+    # Arrow's stable sort of small-range integers is a counting sort: ~4x numpy's radix argsort here.
+    grouping = pc.array_sort_indices(pa.array(keys)).to_numpy()
     order = np.empty(rows, dtype=np.int32)
     generator = torch.Generator().manual_seed(int(torch_seed))
     start = 0
@@ -509,6 +513,14 @@ class _Chunk:
             rows >>= 32
             return {self.names[0]: rows, self.names[1]: second}
         return {name: np.take(values, index).astype(_numpy_dtype(name)) for name, values in self.columns.items()}
+
+
+def _gather(values: np.ndarray, index: np.ndarray) -> np.ndarray:
+    """``values[index]`` with Arrow's take (~1.5x numpy's here); a read-only array."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    return pc.take(pa.array(values), pa.array(index)).to_numpy()
 
 
 def _pack(parts: list[dict[str, np.ndarray]], names: Sequence[str]) -> np.ndarray:
