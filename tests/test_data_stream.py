@@ -333,3 +333,19 @@ def test_packed_user_item_rows_unpack_exactly():
     assert rows["u"].dtype == rows["i"].dtype == np.int64
     np.testing.assert_array_equal(rows["u"], first[order])
     np.testing.assert_array_equal(rows["i"], second[order])
+
+
+def test_state_from_another_window_shuffle_resumes_only_at_an_epoch_boundary(tmp_path):
+    """Positions inside an epoch index the shuffled sequence: a state written by another window permutation
+    (an older bigrank: no ``window_shuffle``) is refused mid-epoch, naming the problem, and accepted at an
+    epoch boundary."""
+    make_dataset(tmp_path)
+    stream = ParquetStream(tmp_path, "train", 100, prefetch=0)
+    next(iter(stream))
+    old = {key: value for key, value in stream.state_dict().items() if key != "window_shuffle"}
+    with pytest.raises(ValueError, match="shuffled by 'an older bigrank'"):
+        ParquetStream(tmp_path, "train", 100).load_state_dict(old)
+    boundary = dict(old, epoch=3, step=0, remaining=None)
+    resumed = ParquetStream(tmp_path, "train", 100)
+    resumed.load_state_dict(boundary)
+    assert resumed.epoch == 3 and resumed.state_dict()["window_shuffle"] == stream.state_dict()["window_shuffle"]

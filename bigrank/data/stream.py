@@ -62,6 +62,9 @@ import numpy as np
 from bigrank.data import manifest as layout
 
 DEFAULT_SHUFFLE_BUFFER = 1 << 20
+# The window permutation of this version (recorded in the state: positions inside an epoch are positions in
+# the shuffled sequence, so a state from another permutation can only be resumed at an epoch boundary).
+WINDOW_SHUFFLE = "rao-sandelius-16k"
 _DONE = object()
 
 
@@ -222,6 +225,7 @@ class ParquetStream:
             "shuffle_buffer": self.shuffle_buffer,
             "drop_last": self.drop_last,
             "num_rows": self.num_rows,
+            "window_shuffle": WINDOW_SHUFFLE,
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -242,6 +246,14 @@ class ParquetStream:
         step = int(state["step"])
         if not 0 <= step <= old_steps:
             raise ValueError(f"stream state step {step} is outside [0, {old_steps}]")
+        mid_epoch = 0 < step < old_steps or (remaining is not None and step < old_steps)
+        if self.shuffle and mid_epoch and state.get("window_shuffle") != WINDOW_SHUFFLE:
+            raise ValueError(
+                f"stream state is inside epoch {state['epoch']} of a sequence shuffled by "
+                f"{state.get('window_shuffle', 'an older bigrank')!r}, this bigrank shuffles windows with "
+                f"{WINDOW_SHUFFLE!r}: resuming there would repeat and skip rows; resume from a checkpoint taken "
+                "at an epoch boundary, or with the bigrank that wrote it"
+            )
         self.epoch = int(state["epoch"])
         if step >= old_steps:  # the epoch was finished: the next one is laid out with this world size
             self.epoch, self._step, self._remaining, self._layout_world_size = self.epoch + 1, 0, None, self.world_size
