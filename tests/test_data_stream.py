@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from bigrank.data import manifest as layout
-from bigrank.data.stream import ParquetStream, read_user_items
+from bigrank.data.stream import ParquetStream, read_user_items, shuffle_order
 from tests.distributed_utils import run_distributed
 
 NUM_USERS, NUM_ITEMS = 97, 1009
@@ -261,3 +261,91 @@ def test_gloo_ranks_run_in_lock_step_and_cover_the_split(tmp_path, world_size):
     assert {r["steps"] for r in results} == {results[0]["len"]}
     seen = np.concatenate([r["keys"] for r in results])
     assert np.array_equal(np.sort(seen), all_keys)
+
+
+def test_shuffle_order_is_a_uniform_permutation():
+    """Rao-Sandelius: with one bucket per row on average (4 buckets for 4 rows), every one of the 24 orders of 4
+    rows comes out equally often over seeds (chi-square, 23 degrees of freedom, p < 1e-6 rejects); a bucketing
+    that kept the rows of a bucket in their input order, or biased buckets, would fail."""
+    counts: dict[tuple, int] = {}
+    trials = 24 * 400
+    for seed in range(trials):
+        grouping, order = shuffle_order(4, [seed, 7], bucket_rows=1)
+        permutation = tuple(grouping[order].tolist())
+        counts[permutation] = counts.get(permutation, 0) + 1
+    assert sorted(counts) == sorted(itertools.permutations(range(4)))
+    expected = trials / 24
+    chi_square = sum((observed - expected) ** 2 / expected for observed in counts.values())
+    assert chi_square < 70.0, chi_square  # the 1 - 1e-6 quantile of chi-square(23) is ~ 67.4
+
+
+@pytest.mark.parametrize("rows", [0, 1, 5, 255, 1000, 70_001])
+@pytest.mark.parametrize("bucket_rows", [1, 64, 1 << 14])
+def test_shuffle_order_is_a_deterministic_permutation(rows, bucket_rows):
+    grouping, order = shuffle_order(rows, [3, 1, 4], bucket_rows=bucket_rows)
+    assert grouping.shape == order.shape == (rows,) and order.dtype == np.int32
+    permutation = grouping[order]
+    np.testing.assert_array_equal(np.sort(permutation), np.arange(rows))
+    again, again_order = shuffle_order(rows, [3, 1, 4], bucket_rows=bucket_rows)
+    np.testing.assert_array_equal(again[again_order], permutation)
+    if rows >= 255:
+        other, other_order = shuffle_order(rows, [3, 1, 5], bucket_rows=bucket_rows)
+        assert not np.array_equal(other[other_order], permutation)
+
+
+@pytest.mark.parametrize("restart_after", [None, 4])
+def test_prefetch_thread_yields_the_same_batches_as_reading_inline(tmp_path, restart_after):
+    """The background thread hands over whole windows; the batches (order, sizes, dtypes) must be those of the
+    inline reader, also across a restart and windows that end inside a batch."""
+    make_dataset(tmp_path)
+    inline = run_epoch(tmp_path, 2, 37, restart_after, epoch=1, shuffle_buffer=120, prefetch=0)
+    threaded = run_epoch(tmp_path, 2, 37, restart_after, epoch=1, shuffle_buffer=120, prefetch=2)
+    for a, b in zip(inline, threaded, strict=True):
+        assert len(a) == len(b) and all(np.array_equal(x, y) for x, y in zip(a, b, strict=True))
+
+
+def test_batches_own_their_memory(tmp_path):
+    """A batch kept by the caller (and even modified) does not change with later batches or other batches."""
+    make_dataset(tmp_path)
+    stream = ParquetStream(tmp_path, "train", 50, shuffle_buffer=120, prefetch=2)
+    kept = list(stream)
+    snapshot = [keys_of(b).copy() for b in kept]
+    for batch in kept:
+        assert batch["user_id"].dtype == batch["item_id"].dtype == torch.int64
+        assert batch["user_id"].is_contiguous()
+        batch["user_id"].fill_(-1)
+    stream.set_epoch(0)
+    again = [keys_of(b) for b in stream]
+    assert all(np.array_equal(x, y) for x, y in zip(snapshot, again, strict=True))
+
+
+def test_packed_user_item_rows_unpack_exactly():
+    """A shuffled window of two int32 columns moves as one int64 (first << 32 | second): every int32 pair,
+    negative and extreme ones included, comes back unchanged and as int64, across part boundaries."""
+    from bigrank.data.stream import _Chunk, _pack
+
+    rng = np.random.default_rng(0)
+    first = np.concatenate([[0, -1, 2**31 - 1, -(2**31)], rng.integers(-(2**31), 2**31, 500)]).astype(np.int32)
+    second = np.concatenate([[-(2**31), 2**31 - 1, -1, 0], rng.integers(-(2**31), 2**31, 500)]).astype(np.int32)
+    parts = [{"u": first[:3], "i": second[:3]}, {"u": first[3:], "i": second[3:]}]
+    order = rng.permutation(len(first)).astype(np.int32)
+    rows = _Chunk({}, order, 0, len(first), _pack(parts, ("u", "i")), ("u", "i")).take(0, len(first))
+    assert rows["u"].dtype == rows["i"].dtype == np.int64
+    np.testing.assert_array_equal(rows["u"], first[order])
+    np.testing.assert_array_equal(rows["i"], second[order])
+
+
+def test_state_from_another_window_shuffle_resumes_only_at_an_epoch_boundary(tmp_path):
+    """Positions inside an epoch index the shuffled sequence: a state written by another window permutation
+    (an older bigrank: no ``window_shuffle``) is refused mid-epoch, naming the problem, and accepted at an
+    epoch boundary."""
+    make_dataset(tmp_path)
+    stream = ParquetStream(tmp_path, "train", 100, prefetch=0)
+    next(iter(stream))
+    old = {key: value for key, value in stream.state_dict().items() if key != "window_shuffle"}
+    with pytest.raises(ValueError, match="shuffled by 'an older bigrank'"):
+        ParquetStream(tmp_path, "train", 100).load_state_dict(old)
+    boundary = dict(old, epoch=3, step=0, remaining=None)
+    resumed = ParquetStream(tmp_path, "train", 100)
+    resumed.load_state_dict(boundary)
+    assert resumed.epoch == 3 and resumed.state_dict()["window_shuffle"] == stream.state_dict()["window_shuffle"]

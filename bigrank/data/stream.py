@@ -10,9 +10,10 @@
    by at most one row and together cover every row exactly once. A rank reads only the row groups that
    overlap its share (at most two row groups are shared, each rank reading its own slice).
 3. **Bounded shuffle.** A rank's share is cut into windows of whole pieces of at least ``shuffle_buffer``
-   rows (at most ``shuffle_buffer`` + one row group in memory); each window's rows are permuted with a
-   generator seeded by (seed, epoch, rank, window). Because every window's content and permutation are
-   known from the manifest alone, the stream can start at any row without reading what came before.
+   rows (at most ``shuffle_buffer`` + one row group in memory); each window's rows are permuted uniformly
+   (``shuffle_order``: a Rao-Sandelius shuffle in cache-sized buckets) with a generator seeded by (seed,
+   epoch, rank, window). Because every window's content and permutation are known from the manifest alone,
+   the stream can start at any row without reading what came before.
 4. **Batches and lock-step.** All ranks run ``steps_per_epoch()`` steps, the same number on every rank
    (computed from the manifest), so collectives stay in lock-step:
 
@@ -38,6 +39,11 @@ is laid out afresh with the current world size. The state moves to the next epoc
 of an epoch is handed out. ``set_epoch(e)`` moves to the start of epoch ``e`` unless the stream is already in
 epoch ``e`` (so a resumed trainer can call it without losing its place).
 
+Reading: with ``prefetch > 0`` a background thread reads, decodes and bucket-groups the next window while the
+caller trains on the current one (pyarrow's decode and the numpy/torch kernels release the GIL; whole windows
+are handed over, never single batches, so no per-batch thread hand-off). Each batch is gathered from its
+window and converted to int64 on the caller's thread: a fresh tensor per column that the caller owns.
+
 Files are checked against the manifest when the stream is built (``validate_dataset``): a missing,
 truncated or corrupt file is an error naming it, raised before training starts; a row group that fails to
 decode later raises ValueError naming the file and row group.
@@ -56,6 +62,9 @@ import numpy as np
 from bigrank.data import manifest as layout
 
 DEFAULT_SHUFFLE_BUFFER = 1 << 20
+# The window permutation of this version (recorded in the state: positions inside an epoch are positions in
+# the shuffled sequence, so a state from another permutation can only be resumed at an epoch boundary).
+WINDOW_SHUFFLE = "rao-sandelius-16k"
 _DONE = object()
 
 
@@ -64,7 +73,8 @@ class ParquetStream:
 
     ``for batch in stream`` yields the rest of the current epoch; ``len(stream)`` and
     ``steps_per_epoch()`` give the number of steps every rank runs per epoch. Batches are dicts of torch
-    tensors of shape (b,), b <= batch_size.
+    tensors of shape (b,), b <= batch_size, owned by the caller. ``prefetch > 0``: a background thread reads
+    one window ahead (the value itself no longer counts batches); ``prefetch <= 0``: read on the caller's thread.
     """
 
     def __init__(
@@ -215,6 +225,7 @@ class ParquetStream:
             "shuffle_buffer": self.shuffle_buffer,
             "drop_last": self.drop_last,
             "num_rows": self.num_rows,
+            "window_shuffle": WINDOW_SHUFFLE,
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -235,6 +246,14 @@ class ParquetStream:
         step = int(state["step"])
         if not 0 <= step <= old_steps:
             raise ValueError(f"stream state step {step} is outside [0, {old_steps}]")
+        mid_epoch = 0 < step < old_steps or (remaining is not None and step < old_steps)
+        if self.shuffle and mid_epoch and state.get("window_shuffle") != WINDOW_SHUFFLE:
+            raise ValueError(
+                f"stream state is inside epoch {state['epoch']} of a sequence shuffled by "
+                f"{state.get('window_shuffle', 'an older bigrank')!r}, this bigrank shuffles windows with "
+                f"{WINDOW_SHUFFLE!r}: resuming there would repeat and skip rows; resume from a checkpoint taken "
+                "at an epoch boundary, or with the bigrank that wrote it"
+            )
         self.epoch = int(state["epoch"])
         if step >= old_steps:  # the epoch was finished: the next one is laid out with this world size
             self.epoch, self._step, self._remaining, self._layout_world_size = self.epoch + 1, 0, None, self.world_size
@@ -280,28 +299,30 @@ class ParquetStream:
             )
         return {name: table.column(name).to_numpy()[lo:hi] for name in self.columns}
 
-    def _read_window(self, epoch: int, rank: int, window_index: int, pieces) -> dict[str, np.ndarray]:
-        """Window ``window_index`` of layout rank ``rank``'s share, its rows permuted (seeded by the window)."""
-        parts = [self._read_piece(*piece) for piece in pieces]
-        if len(parts) == 1:
-            data = parts[0]
-        else:
-            data = {name: np.concatenate([p[name] for p in parts]) for name in self.columns}
-        if not self.shuffle:
-            return data
-        # torch.randperm (Fisher-Yates in C++, ~4x numpy's Generator.shuffle here) and one np.take per column
-        # (contiguous int32 gathers): the shuffle was the stream's bottleneck (3 M rows/s against ~7 M rows/s
-        # for the Parquet decode). The permutation depends only on (seed, epoch, rank, window).
-        import torch
+    def _read_window(self, epoch: int, rank: int, window_index: int, pieces) -> _Chunk:
+        """Window ``window_index`` of layout rank ``rank``'s share: its columns and the order its rows are handed
+        out in, a uniform permutation seeded by (seed, epoch, rank, window) (``shuffle_order``; unshuffled: the
+        columns as read, in order).
 
-        seed = int(np.random.SeedSequence([self.seed, epoch, rank, window_index, 0x5B0F]).generate_state(1)[0])
-        rows = len(data[self.columns[0]])
-        permutation = torch.randperm(rows, generator=torch.Generator().manual_seed(seed)).numpy()
-        return {name: np.take(values, permutation) for name, values in data.items()}
+        The rows are moved once here, grouped by bucket (a scatter into 64-256 sequential streams), and each
+        batch gathers its own rows within a bucket (``_Chunk.take``: cache-resident) and converts them to
+        int64, as a bare scan converts its batches. Whole-window random gathers and int64 copies cost more
+        than the Parquet decode (cache misses, page faults).
+        """
+        parts = [self._read_piece(*piece) for piece in pieces]
+        rows = sum(len(p[self.columns[0]]) for p in parts)
+        if not self.shuffle:
+            return _Chunk(parts[0], None, 0, rows)  # unshuffled windows are single pieces
+        grouping, order = shuffle_order(rows, [self.seed, epoch, rank, window_index, 0x5B0F])
+        if len(self.columns) == 2 and all(p[name].dtype == np.int32 for p in parts for name in self.columns):
+            # user and item ids (int32 in the files): one int64 gather instead of two
+            return _Chunk({}, order, 0, rows, _gather(_pack(parts, self.columns), grouping), self.columns)
+        columns = {name: np.concatenate([p[name] for p in parts]) for name in self.columns}
+        return _Chunk({name: _gather(values, grouping) for name, values in columns.items()}, order, 0, rows)
 
     def _read_intervals(self, epoch: int, layout_world_size: int, intervals, stop_event=None):
         """Yield the rows of the intervals ``[a, b)`` of the epoch's sequence (laid out by ``layout_world_size``
-        ranks: each rank's share, window-shuffled, in rank order) as dicts of numpy arrays, in order."""
+        ranks: each rank's share, window-shuffled, in rank order) as ``_Chunk``s, in order."""
         bounds = [r * self.num_rows // layout_world_size for r in range(layout_world_size + 1)]
         windows: dict[int, tuple[list, np.ndarray]] = {}
         for a, b in intervals:
@@ -321,15 +342,48 @@ class ParquetStream:
                 while offset < stop:
                     data = self._read_window(epoch, rank, window, pieces[window])
                     lo, hi = offset - int(starts[window]), min(stop, int(starts[window + 1])) - int(starts[window])
-                    yield (
-                        data if (lo, hi) == (0, len(data[self.columns[0]])) else {k: v[lo:hi] for k, v in data.items()}
-                    )
+                    yield data.part(lo, hi)
                     offset = int(starts[window]) + hi
                     window += 1
                 a = bounds[rank] + stop
 
-    def _batches(self, plan: tuple, stop_event: threading.Event | None = None):
-        """Numpy batches ``(step, batch)`` of the segment ``plan`` (from ``_plan()``) to its end."""
+    def _batches(self, plan: tuple, chunks: Iterator[dict]):
+        """Batches ``(step, batch)`` of the segment ``plan`` to its end, gathered from ``chunks`` (the rows of
+        this rank's part of the segment in order, from ``_read_intervals``) and converted to the output dtypes
+        (one small copy per column and batch, as a bare scan's conversion)."""
+        import torch
+
+        epoch, layout_world_size, remaining, first_step = plan
+        rows = self.num_rows if remaining is None else sum(b - a for a, b in remaining)
+        steps = self._segment_steps(rows)
+        begin, end = self.rank * rows // self.world_size, (self.rank + 1) * rows // self.world_size
+        if self.drop_last:
+            end = begin + steps * self.batch_size
+        chunk, position = None, 0
+        for step in range(first_step, steps):
+            size = max(0, min(self.batch_size, end - begin - step * self.batch_size))
+            pieces = []
+            while size > 0:
+                if chunk is None or position == chunk.rows:
+                    chunk, position = next(chunks), 0
+                count = min(size, chunk.rows - position)
+                pieces.append(chunk.take(position, position + count))
+                position += count
+                size -= count
+            batch = {}
+            for name in self.columns:
+                if len(pieces) == 1:
+                    values = pieces[0][name]
+                elif pieces:  # the batch straddles two windows
+                    values = np.concatenate([p[name] for p in pieces])
+                else:  # the empty final batch of a rank with the smaller share
+                    values = np.empty(0, dtype=_numpy_dtype(name))
+                batch[name] = torch.from_numpy(values)
+            yield step, batch
+
+    def _chunks(self, plan: tuple, stop_event: threading.Event | None = None) -> Iterator[dict]:
+        """The rows this rank reads in the segment ``plan``, in order, as dicts of torch tensors (shuffled
+        windows or parts of them)."""
         epoch, layout_world_size, remaining, first_step = plan
         rows = self.num_rows if remaining is None else sum(b - a for a, b in remaining)
         steps = self._segment_steps(rows)
@@ -338,32 +392,9 @@ class ParquetStream:
             end = begin + steps * self.batch_size
         position = min(begin + first_step * self.batch_size, end)
         own = _take(remaining or [(0, self.num_rows)], position, end)
-        chunks = self._read_intervals(epoch, layout_world_size, own, stop_event)
-        carry: list[dict[str, np.ndarray]] = []
-        carry_rows = 0
-        for step in range(first_step, steps):
-            size = max(0, min(self.batch_size, end - begin - step * self.batch_size))
-            while carry_rows < size:
-                data = next(chunks)
-                carry.append(data)
-                carry_rows += len(data[self.columns[0]])
-            if len(carry) == 1:
-                merged = carry[0]
-            elif carry:
-                merged = {name: np.concatenate([c[name] for c in carry]) for name in self.columns}
-            else:  # the empty final batch of a rank with the smaller share
-                merged = {name: np.empty(0, dtype=_dtype(name)) for name in self.columns}
-            batch = {name: values[:size] for name, values in merged.items()}
-            rest = {name: values[size:] for name, values in merged.items()}
-            carry_rows = len(rest[self.columns[0]]) if rest else 0
-            carry = [rest] if carry_rows else []
-            if stop_event is not None and stop_event.is_set():
-                return
-            yield step, batch
+        return self._read_intervals(epoch, layout_world_size, own, stop_event)
 
     def __iter__(self) -> Iterator[dict]:
-        import torch
-
         plan = (self.epoch, self._layout_world_size, self._remaining, self._step)
         epoch, steps = self.epoch, self._segment_steps(self._segment_rows())
         if self._step >= steps:  # a restored state at the very end of an epoch
@@ -371,19 +402,14 @@ class ParquetStream:
             return
         source, stop_event, worker = self._start(plan)
         try:
-            for step, batch in source:
-                tensors = {}
-                for name, values in batch.items():
-                    if name in ("user_id", "item_id", "timestamp"):
-                        values = values.astype(np.int64, copy=False)
-                    tensors[name] = torch.from_numpy(np.ascontiguousarray(values))
+            for step, batch in self._batches(plan, source):
                 # The state moves past this batch before the caller sees it: a checkpoint taken while
                 # the batch is being trained on resumes at the next one.
                 if step + 1 >= steps:
                     self._next_epoch()
                 else:
                     self.epoch, self._step = epoch, step + 1
-                yield tensors
+                yield batch
         finally:
             if stop_event is not None:
                 stop_event.set()
@@ -394,10 +420,13 @@ class ParquetStream:
         self.epoch, self._step, self._remaining, self._layout_world_size = self.epoch + 1, 0, None, self.world_size
 
     def _start(self, plan: tuple):
-        """The batch source: a background thread filling a bounded queue, or the plain generator."""
+        """The chunk source: a background thread that reads and shuffles the next window while the caller
+        trains on the current one (a queue of one window, so at most three windows are alive), or the plain
+        generator (``prefetch <= 0``). Handing over whole windows rather than batches keeps the thread hand-off
+        (and its GIL switches) out of the per-batch path."""
         if self.prefetch <= 0:
-            return self._batches(plan), None, None
-        buffer: queue.Queue = queue.Queue(maxsize=self.prefetch)
+            return self._chunks(plan), None, None
+        buffer: queue.Queue = queue.Queue(maxsize=1)
         stop_event = threading.Event()
 
         def put(item) -> bool:
@@ -412,7 +441,7 @@ class ParquetStream:
 
         def produce():
             try:
-                for item in self._batches(plan, stop_event):
+                for item in self._chunks(plan, stop_event):
                     if not put(item):
                         return
                 put(_DONE)
@@ -425,8 +454,100 @@ class ParquetStream:
         return _QueueSource(buffer), stop_event, worker
 
 
-def _dtype(column: str):
+def _numpy_dtype(column: str):
+    """The dtype a column is handed out in: ids and timestamps int64, ratings float32."""
     return np.float32 if column == "rating" else np.int64
+
+
+# Mean rows per bucket of shuffle_order. torch.randperm runs serially (no OpenMP region, whose barrier stalls a
+# loaded machine and competes with the trainer's threads) up to 32,768 rows, at ~6 ns a row; above 65,536 rows it
+# costs ~10x more a row. Buckets of 16K rows on average stay under 32,768 rows.
+BUCKET_ROWS = 1 << 14
+
+
+def shuffle_order(rows: int, entropy, bucket_rows: int = BUCKET_ROWS) -> tuple[np.ndarray, np.ndarray]:
+    """A uniformly random permutation of ``rows`` rows in two cache-friendly parts (Rao-Sandelius shuffle).
+
+    Every row draws a uniform bucket among ``k`` (a power of two, mean bucket size <= ``bucket_rows``);
+    ``grouping`` (uint64, shape (rows,)) lists the rows bucket by bucket (a stable counting sort), and ``order``
+    (int32, shape (rows,)) permutes each bucket's segment of ``grouping`` uniformly (``torch.randperm``), so
+    ``grouping[order]`` is the permutation. Independent uniform buckets followed by uniform shuffles within
+    them give every one of the ``rows!`` orders the same probability (Rao 1961, Sandelius 1962; Bacher et al.,
+    "MergeShuffle", 2015, section 2). ``entropy`` (ints) seeds it: the same entropy, the same permutation.
+    """
+    import pyarrow as pa
+    import pyarrow.compute as pc
+    import torch
+
+    numpy_seed, torch_seed = np.random.SeedSequence(entropy).generate_state(2)
+    buckets = 1
+    while buckets * bucket_rows < rows and buckets < 1 << 16:
+        buckets *= 2
+    key_type = np.uint8 if buckets <= 256 else np.uint16
+    raw = np.random.default_rng(int(numpy_seed)).bit_generator.random_raw((rows * key_type().itemsize + 7) // 8)
+    keys = raw.view(key_type)[:rows] & key_type(buckets - 1)  # buckets divides 2^bits: exactly uniform
+    # Arrow's stable sort of small-range integers is a counting sort: ~4x numpy's radix argsort here.
+    grouping = pc.array_sort_indices(pa.array(keys)).to_numpy()
+    order = np.empty(rows, dtype=np.int32)
+    generator = torch.Generator().manual_seed(int(torch_seed))
+    start = 0
+    for count in np.bincount(keys, minlength=buckets).tolist():
+        segment = order[start : start + count]
+        torch.randperm(count, generator=generator, dtype=torch.int32, out=torch.from_numpy(segment))
+        segment += start  # numpy: no OpenMP region
+        start += count
+    return grouping, order
+
+
+class _Chunk:
+    """Rows ``lo:hi`` of a window in hand-out order: row ``k`` is ``columns[name][order[k]]`` (``order`` None:
+    ``columns[name][k]``). ``packed`` (int64, or None): the two int32 columns ``names`` of a shuffled window
+    as one array, ``first << 32 | second`` (one gather moves both)."""
+
+    def __init__(self, columns: dict, order: np.ndarray | None, lo: int, hi: int, packed=None, names=()):
+        self.columns, self.order, self.lo, self.rows = columns, order, lo, hi - lo
+        self.packed, self.names = packed, names
+
+    def part(self, lo: int, hi: int) -> _Chunk:
+        """Rows ``lo:hi`` of this chunk."""
+        return _Chunk(self.columns, self.order, self.lo + lo, self.lo + hi, self.packed, self.names)
+
+    def take(self, lo: int, hi: int) -> dict[str, np.ndarray]:
+        """Rows ``lo:hi`` of this chunk, one new array per column in its output dtype (``_numpy_dtype``)."""
+        lo, hi = self.lo + lo, self.lo + hi
+        if self.order is None:
+            return {name: values[lo:hi].astype(_numpy_dtype(name)) for name, values in self.columns.items()}
+        index = self.order[lo:hi]
+        if self.packed is not None:
+            rows = np.take(self.packed, index)
+            second = rows << 32
+            second >>= 32  # arithmetic shifts: exact for any int32 pair
+            rows >>= 32
+            return {self.names[0]: rows, self.names[1]: second}
+        return {name: np.take(values, index).astype(_numpy_dtype(name)) for name, values in self.columns.items()}
+
+
+def _gather(values: np.ndarray, index: np.ndarray) -> np.ndarray:
+    """``values[index]`` with Arrow's take (~1.5x numpy's here); a read-only array."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    return pc.take(pa.array(values), pa.array(index)).to_numpy()
+
+
+def _pack(parts: list[dict[str, np.ndarray]], names: Sequence[str]) -> np.ndarray:
+    """The int32 columns ``names[0]``, ``names[1]`` of ``parts`` (concatenated) as int64 ``first << 32 | second``."""
+    rows = sum(len(part[names[0]]) for part in parts)
+    packed = np.empty(rows, dtype=np.int64)
+    start = 0
+    for part in parts:
+        first, second = part[names[0]], part[names[1]]
+        target = packed[start : start + len(first)]
+        target[...] = first
+        target <<= 32
+        target |= second.view(np.uint32)
+        start += len(first)
+    return packed
 
 
 class _QueueSource:
