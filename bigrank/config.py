@@ -50,7 +50,7 @@ def _choices(*values: str, doc: str = "") -> dict:
 class DataConfig:
     root: str = ""  # dataset directory (bigrank Parquet layout with manifest.json)
     shuffle_buffer: int = 1 << 20  # rows shuffled together by the stream
-    prefetch: int = 4  # batches read ahead by the stream's thread
+    prefetch: int = 4  # > 0: a background thread reads the next shuffle window ahead (0: read inline)
 
 
 @dataclass
