@@ -14,6 +14,7 @@ ML-1B mode (``--loss``, one or several losses, comma-separated, measured one aft
     .venv/bin/python -m benchmarks.bench_train --data /work/data/ml1b \
         --loss sampled_softmax,smooth_ap,recall_at_quantile,pauc_at_budget --negatives 8192 --batch 4096
     .venv/bin/python -m benchmarks.bench_train --data /work/data/ml1b --loss rankmax --batch 256 --steps 12
+    .venv/bin/python -m benchmarks.bench_train --data /work/data/ml1b --loss sampled_softmax --bf16   # + bf16 GEMMs
 
 For each loss: bigrank (2 workers, ``--launcher local``, row-wise Adagrad on users and items, d = 64) against
 a plain single-process loop (2 threads) doing the same work the lean way — gather the touched user and item
@@ -205,7 +206,7 @@ def _peak_rss_gb(pid: int) -> float | None:
     return None
 
 
-def bigrank_ml1b(data, loss_name, batch, negatives, dim, steps) -> tuple[float, list[float]]:
+def bigrank_ml1b(data, loss_name, batch, negatives, dim, steps, precision="fp32") -> tuple[float, list[float]]:
     """bigrank train with 2 local workers: (examples/s without the first logging window, peak RSS per worker GB)."""
     import threading
 
@@ -224,7 +225,7 @@ def bigrank_ml1b(data, loss_name, batch, negatives, dim, steps) -> tuple[float, 
             "loss": loss,
             "optim": {"user_optimizer": "rowwise_adagrad", "item_optimizer": "rowwise_adagrad"},
             "train": {"batch_size": batch, "max_steps": steps, "log_every": log_every, "progress": False,
-                      "checkpoint_every": None, "chunk_size": "auto"},
+                      "checkpoint_every": None, "chunk_size": "auto", "precision": precision},
             "eval": {"every_epochs": None, "at_end": False},
         }  # fmt: skip
         path = Path(run_dir) / "bench.yaml"
@@ -264,19 +265,24 @@ def run_ml1b(args) -> None:
         floor = gemm_floor_seconds(args.batch, columns, args.dim)
         plain = plain_ml1b_seconds_per_step(data, loss_name, args.batch, args.negatives, args.dim, min(steps, 12))
         ours, peaks = bigrank_ml1b(data, loss_name, args.batch, args.negatives, args.dim, steps)
-        rows.append((loss_name, args.batch / floor, args.batch / plain, ours, peaks))
+        bf16 = None
+        if args.bf16:
+            bf16 = bigrank_ml1b(data, loss_name, args.batch, args.negatives, args.dim, steps, "bf16")[0]
+        rows.append((loss_name, args.batch / floor, args.batch / plain, ours, peaks, bf16))
         rates = f"floor {args.batch / floor:,.0f}, plain {args.batch / plain:,.0f}, bigrank {ours:,.0f}"
+        rates += f", bigrank bf16 {bf16:,.0f}" if bf16 else ""
         print(f"  {loss_name}: {rates} examples/s", flush=True)
     print(f"\nML-1B ({data}): {num_items:,} items, d={args.dim}, global batch {args.batch}, "
           f"{args.negatives:,} sampled negatives, {steps} bigrank steps; machine load shared: ratios only")  # fmt: skip
     header = (f"{'loss':<20}{'GEMM floor ex/s':>16}{'plain ex/s':>12}{'bigrank ex/s':>14}{'vs plain':>10}"
               f"{'floor/bigrank':>15}{'peak RSS GB/worker':>20}{'epoch h':>9}")  # fmt: skip
-    print(header)
-    for loss_name, floor, plain, ours, peaks in rows:
+    print(header + (f"{'bf16 ex/s':>11}{'bf16 vs plain':>15}" if args.bf16 else ""))
+    for loss_name, floor, plain, ours, peaks, bf16 in rows:
         epoch = f"{train_rows / ours / 3600:9.1f}" if train_rows else f"{'?':>9}"
         rss = "/".join(f"{p:.2f}" for p in peaks) or "?"
+        extra = f"{bf16:>11,.0f}{bf16 / plain:>15.2f}" if bf16 else ""
         print(f"{loss_name:<20}{floor:>16,.0f}{plain:>12,.0f}{ours:>14,.0f}{ours / plain:>10.2f}"
-              f"{floor / ours:>15.2f}{rss:>20}{epoch}")  # fmt: skip
+              f"{floor / ours:>15.2f}{rss:>20}{epoch}{extra}")  # fmt: skip
 
 
 def main() -> None:
@@ -288,6 +294,7 @@ def main() -> None:
     parser.add_argument("--negatives", type=int, default=8192, help="ML-1B mode: sampled negatives per step")
     parser.add_argument("--batch", type=int, default=4096, help="ML-1B mode: global batch")
     parser.add_argument("--dim", type=int, default=64, help="ML-1B mode: embedding dimension")
+    parser.add_argument("--bf16", action="store_true", help="ML-1B mode: also run bigrank with train.precision=bf16")
     args = parser.parse_args()
     torch.set_num_threads(2)
     if args.loss is not None:
