@@ -347,18 +347,25 @@ class ParquetStream:
                     window += 1
                 a = bounds[rank] + stop
 
+    def _segment_share(self, plan: tuple) -> tuple[int, int, int]:
+        """``(steps, begin, end)`` of the segment ``plan``: its steps, and this rank's rows ``[begin, end)`` of
+        the segment's row sequence (cut to whole batches with ``drop_last``)."""
+        remaining = plan[2]
+        rows = self.num_rows if remaining is None else sum(b - a for a, b in remaining)
+        steps = self._segment_steps(rows)
+        begin, end = self.rank * rows // self.world_size, (self.rank + 1) * rows // self.world_size
+        if self.drop_last:
+            end = begin + steps * self.batch_size
+        return steps, begin, end
+
     def _batches(self, plan: tuple, chunks: Iterator[dict]):
         """Batches ``(step, batch)`` of the segment ``plan`` to its end, gathered from ``chunks`` (the rows of
         this rank's part of the segment in order, from ``_read_intervals``) and converted to the output dtypes
         (one small copy per column and batch, as a bare scan's conversion)."""
         import torch
 
-        epoch, layout_world_size, remaining, first_step = plan
-        rows = self.num_rows if remaining is None else sum(b - a for a, b in remaining)
-        steps = self._segment_steps(rows)
-        begin, end = self.rank * rows // self.world_size, (self.rank + 1) * rows // self.world_size
-        if self.drop_last:
-            end = begin + steps * self.batch_size
+        first_step = plan[3]
+        steps, begin, end = self._segment_share(plan)
         chunk, position = None, 0
         for step in range(first_step, steps):
             size = max(0, min(self.batch_size, end - begin - step * self.batch_size))
@@ -385,11 +392,7 @@ class ParquetStream:
         """The rows this rank reads in the segment ``plan``, in order, as dicts of torch tensors (shuffled
         windows or parts of them)."""
         epoch, layout_world_size, remaining, first_step = plan
-        rows = self.num_rows if remaining is None else sum(b - a for a, b in remaining)
-        steps = self._segment_steps(rows)
-        begin, end = self.rank * rows // self.world_size, (self.rank + 1) * rows // self.world_size
-        if self.drop_last:
-            end = begin + steps * self.batch_size
+        _, begin, end = self._segment_share(plan)
         position = min(begin + first_step * self.batch_size, end)
         own = _take(remaining or [(0, self.num_rows)], position, end)
         return self._read_intervals(epoch, layout_world_size, own, stop_event)
