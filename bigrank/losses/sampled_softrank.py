@@ -39,7 +39,14 @@ from bigrank.distributed.collectives import (
 )
 from bigrank.losses.sampled import accidental_hits, block_rows, low_precision
 from bigrank.losses.scores import gather_row_stats, merge_rank_topk
-from bigrank.losses.softrank import check_pauc_params, check_positive_float, count_from_fraction, finish, row_iqr
+from bigrank.losses.softrank import (
+    check_pauc_params,
+    check_positive_float,
+    check_recall_params,
+    count_from_fraction,
+    finish,
+    row_iqr,
+)
 from bigrank.losses.validation import check_reduction
 
 __all__ = [
@@ -208,9 +215,7 @@ def recall_at_quantile_shared_negatives(
     valid columns), k = ceil(quantile * (1 + N)); gradient through p_b only. Args as
     ``smooth_ap_shared_negatives`` plus ``quantile`` in (0, 1)."""
     check_reduction(reduction)
-    tau = check_positive_float(temperature, "temperature")
-    if not 0.0 < float(quantile) < 1.0:
-        raise ValueError(f"quantile must be in (0, 1), got {quantile!r}")
+    tau = check_recall_params(quantile, temperature)
     hit_rows, hit_cols = accidental_hits(target, negative_ids)
     p, hits, others = _row_totals(positive_scores, hit_rows, negative_ids.numel(), group, local_anchor=False)
     k = count_from_fraction(float(quantile), 1 + hits + others)  # [B], n_valid = 1 + every negative

@@ -109,6 +109,14 @@ def check_pauc_params(alpha, beta, temperature, tau_scale, n_knots, scale_sample
     return tau
 
 
+def check_recall_params(quantile, temperature) -> float:
+    """Check Recall@quantile's parameters (ValueError naming the bad one); returns the temperature as a float."""
+    tau = check_positive_float(temperature, "temperature")
+    if not 0.0 < float(quantile) < 1.0:
+        raise ValueError(f"quantile must be in (0, 1), got {quantile!r}")
+    return tau
+
+
 def check_positive_float(value: float, name: str) -> float:
     if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or value <= 0:
         raise ValueError(f"{name} must be a positive finite number, got {value!r}")
@@ -348,9 +356,7 @@ def recall_at_quantile_loss(
 
     Args: as ``smooth_ap_loss``, plus ``quantile`` in (0, 1) (fraction of candidates treated as retrieved).
     """
-    tau = check_positive_float(temperature, "temperature")
-    if not 0.0 < float(quantile) < 1.0:
-        raise ValueError(f"quantile must be in (0, 1), got {quantile!r}")
+    tau = check_recall_params(quantile, temperature)
     cand = prepare(scores, labels, mask, reduction, group)
     k = count_from_fraction(float(quantile), cand.n_valid)  # [B]
     ranked = cand.scores.detach()
@@ -498,10 +504,8 @@ class RecallAtQuantileLoss(_CandidateLoss):
 
     def __init__(self, quantile: float = 0.005, temperature: float = 0.01, reduction: str = "mean"):
         super().__init__(reduction)
-        if not 0.0 < float(quantile) < 1.0:
-            raise ValueError(f"quantile must be in (0, 1), got {quantile!r}")
+        self.temperature = check_recall_params(quantile, temperature)
         self.quantile = float(quantile)
-        self.temperature = check_positive_float(temperature, "temperature")
 
     def forward(self, scores, labels, mask=None, *, group=None):
         return self._run(

@@ -38,7 +38,13 @@ from bigrank.losses.scores import (
     poison_bad_rows,
     sum_row_stats,
 )
-from bigrank.losses.softrank import check_pauc_params, check_positive_float, count_from_fraction, row_iqr
+from bigrank.losses.softrank import (
+    check_pauc_params,
+    check_positive_float,
+    check_recall_params,
+    count_from_fraction,
+    row_iqr,
+)
 from bigrank.losses.validation import check_reduction, reduce_rows
 
 __all__ = ["pauc_at_budget_catalog_loss", "recall_at_quantile_catalog_loss", "smooth_ap_catalog_loss"]
@@ -92,9 +98,7 @@ def recall_at_quantile_catalog_loss(
     (columns ``[offset, offset + n_local)`` with a group), target int64[B] global ids.
     """
     check_reduction(reduction)
-    tau = check_positive_float(temperature, "temperature")
-    if not 0.0 < float(quantile) < 1.0:
-        raise ValueError(f"quantile must be in (0, 1), got {quantile!r}")
+    tau = check_recall_params(quantile, temperature)
     source, layout = _prepare(scores, target, group, offset)
     k = int(count_from_fraction(float(quantile), torch.tensor(layout.num_items)))
     theta = _global_topk(source, layout, k, group, exclude_positive=False)[:, k - 1]
