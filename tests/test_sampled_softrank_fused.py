@@ -6,6 +6,8 @@ A warm-up wrapper dispatches each of its losses to the fused paths and equals th
 
 from __future__ import annotations
 
+from functools import partial
+
 import pytest
 import torch
 
@@ -17,8 +19,7 @@ from bigrank.losses.softrank import pauc_at_budget_loss, recall_at_quantile_loss
 from bigrank.losses.warmup import LossWarmupWrapper
 from bigrank.train.losses import StepLoss
 from tests.distributed_utils import run_distributed
-
-NUM_ITEMS, DIM, BATCH = 40, 5, 12
+from tests.sampled_steps import DIM, NUM_ITEMS, reference_columns, sampled_inputs, sampled_step_loss
 
 # (loss name, loss params, the generic loss on the materialised columns)
 CASES = {
@@ -40,35 +41,7 @@ NAMES = {"smooth_ap": "smooth_ap", "recall_q": "recall_at_quantile", "pauc_iqr":
 NAMES["pauc_band"] = "pauc_at_budget"
 
 
-def _step_loss(name, params, start=0, stop=NUM_ITEMS, negatives=30, rank=0, warmup=None, sampler="uniform"):
-    config = LossConfig(
-        name=name, candidates="sampled", num_negatives=negatives, sampler=sampler, params=params, warmup=warmup
-    )
-    counts = torch.arange(stop - start, dtype=torch.float64) if sampler == "popularity" else None
-    return StepLoss(
-        config, num_items=NUM_ITEMS, shard_start=start, shard_stop=stop, item_counts=counts, seed=11, rank=rank
-    )
-
-
-def _inputs(seed):
-    generator = torch.Generator().manual_seed(seed)
-    users = torch.randn(BATCH, DIM, generator=generator, dtype=torch.float64)
-    catalog = torch.randn(NUM_ITEMS, DIM, generator=generator, dtype=torch.float64)
-    target = torch.randint(0, NUM_ITEMS, (BATCH,), generator=generator)
-    return users, catalog, target
-
-
-def _columns(step_loss, target, step):
-    """The generic sampled columns, built the straightforward way: ids [unique positives | negatives],
-    labels (hits are positives), the positive-only-in-its-row mask, log_q."""
-    draw = step_loss._draw(target, step)
-    positives = torch.unique(draw.positives)
-    ids = torch.cat([positives, draw.negatives])
-    labels = candidate_labels(target, ids)
-    mask = torch.ones_like(labels)
-    mask[:, : positives.numel()] = labels[:, : positives.numel()]
-    pos_log_q = step_loss.sampler.log_q(positives, step_loss.num_samples)
-    return ids, labels, mask, torch.cat([pos_log_q, draw.neg_log_q])
+_step_loss = partial(sampled_step_loss, seed=11)
 
 
 def _fused_step(step_loss, users, catalog, target, step, group=None, start=0, stop=NUM_ITEMS):
@@ -90,11 +63,11 @@ def _fused_step(step_loss, users, catalog, target, step, group=None, start=0, st
 @pytest.mark.parametrize("step", [3, 4])
 def test_fused_equals_the_generic_loss_on_the_materialised_columns(case, step):
     params, reference = CASES[case]
-    users, catalog, target = _inputs(step)
+    users, catalog, target = sampled_inputs(step)
     step_loss = _step_loss(NAMES[case], params)
     loss, grad_users, grad_rows = _fused_step(step_loss, users, catalog, target, step)
 
-    ids, labels, mask, _ = _columns(step_loss, target, step)
+    ids, labels, mask, _ = reference_columns(step_loss, target, step)
     assert bool(labels[:, -step_loss.num_samples :].any())  # an accidental hit among the negatives
     u_ref, w_ref = users.clone().requires_grad_(), catalog.clone().requires_grad_()
     expected = reference(u_ref @ w_ref[ids].T, labels, mask)
@@ -107,7 +80,7 @@ def test_fused_equals_the_generic_loss_on_the_materialised_columns(case, step):
 
 def test_degenerate_rows_are_excluded_like_the_generic_loss():
     """A row whose every negative is its own target (all hits) has no negative: excluded, not NaN."""
-    users, catalog, _ = _inputs(5)
+    users, catalog, _ = sampled_inputs(5)
     target = torch.tensor([7, 3])
     negative_ids = torch.tensor([7, 7, 7])
     rows = catalog[negative_ids].clone().requires_grad_()
@@ -128,7 +101,7 @@ def test_degenerate_rows_are_excluded_like_the_generic_loss():
 def test_smooth_ap_shared_negatives_matches_finite_differences():
     """Central differences of the loss against one backward (the fused backward reuses its buffer, so it
     runs once per forward: torch.autograd.gradcheck's repeated backward does not apply)."""
-    users, catalog, target = _inputs(6)
+    users, catalog, target = sampled_inputs(6)
     negative_ids = torch.tensor([1, 4, 4, 9, 17, int(target[0]), 23, 30])  # one hit of row 0 at least
     inputs = [users, catalog[negative_ids], catalog[target]]
 
@@ -157,7 +130,7 @@ def _distributed_body(rank, world_size, group, case, users, catalog, target):
     start, stop = shard_range(NUM_ITEMS, rank, world_size)
     step_loss = _step_loss(NAMES[case], params, start, stop, negatives=27, rank=rank, sampler="popularity")
     loss, grad_users, grad_rows = _fused_step(step_loss, users, catalog, target, 5, group, start, stop)
-    ids, labels, mask, _ = _columns(step_loss, target, 5)
+    ids, labels, mask, _ = reference_columns(step_loss, target, 5)
     all_ids = all_gather_no_grad(ids, group)
     all_mask = all_gather_no_grad(mask.T.contiguous(), group).T
     u_ref, w_ref = users.clone().requires_grad_(), catalog.clone().requires_grad_()
@@ -176,7 +149,7 @@ def _distributed_body(rank, world_size, group, case, users, catalog, target):
 @pytest.mark.parametrize("case", sorted(CASES))
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_fused_over_ranks_equals_one_loss_over_all_columns(case, world_size):
-    users, catalog, target = _inputs(20 + world_size)
+    users, catalog, target = sampled_inputs(20 + world_size)
     results = run_distributed(_distributed_body, world_size, args=(case, users, catalog, target))
     for result in results:
         assert result["loss"] == pytest.approx(result["expected"], rel=1e-10, abs=1e-12)
@@ -197,9 +170,9 @@ def test_warmup_wrapper_uses_the_fused_paths_and_equals_the_wrapper_on_the_colum
         temp_decay_steps=3,
     )  # fmt: skip
     for step in range(5):  # weights 0, 1/3, 2/3, 1, 1
-        users, catalog, target = _inputs(30 + step)
+        users, catalog, target = sampled_inputs(30 + step)
         loss, grad_users, grad_rows = _fused_step(step_loss, users, catalog, target, step)
-        ids, labels, mask, log_q = _columns(step_loss, target, step)
+        ids, labels, mask, log_q = reference_columns(step_loss, target, step)
         u_ref, w_ref = users.clone().requires_grad_(), catalog.clone().requires_grad_()
         expected = reference(u_ref @ w_ref[ids].T, labels, mask, log_q=log_q)
         expected.backward()

@@ -4,47 +4,19 @@ processes), and several steps of sparse row updates end with the parameters of d
 
 from __future__ import annotations
 
+from functools import partial
+
 import pytest
 import torch
 
-from bigrank.config import LossConfig
 from bigrank.data.samplers import candidate_labels
 from bigrank.losses.sampled import accidental_hits, sampled_softmax_loss
 from bigrank.losses.softrank import smooth_ap_loss
 from bigrank.train.item_optim import RowOptimizer
-from bigrank.train.losses import StepLoss
 from tests.distributed_utils import run_distributed
+from tests.sampled_steps import DIM, NUM_ITEMS, reference_columns, sampled_inputs, sampled_step_loss
 
-NUM_ITEMS, DIM, BATCH = 40, 5, 12
-
-
-def _step_loss(name, start=0, stop=NUM_ITEMS, negatives=30, sampler="uniform", params=None, rank=0):
-    config = LossConfig(name=name, candidates="sampled", num_negatives=negatives, sampler=sampler, params=params or {})
-    counts = torch.arange(stop - start, dtype=torch.float64) if sampler == "popularity" else None
-    return StepLoss(
-        config, num_items=NUM_ITEMS, shard_start=start, shard_stop=stop, item_counts=counts, seed=7, rank=rank
-    )
-
-
-def _inputs(seed):
-    generator = torch.Generator().manual_seed(seed)
-    users = torch.randn(BATCH, DIM, generator=generator, dtype=torch.float64)
-    catalog = torch.randn(NUM_ITEMS, DIM, generator=generator, dtype=torch.float64)
-    target = torch.randint(0, NUM_ITEMS, (BATCH,), generator=generator)
-    return users, catalog, target
-
-
-def _reference_columns(step_loss, target, step):
-    """The candidate columns of a sampled step built the straightforward way: [unique positives of the
-    shard | negatives], labels, the positive-only-in-its-row mask and log_q."""
-    draw = step_loss._draw(target, step)
-    positives = torch.unique(draw.positives)
-    ids = torch.cat([positives, draw.negatives])
-    labels = candidate_labels(target, ids)
-    mask = torch.ones_like(labels)
-    mask[:, : positives.numel()] = labels[:, : positives.numel()]
-    pos_log_q = step_loss.sampler.log_q(positives, step_loss.num_samples)
-    return ids, labels, mask, torch.cat([pos_log_q, draw.neg_log_q])
+_step_loss = partial(sampled_step_loss, seed=7)
 
 
 def test_accidental_hits_are_every_equal_pair():
@@ -59,7 +31,7 @@ def test_accidental_hits_are_every_equal_pair():
 @pytest.mark.parametrize(("sampler", "temperature"), [("uniform", 1.0), ("popularity", 0.5)])
 def test_fused_sampled_softmax_equals_the_materialised_loss(sampler, temperature):
     # 30 negatives from 40 items for 12 rows: accidental hits and repeated negatives are certain.
-    users, catalog, target = _inputs(1)
+    users, catalog, target = sampled_inputs(1)
     step_loss = _step_loss("sampled_softmax", sampler=sampler, params={"temperature": temperature})
     weight = catalog.clone()
     u = users.clone().requires_grad_()
@@ -69,7 +41,7 @@ def test_fused_sampled_softmax_equals_the_materialised_loss(sampler, temperature
     assert weight.grad is None and touched.rows.shape == (touched.ids.numel(), DIM)
     assert torch.equal(touched.ids, touched.ids.unique())
 
-    ids, labels, mask, log_q = _reference_columns(step_loss, target, 3)
+    ids, labels, mask, log_q = reference_columns(step_loss, target, 3)
     assert bool(labels[:, -step_loss.num_samples :].any())  # an accidental hit among the negatives
     u_ref = users.clone().requires_grad_()
     w_ref = catalog.clone().requires_grad_()
@@ -87,14 +59,14 @@ def _distributed_body(rank, world_size, group, users, catalog, target):
     from bigrank.distributed.collectives import all_gather_no_grad, all_reduce_sum
 
     start, stop = shard_range(NUM_ITEMS, rank, world_size)
-    step_loss = _step_loss("sampled_softmax", start, stop, negatives=24, rank=rank)
+    step_loss = _step_loss("sampled_softmax", start=start, stop=stop, negatives=24, rank=rank)
     u = users.clone().requires_grad_()
     loss = step_loss(u, target, catalog[start:stop].clone(), group=group, step=5)
     loss.backward()
     touched = step_loss.last_rows
     grad_rows = torch.zeros(stop - start, DIM, dtype=users.dtype).index_add_(0, touched.ids, touched.grad)
     # The reference: every rank's columns concatenated in rank order, one single-process loss.
-    ids, labels, mask, log_q = _reference_columns(step_loss, target, 5)
+    ids, labels, mask, log_q = reference_columns(step_loss, target, 5)
     sizes = all_gather_no_grad(torch.tensor([ids.numel()]), group).tolist()
     all_ids = all_gather_no_grad(ids, group)
     all_log_q = all_gather_no_grad(log_q, group)
@@ -115,7 +87,7 @@ def _distributed_body(rank, world_size, group, users, catalog, target):
 
 
 def test_fused_sampled_softmax_two_processes_equal_one_loss_over_all_columns():
-    users, catalog, target = _inputs(2)
+    users, catalog, target = sampled_inputs(2)
     results = run_distributed(_distributed_body, 2, args=(users, catalog, target))
     for result in results:
         assert result["loss"] == pytest.approx(result["expected"], rel=1e-12)
@@ -131,19 +103,19 @@ def test_sparse_row_updates_equal_dense_torch_optim_steps(loss_name, optimizer, 
     indexed as a whole parameter) + torch.optim; same draws, the same parameters at the end."""
     params = {"temperature": 0.5} if loss_name == "smooth_ap" else {}
     step_loss = _step_loss(loss_name, params=params)
-    _, catalog, _ = _inputs(3)
+    _, catalog, _ = sampled_inputs(3)
     sparse_weight = torch.nn.Parameter(catalog.clone())
     sparse = RowOptimizer(sparse_weight, optimizer, 0.1)
     dense_weight = torch.nn.Parameter(catalog.clone())
     dense = torch_optimizer([dense_weight], lr=0.1)
     for step in range(5):
-        users, _, target = _inputs(10 + step)
+        users, _, target = sampled_inputs(10 + step)
         loss = step_loss(users, target, sparse_weight, step=step)
         loss.backward()
         assert sparse_weight.grad is None
         sparse.step_rows(step_loss.last_rows.ids, step_loss.last_rows.grad)
 
-        ids, labels, mask, log_q = _reference_columns(step_loss, target, step)
+        ids, labels, mask, log_q = reference_columns(step_loss, target, step)
         scores = users @ dense_weight[ids].T
         if loss_name == "sampled_softmax":
             reference = sampled_softmax_loss(scores, labels, log_q, mask)
