@@ -112,12 +112,18 @@ class LossWarmupWrapper(nn.Module):
 
     # -------------------------------------------------------------------------------------------- forward
     def forward(self, *args, **kwargs):
+        return self.blend(lambda loss: loss(*args, **kwargs))
+
+    def blend(self, loss_of):
+        """``(1 - w) * loss_of(warmup_loss) + w * loss_of(main_loss)`` at this step's main weight w, evaluating
+        only the loss whose weight is not 0. ``loss_of(module)`` computes one loss, so callers with their own
+        path per loss (e.g. the trainer's fused sampled losses) share the schedule."""
         weight = self.main_weight
         if weight == 0.0:
-            return self.warmup_loss(*args, **kwargs)
+            return loss_of(self.warmup_loss)
         if weight == 1.0:
-            return self.main_loss(*args, **kwargs)
-        return (1.0 - weight) * self.warmup_loss(*args, **kwargs) + weight * self.main_loss(*args, **kwargs)
+            return loss_of(self.main_loss)
+        return (1.0 - weight) * loss_of(self.warmup_loss) + weight * loss_of(self.main_loss)
 
     # ------------------------------------------------------------------------------------- checkpointing
     def get_extra_state(self) -> dict:

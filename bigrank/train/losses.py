@@ -191,13 +191,7 @@ class StepLoss:
         self.last_rows = TouchedRows(ids, rows)
         step = _SampledStep(user_vectors, target, rows, inverse, draw, group)
         if isinstance(self.module, LossWarmupWrapper):  # the wrapper's phases and blend, each loss fused
-            weight = self.module.main_weight
-            if weight == 0.0:
-                return self._sampled_loss(self.module.warmup_loss, step)
-            if weight == 1.0:
-                return self._sampled_loss(self.module.main_loss, step)
-            warm = self._sampled_loss(self.module.warmup_loss, step)
-            return (1.0 - weight) * warm + weight * self._sampled_loss(self.module.main_loss, step)
+            return self.module.blend(lambda module: self._sampled_loss(module, step))
         return self._sampled_loss(self.module, step)
 
     def _sampled_loss(self, module, step: _SampledStep) -> torch.Tensor:
