@@ -101,7 +101,12 @@ def test_a_tiny_search_writes_the_trials_table_and_a_best_config_that_train_acce
     from bigrank.cli import main
     from bigrank.launch.tune import load_space, run_search
 
-    space = load_space(_space(tmp_path, "space:\n  optim.user_lr: {grid: [0.05, 0.2]}\n  train.epochs: 1\n"))
+    # item_lr is sampled, but the first (here: only) sample is the base config's own value; Tune runs it with
+    # every grid value of user_lr.
+    text = (
+        "space:\n  optim.user_lr: {grid: [0.05, 0.2]}\n  optim.item_lr: {loguniform: [0.001, 1.0]}\n  train.epochs: 1\n"
+    )
+    space = load_space(_space(tmp_path, text))
     config = load_config(_base_config(tmp_path, demo_data))
     result = run_search(config, space, tmp_path / "search")
 
@@ -110,6 +115,7 @@ def test_a_tiny_search_writes_the_trials_table_and_a_best_config_that_train_acce
     assert len(rows) == 2 and {row["status"] for row in rows} == {"finished"}
     assert sorted(float(row["optim.user_lr"]) for row in rows) == [0.05, 0.2]
     for row in rows:
+        assert float(row["optim.item_lr"]) == pytest.approx(config.optim.item_lr)
         assert float(row["epochs"]) == 1.0 and 0 < float(row["valid ap@10"]) < 1 and 0 < float(row["test ap@10"]) < 1
     best = max(rows, key=lambda row: float(row["valid ap@10"]))
     assert (tmp_path / "search" / "trials.txt").read_text().startswith("trial")

@@ -1,7 +1,7 @@
 """The shipped search spaces (configs/tune/*.space.yaml): each one is accepted by `bigrank tune` against its base
 config (every key and candidate value checked by the config schema, as `bigrank tune` does before Ray starts),
-and the Rankmax config — the settings the search found — holds values inside its own space, so a search from the
-space can find the shipped settings again (the region that won is searched, not left out)."""
+and each shipped config holds values inside its own space, so `bigrank tune` runs it as its first trial (the
+search starts from the shipped settings and can only confirm or beat them on the validation metric)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from bigrank.config import load_config
-from bigrank.launch.tune import load_space, search_base, validate_space
+from bigrank.launch.tune import Domain, SearchSpace, _get_path, base_point, load_space, search_base, validate_space
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 LOSSES = ["rankmax", "softmax", "sparsemax"]
@@ -29,26 +29,30 @@ def test_shipped_space_validates_against_its_config(loss):
     assert space.metric == "ap@10"
 
 
-def _value_at(raw: dict, key: str):
-    node = raw
-    for part in key.split("."):
-        node = node[part]
-    return node
-
-
-def _inside(domain, value) -> bool:
-    if domain.kind in ("fixed", "grid", "choice"):
-        return value in domain.values
-    low, high = domain.values
-    return low <= value <= high
-
-
-def test_rankmax_config_lies_inside_its_space():
-    loss = "rankmax"
+@pytest.mark.parametrize("loss", LOSSES)
+def test_shipped_config_lies_inside_its_space_and_is_the_first_trial(loss):
     space, base = _space_and_base(loss)
     outside = {
-        key: (_value_at(base, key), domain.values)
+        key: (_get_path(base, key), domain.values)
         for key, domain in space.params.items()
-        if not _inside(domain, _value_at(base, key))
+        if not domain.contains(_get_path(base, key))
     }
     assert not outside, f"configs/ml-latest-small-{loss}.yaml holds values outside its space: {outside}"
+    start = base_point(space, base)
+    sampled = [key for key, domain in space.params.items() if domain.kind not in ("fixed", "grid")]
+    assert sampled and {key: _get_path(start, key) for key in sampled} == {key: _get_path(base, key) for key in sampled}
+
+
+def test_base_point_is_none_when_a_base_value_lies_outside_the_space():
+    space = SearchSpace(
+        params={
+            "optim.user_lr": Domain("loguniform", [0.01, 0.1]),
+            "loss.params.k": Domain("choice", [1, 5]),
+            "model.dim": Domain("grid", [32, 64]),
+        }
+    )
+    base = {"optim": {"user_lr": 0.05}, "loss": {"params": {"k": 5}}, "model": {"dim": 48}}
+    assert base_point(space, base) == {"optim": {"user_lr": 0.05}, "loss": {"params": {"k": 5}}}  # grid left out
+    assert base_point(space, {**base, "optim": {"user_lr": 0.5}}) is None
+    assert base_point(space, {**base, "loss": {"params": {"k": 10}}}) is None
+    assert base_point(SearchSpace(params={"model.dim": Domain("grid", [32, 64])}), base) is None

@@ -24,7 +24,9 @@ local launcher (``bigrank.train.launcher.launch_local``: the same ``train_worker
 ``DIR/runs/TRIAL_ID``, evaluating the validation split every ``eval.every_epochs`` epochs (1 when unset). The
 trial follows the run's ``metrics.jsonl`` and reports each validation evaluation to Tune (``valid/<metric>``,
 ``epoch``) as soon as training has moved past it, then the final valid and test evaluation with
-``finished = 1``. ASHA (``AsyncHyperBandScheduler`` on ``epoch``) stops poor trials early. The trainer is a
+``finished = 1``. ASHA (``AsyncHyperBandScheduler`` on ``epoch``) stops poor trials early. The first trial runs
+the base config's own values of the sampled keys when they lie in the space (:func:`base_point`;
+``--no-base-trial`` samples it too). The trainer is a
 black box here: anything ``bigrank train`` accepts can be tuned.
 
 Resuming. The search state lives in ``DIR`` (Tune's experiment directory). Running the same command again
@@ -101,6 +103,15 @@ class Domain:
     def candidates(self) -> list:
         """Values that stand for the domain when checking it against the config schema."""
         return list(self.values)
+
+    def contains(self, value) -> bool:
+        """Whether ``value`` is one this domain can produce (a listed value, or inside ``[low, high]``)."""
+        if self.kind in ("fixed", "grid", "choice"):
+            return value in self.values
+        if not _number(value):
+            return False
+        low, high = self.values
+        return low <= value <= high
 
     def to_tune(self):
         from ray import tune
@@ -438,6 +449,26 @@ def bigrank_trial(params: dict) -> None:
 
 
 # ------------------------------------------------------------------------------------------------ search
+def base_point(space: SearchSpace, base: dict) -> dict | None:
+    """The base config's own values of the sampled keys, as a point for Tune's first trial; None when one of
+    them lies outside its domain (the base is not in the space) or nothing is sampled.
+
+    A search that starts from the given settings can only confirm or beat them on the validation metric (once
+    that trial finishes: ASHA or the time budget may still stop it), instead of depending on the draws to come
+    near them. Grid keys stay out of the point (Tune runs every grid value with it); fixed keys are the same
+    for every trial anyway.
+    """
+    point: dict = {}
+    for key, domain in space.params.items():
+        if domain.kind in ("fixed", "grid"):
+            continue
+        value = _get_path(base, key)
+        if not domain.contains(value):
+            return None
+        _set_path(point, key, value)
+    return point or None
+
+
 def param_space(space: SearchSpace, base: dict, runs_root: Path) -> dict:
     """Tune's ``param_space``: the base config with a Tune domain at every tuned key, plus the trial context."""
     tuned = copy.deepcopy(base)
@@ -564,6 +595,7 @@ def run_search(
     time_budget_s: float | None = None,
     callbacks: list | None = None,
     verbose: int = 0,
+    base_trial: bool = True,
 ) -> SearchResult:
     """Run (or resume) the search of ``space`` around ``config``; write the trials table and the best config.
 
@@ -578,11 +610,14 @@ def run_search(
             the same search does not resume them).
         callbacks: extra Tune callbacks (tests).
         verbose: Tune's own progress output (0: none; each trial prints a line per evaluation).
+        base_trial: run the base config's values of the sampled keys as the first trial (when they lie in the
+            space; :func:`base_point`), so the search starts from the given settings.
     Returns a :class:`SearchResult`. Raises SpaceError/ConfigError naming the bad key before Ray starts.
     """
     import ray
     from ray import tune
     from ray.tune.schedulers import ASHAScheduler
+    from ray.tune.search import BasicVariantGenerator
 
     from bigrank.launch.ray_train import init_ray, resolve_address
 
@@ -614,6 +649,9 @@ def run_search(
             print(f"resuming the search in {out}", flush=True)
             tuner = tune.Tuner.restore(str(out), trainable=trainable, resume_unfinished=True, resume_errored=True)
         else:
+            start = base_point(space, base) if base_trial else None
+            if start is not None:
+                print("the first trial runs the base config's values of the sampled keys", flush=True)
             tuner = tune.Tuner(
                 trainable,
                 param_space=param_space(space, base, out / "runs"),
@@ -621,6 +659,7 @@ def run_search(
                     metric=metric,
                     mode="max",
                     scheduler=scheduler,
+                    search_alg=BasicVariantGenerator(points_to_evaluate=[start] if start else None),
                     num_samples=trials,
                     max_concurrent_trials=max_concurrent or space.max_concurrent,
                     time_budget_s=time_budget_s,
@@ -672,6 +711,13 @@ def register(subparsers) -> None:
     )
     parser.add_argument("--max-concurrent", type=int, default=None, help="trials at once (default: CPUs allow)")
     parser.add_argument("--time-budget", type=float, default=None, metavar="SECONDS", help="stop the search then")
+    parser.add_argument(
+        "--no-base-trial",
+        dest="base_trial",
+        action="store_false",
+        help="sample every trial (default: the first trial runs CONFIG's own values of the sampled keys when they "
+        "lie in the space)",
+    )
     add_override_argument(parser)
     parser.set_defaults(func=run_tune)
 
@@ -693,6 +739,7 @@ def run_tune(args: argparse.Namespace) -> int:
         address=args.address,
         max_concurrent=args.max_concurrent,
         time_budget_s=args.time_budget,
+        base_trial=args.base_trial,
     )
     print(result.table)
     print(f"\ntrials: {result.out / 'trials.csv'}")
