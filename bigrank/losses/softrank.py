@@ -527,12 +527,8 @@ class PAUCAtBudgetLoss(_CandidateLoss):
         reduction: str = "mean",
     ):
         super().__init__(reduction)
-        if not (0.0 <= float(alpha) < float(beta) <= 1.0):
-            raise ValueError(f"need 0 <= alpha < beta <= 1, got alpha={alpha!r}, beta={beta!r}")
-        if tau_scale not in ("iqr", "band"):
-            raise ValueError(f"tau_scale must be 'iqr' or 'band', got {tau_scale!r}")
+        self.temperature = check_pauc_params(alpha, beta, temperature, tau_scale, n_knots, scale_sample_size)
         self.alpha, self.beta = float(alpha), float(beta)
-        self.temperature = check_positive_float(temperature, "temperature")
         self.tau_scale, self.n_knots, self.scale_sample_size = tau_scale, n_knots, scale_sample_size
 
     def forward(self, scores, labels, mask=None, *, group=None):
