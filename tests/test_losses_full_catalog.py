@@ -147,6 +147,26 @@ def test_sparsemax_loss_gradient_is_sparsemax_minus_onehot():
     assert torch.autograd.gradcheck(lambda s: sparsemax(s, support_guess=2), (scores,))
 
 
+@pytest.mark.parametrize("temperature", [0.1, 0.5, 3.0])
+def test_sparsemax_temperature_is_the_sorting_reference_of_scaled_scores(temperature):
+    # Small scores (wide supports at T = 1): T < 1 must shrink the support exactly as scaling the scores does.
+    generator = torch.Generator().manual_seed(13)
+    users = torch.randn(8, 5, generator=generator, dtype=torch.float64).mul_(0.3).requires_grad_()
+    items = torch.randn(45, 5, generator=generator, dtype=torch.float64).requires_grad_()
+    target = torch.randint(0, 45, (8,), generator=generator)
+    scaled = ((users @ items.T) / temperature).tolist()
+    expected = torch.tensor(
+        [sparsemax_loss_row(row, int(y)) for row, y in zip(scaled, target, strict=True)], dtype=torch.float64
+    )
+    for scores in (users @ items.T, ChunkedScores(users, items, chunk_size=10)):
+        ours = sparsemax_loss(scores, target, reduction="none", support_guess=2, temperature=temperature)
+        torch.testing.assert_close(ours, expected, atol=1e-12, rtol=0)
+    scores = (users @ items.T).detach().requires_grad_()
+    SparsemaxLoss(reduction="sum", temperature=temperature)(scores, target).backward()
+    gradient = (sparsemax(scores.detach() / temperature) - F.one_hot(target, 45).double()) / temperature
+    torch.testing.assert_close(scores.grad, gradient)
+
+
 @pytest.mark.parametrize(
     "loss_fn", [lambda s, y: rankmax_loss(s, y, k=4), softmax_loss, lambda s, y: sparsemax_loss(s, y, support_guess=8)]
 )
@@ -206,6 +226,8 @@ def test_full_catalog_row_of_849000_items():
         (lambda s, y: rankmax(s, y + 40), "outside \\[0, 40\\)"),
         (lambda s, y: rankmax_loss(s, y[:3]), "target must have shape"),
         (lambda s, y: sparsemax_loss(s[0], y), "shape \\[B, n\\]"),
+        (lambda s, y: sparsemax_loss(s, y, temperature=0.0), "temperature must be a finite number > 0"),
+        (lambda s, y: SparsemaxLoss(temperature=float("inf"))(s, y), "temperature must be a finite number > 0"),
         (lambda s, y: rankmax_loss(s, y.double()), "integer item ids"),
         (lambda s, y: rankmax_loss(s, y, reduction="avg"), "reduction must be one of"),
         (lambda s, y: rankmax_loss(s.long(), y), "floating point"),

@@ -71,14 +71,18 @@ class SoftmaxParams:
 
 @dataclass(frozen=True)
 class SparsemaxParams:
-    """``SparsemaxLoss`` / ``sparsemax_loss`` (Martins & Astudillo 2016)."""
+    """``SparsemaxLoss`` / ``sparsemax_loss`` (Martins & Astudillo 2016) of ``z / temperature``."""
 
     support_guess: int = field(
         default=64, metadata=_doc("top-k taken per shard to find the threshold (grown when the support is larger)")
     )
+    temperature: float = field(
+        default=1.0, metadata=_doc("divides the scores (< 1 sharpens: a smaller support, faster steps)")
+    )
 
     def check(self) -> None:
         _integer(self.support_guess, "support_guess", 1)
+        _positive(self.temperature, "temperature")
 
 
 # ----------------------------------------------------------------------------------------- candidate losses

@@ -39,6 +39,7 @@ __all__ = [
     "Layout",
     "as_score_source",
     "catalog_loss_rows",
+    "divide_scores",
     "replicated_inputs",
     "score_matrix",
 ]
@@ -442,3 +443,11 @@ def catalog_loss_rows(impl, scores, target: torch.Tensor, group, offset: int) ->
     """Run the full-catalog loss ``impl`` on ``scores`` (tensor or ChunkedScores): per-row loss [B]."""
     source = as_score_source(scores)
     return _CatalogLoss.apply(impl, type(source), source.params, target, group, offset, *source.tensors)
+
+
+def divide_scores(scores, temperature: float):
+    """``scores / temperature`` for a float[B, n] tensor; for ``ChunkedScores`` the user vectors are divided
+    instead (the same scores, no B x n tensor)."""
+    if isinstance(scores, ChunkedScores):
+        return ChunkedScores(scores.user_vectors / temperature, scores.item_rows, scores.chunk_size)
+    return scores / temperature

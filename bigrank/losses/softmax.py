@@ -10,8 +10,8 @@ from __future__ import annotations
 import torch
 
 from bigrank.losses.kernels import exp_grad, max_and_sum_exp
-from bigrank.losses.scores import Layout, catalog_loss_rows, gather_row_stats
-from bigrank.losses.validation import check_reduction, check_scores, reduce_rows
+from bigrank.losses.scores import Layout, catalog_loss_rows, divide_scores, gather_row_stats
+from bigrank.losses.validation import check_reduction, check_scores, check_temperature, reduce_rows
 
 __all__ = ["softmax_loss", "SoftmaxLoss"]
 
@@ -54,26 +54,13 @@ def softmax_loss(
             user vectors are divided instead (same scores, no B x n tensor).
     """
     check_reduction(reduction)
-    _check_temperature(temperature)
+    check_temperature(temperature)
     if isinstance(scores, torch.Tensor):
         check_scores(scores)
     if temperature != 1.0:
-        scores = _divide_scores(scores, float(temperature))
+        scores = divide_scores(scores, float(temperature))
     per_row = catalog_loss_rows(_SoftmaxImpl(), scores, target, group, offset)
     return reduce_rows(per_row, reduction)
-
-
-def _check_temperature(temperature: float) -> None:
-    if not (isinstance(temperature, int | float) and temperature > 0 and temperature != float("inf")):
-        raise ValueError(f"temperature must be a finite number > 0, got {temperature!r}")
-
-
-def _divide_scores(scores, temperature: float):
-    from bigrank.losses.scores import ChunkedScores
-
-    if isinstance(scores, ChunkedScores):
-        return ChunkedScores(scores.user_vectors / temperature, scores.item_rows, scores.chunk_size)
-    return scores / temperature
 
 
 class SoftmaxLoss(torch.nn.Module):
@@ -82,7 +69,7 @@ class SoftmaxLoss(torch.nn.Module):
     def __init__(self, reduction: str = "mean", temperature: float = 1.0):
         super().__init__()
         check_reduction(reduction)
-        _check_temperature(temperature)
+        check_temperature(temperature)
         self.reduction = reduction
         self.temperature = float(temperature)
 

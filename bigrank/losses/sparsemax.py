@@ -22,6 +22,7 @@ from bigrank.losses.scores import (
     DenseScores,
     Layout,
     catalog_loss_rows,
+    divide_scores,
     gather_row_stats,
     local_topk,
     merge_rank_topk,
@@ -29,6 +30,7 @@ from bigrank.losses.scores import (
 from bigrank.losses.validation import (
     check_reduction,
     check_scores,
+    check_temperature,
     first_nonfinite_row,
     raise_if_nonfinite,
     reduce_rows,
@@ -113,19 +115,27 @@ def sparsemax_loss(
     group=None,
     offset: int = 0,
     support_guess: int = DEFAULT_SUPPORT_GUESS,
+    temperature: float = 1.0,
 ) -> torch.Tensor:
-    """Sparsemax loss (Martins & Astudillo eq. 18) per row; gradient ``sparsemax(z) - e_y``.
+    """Sparsemax loss (Martins & Astudillo eq. 18) of ``z / temperature`` per row; gradient
+    ``(sparsemax(z / T) - e_y) / T``.
 
     Args:
         scores: float[B, n] (or ``ChunkedScores``); with ``group``, columns ``[offset, offset + n_local)``.
         target: int64[B] positive item of each row (global ids).
         support_guess: first m of the gathered top-m (doubled while a row's support fills it).
+        temperature: T > 0 divides the scores. Sparsemax has no scale of its own: its support is every item
+            within about 1 of the threshold, so scores kept small (L2 on the towers) give supports of
+            thousands of items; T < 1 sharpens it, as Rankmax's margin and softmax's temperature do.
     """
     check_reduction(reduction)
+    check_temperature(temperature)
     if isinstance(scores, torch.Tensor):
         check_scores(scores)
     if int(support_guess) < 1:
         raise ValueError(f"support_guess must be >= 1, got {support_guess}")
+    if temperature != 1.0:
+        scores = divide_scores(scores, float(temperature))
     per_row = catalog_loss_rows(_SparsemaxImpl(int(support_guess)), scores, target, group, offset)
     return reduce_rows(per_row, reduction)
 
@@ -133,12 +143,19 @@ def sparsemax_loss(
 class SparsemaxLoss(torch.nn.Module):
     """``sparsemax_loss`` as a module."""
 
-    def __init__(self, reduction: str = "mean", support_guess: int = DEFAULT_SUPPORT_GUESS):
+    def __init__(self, reduction: str = "mean", support_guess: int = DEFAULT_SUPPORT_GUESS, temperature: float = 1.0):
         super().__init__()
         check_reduction(reduction)
-        self.reduction, self.support_guess = reduction, support_guess
+        check_temperature(temperature)
+        self.reduction, self.support_guess, self.temperature = reduction, support_guess, float(temperature)
 
     def forward(self, scores, target: torch.Tensor, *, group=None, offset: int = 0) -> torch.Tensor:
         return sparsemax_loss(
-            scores, target, self.reduction, group=group, offset=offset, support_guess=self.support_guess
+            scores,
+            target,
+            self.reduction,
+            group=group,
+            offset=offset,
+            support_guess=self.support_guess,
+            temperature=self.temperature,
         )

@@ -76,3 +76,9 @@ def reduce_rows(per_row: torch.Tensor, reduction: str, valid: torch.Tensor | Non
     if valid is None:
         return per_row.sum() / max(per_row.shape[0], 1)
     return per_row.sum() / valid.sum().clamp_min(1).to(per_row.dtype)  # no host sync
+
+
+def check_temperature(temperature: float) -> None:
+    """Raise ValueError unless ``temperature`` is a finite number > 0 (the divisor of a loss's scores)."""
+    if not (isinstance(temperature, int | float) and temperature > 0 and temperature != float("inf")):
+        raise ValueError(f"temperature must be a finite number > 0, got {temperature!r}")
