@@ -10,7 +10,10 @@ over the seeds, all movies ranked, train pairs left out, ``bigrank.train.metrics
   splits — or, with ``--tune``, first searched again with ``configs/tune/ml-latest-small-<loss>.space.yaml`` on
   split seed 0 (validation AP@10, ASHA, ``--tune-budget`` seconds) and then trained from the search's
   ``best.yaml``;
-* the paper's figures as a separate reference row (its own protocol: not comparable number for number).
+* the paper's figures as a separate reference row (its own protocol: not comparable number for number);
+* each loss's difference to EASE, user by user on the same test users (the trained runs are exported and
+  scored with the baselines' code), with a 95 % paired bootstrap interval: the spread over ~600 users is often
+  larger than the difference of two good models, and the interval says whether a lead is more than that.
 
 AP@K here is (1 / min(K, |relevant|)) * sum_{i <= K} precision@i * rel_i; the paper does not state its
 normalisation.
@@ -94,6 +97,48 @@ def train(config: Path, data: Path, run_dir: Path, epochs: int | None) -> dict:
     return json.loads((run_dir / "eval.json").read_text())["test"]
 
 
+def per_user_test_metrics(datasets: dict[int, Path], lambdas: dict[int, float], runs: dict[str, list[Path]]):
+    """``{model: [per-seed {metric: float[U]}]}`` on the test split for EASE (its λ per seed) and each trained
+    run (exported with ``bigrank export --no-seen`` and scored by ``benchmarks.baselines.export_scores``)."""
+    from benchmarks.baselines import ease_scores, export_scores, per_user_metrics, split_matrix
+
+    ks = (10, 100)
+    out: dict[str, list[dict]] = {"EASE": [], **{name: [] for name in runs}}
+    for index, (seed, data) in enumerate(datasets.items()):
+        train, test = split_matrix(data, "train"), split_matrix(data, "test")
+        out["EASE"].append(per_user_metrics(ease_scores(train, lambdas[seed]), train, test, ks))
+        for name, run_dirs in runs.items():
+            run_dir = run_dirs[index]
+            export = run_dir / "export"
+            if not (export / "manifest.json").exists():
+                bigrank("export", str(run_dir), "--out", str(export), "--no-seen")
+            figures = per_user_metrics(export_scores(export, train), train, test, ks)
+            logged = json.loads((run_dir / "eval.json").read_text())["test"]
+            for key, _ in METRICS:  # the export, scored here, must give the figures the trainer logged
+                if abs(figures[key].mean() - logged[key]) > 1e-3:
+                    print(f"warning: {run_dir}: {key} {figures[key].mean():.4f} from the export, "
+                          f"{logged[key]:.4f} in eval.json", flush=True)  # fmt: skip
+            out[name].append(figures)
+    return out
+
+
+def format_differences(per_user: dict[str, list[dict]], reference: str = "EASE") -> str:
+    """Each model's difference to ``reference``: ``mean [low, high]`` per metric (``paired_difference``)."""
+    from benchmarks.baselines import paired_difference
+
+    header = f"{'model':<12}{'':>6}" + "".join(f"{title:>26}" for _, title in METRICS)
+    lines = [header]
+    for name, seeds in per_user.items():
+        if name == reference:
+            continue
+        cells = []
+        for key, _ in METRICS:
+            mean, low, high = paired_difference([s[key] for s in seeds], [s[key] for s in per_user[reference]])
+            cells.append(f"{mean:+.3f} [{low:+.3f}, {high:+.3f}]".rjust(26))
+        lines.append(f"{name + ' - ' + reference:<18}" + "".join(cells))
+    return "\n".join(lines)
+
+
 def format_table(rows: dict[str, list[dict]]) -> str:
     header = f"{'model':<12}{'seeds':>6}" + "".join(f"{title:>18}" for _, title in METRICS)
     lines = [header]
@@ -156,10 +201,20 @@ def main() -> None:
         rows[loss] = [train(config, data, work / f"{loss}-seed{seed}", args.epochs) for seed, data in datasets.items()]
         phases[f"train {loss} ({len(datasets)} seeds)"] = time.perf_counter() - tick
 
+    tick = time.perf_counter()
+    lambdas = {seed: float(row["lambda"]) for seed, row in zip(datasets, rows["EASE"], strict=True)}
+    runs = {loss: [work / f"{loss}-seed{seed}" for seed in datasets] for loss in args.losses}
+    per_user = per_user_test_metrics(datasets, lambdas, runs)
+    phases["paired differences"] = time.perf_counter() - tick
+
     minutes = (time.perf_counter() - started) / 60
     print("\n" + ", ".join(f"{name} {seconds / 60:.1f} min" for name, seconds in phases.items()))
     print(f"ml-latest-small, test split, mean ± std over split seeds {args.seeds} ({minutes:.1f} min)")
     print(format_table(rows))
+    print(
+        f"\ndifference to EASE, test, mean over split seeds {args.seeds} [95 % paired bootstrap interval over users]:"
+    )
+    print(format_differences(per_user))
 
 
 if __name__ == "__main__":

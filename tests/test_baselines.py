@@ -1,0 +1,125 @@
+"""The benchmark baselines and the paired comparison of ``benchmarks.baselines`` against brute-force references."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from benchmarks.baselines import (
+    ease_scores,
+    evaluate_scores,
+    export_scores,
+    paired_difference,
+    per_user_metrics,
+    split_matrix,
+)
+
+
+def _random_splits(users=40, items=30, seed=0):
+    """Disjoint binary train / held-out matrices; item 0 is never trained on, user 0 holds nothing out."""
+    rng = np.random.default_rng(seed)
+    pairs = rng.random((users, items))
+    train = (pairs < 0.25).astype(np.float32)
+    heldout = ((pairs >= 0.25) & (pairs < 0.35)).astype(np.float32)
+    train[:, 0] = 0
+    heldout[0] = 0
+    return train, heldout
+
+
+def test_ease_is_a_ridge_regression_of_each_item_on_the_other_items():
+    # EASE's zero diagonal means column j is predicted from the other columns only: an independent ridge
+    # regression per item (Steck 2019, eq. 1-3), solved here one item at a time.
+    train, _ = _random_splits()
+    lam = 4.0
+    x = train.astype(np.float64)
+    expected = np.zeros_like(x)
+    for j in range(x.shape[1]):
+        others = [i for i in range(x.shape[1]) if i != j and x[:, i].any()]
+        if not x[:, j].any():
+            continue  # an item without train pairs has no weights: its scores stay 0
+        a = x[:, others]
+        weights = np.linalg.solve(a.T @ a + lam * np.eye(len(others)), a.T @ x[:, j])
+        expected[:, j] = a @ weights
+    np.testing.assert_allclose(ease_scores(train, lam), expected, atol=2e-5)
+    with pytest.raises(ValueError, match="lambda > 0"):
+        ease_scores(train, 0.0)
+
+
+def _explicit_metrics(scores, train, heldout, k):
+    """Accuracy, recall@k and AP@k (normalised by min(k, |R|)) by explicit loops over the users."""
+    rows = []
+    for user in range(scores.shape[0]):
+        relevant = set(np.flatnonzero(heldout[user]))
+        if not relevant:
+            continue
+        ranked = [i for i in np.argsort(-scores[user], kind="stable") if not train[user, i]][:k]
+        hits = [item in relevant for item in ranked]
+        precision_sum = sum(sum(hits[: r + 1]) / (r + 1) for r in range(k) if hits[r])
+        rows.append((float(hits[0]), sum(hits) / len(relevant), precision_sum / min(k, len(relevant))))
+    return np.array(rows)
+
+
+def test_evaluate_and_per_user_metrics_match_explicit_loops():
+    train, heldout = _random_splits()
+    scores = np.random.default_rng(1).standard_normal(train.shape).astype(np.float32)
+    expected = _explicit_metrics(scores, train, heldout, k=5)
+    per_user = per_user_metrics(scores, train, heldout, ks=(5,))
+    np.testing.assert_allclose(per_user["accuracy"], expected[:, 0])
+    np.testing.assert_allclose(per_user["recall@5"], expected[:, 1])
+    np.testing.assert_allclose(per_user["ap@5"], expected[:, 2])
+    overall = evaluate_scores(scores, train, heldout, ks=(5,))
+    assert overall["users"] == len(expected) == int((heldout.sum(axis=1) > 0).sum()) < train.shape[0]
+    for name, column in (("accuracy", 0), ("recall@5", 1), ("ap@5", 2)):
+        assert overall[name] == pytest.approx(expected[:, column].mean())
+
+
+def test_paired_difference_is_the_mean_difference_with_a_bootstrap_interval():
+    rng = np.random.default_rng(2)
+    first = [rng.random(50), rng.random(80)]
+    assert paired_difference(first, first) == (0.0, 0.0, 0.0)
+    shifted = [a - 0.1 for a in first]
+    np.testing.assert_allclose(paired_difference(first, shifted), (0.1, 0.1, 0.1))
+    second = [rng.random(50), rng.random(80)]
+    mean, low, high = paired_difference(first, second, resamples=4000)
+    assert mean == pytest.approx(np.mean([(a - b).mean() for a, b in zip(first, second, strict=True)]))
+    assert low < mean < high
+    # The interval of the mean over 2 seeds: about 1.96 * sqrt(mean_s var_s / n_s) / sqrt(2), drawn from the pairs.
+    spread = np.sqrt(np.mean([(a - b).var() / a.size for a, b in zip(first, second, strict=True)]) / 2)
+    assert (high - low) == pytest.approx(2 * 1.96 * spread, rel=0.15)
+    assert paired_difference(first, second, resamples=4000) == (mean, low, high)  # seeded
+    with pytest.raises(ValueError, match="same number"):
+        paired_difference(first, second[:1])
+    with pytest.raises(ValueError, match="paired 1-D arrays"):
+        paired_difference([first[0]], [second[1]])
+
+
+def test_export_scores_of_a_history_tower_follow_the_recommenders_user_vectors(tmp_path):
+    from bigrank.export.recommend import Recommender
+    from tests.distributed_utils import run_distributed
+    from tests.test_export import NUM_ITEMS, NUM_USERS, _export_rank, random_tables, write_ingested_dataset
+
+    dataset = tmp_path / "data"
+    write_ingested_dataset(dataset)
+    tables = random_tables()
+    ranges = {name: [(0, len(table))] for name, table in tables.items()}
+    run_distributed(_export_rank, 1, args=(str(tmp_path / "export"), str(dataset), tables, ranges), timeout=90)
+    train = split_matrix(dataset, "train")
+    scores = export_scores(tmp_path / "export", train)
+    recommender = Recommender(tmp_path / "export")
+    assert recommender.user_vector_rule == "table+history_mean"
+    expected = np.stack([recommender.user_vector(u) for u in range(NUM_USERS)]) @ tables["items"].numpy().T
+    assert scores.shape == (NUM_USERS, NUM_ITEMS)
+    np.testing.assert_allclose(scores, expected, rtol=1e-4, atol=1e-4)
+    with pytest.raises(ValueError, match="the dataset"):
+        export_scores(tmp_path / "export", train[:, :-1])
+
+
+def test_export_scores_reproduce_the_trainers_test_figures(workflow_run):
+    # The trained workflow run, exported and scored by the baselines' code, gives the figures `bigrank train`
+    # logged: the table's trained rows and its baselines are measured the same way.
+    train, test = split_matrix(workflow_run.data, "train"), split_matrix(workflow_run.data, "test")
+    figures = evaluate_scores(export_scores(workflow_run.export, train), train, test, ks=(10,))
+    logged = workflow_run.train_eval["test"]
+    assert figures["users"] == logged["users"]
+    for name in ("accuracy", "recall@10", "ap@10"):
+        assert figures[name] == pytest.approx(logged[name], abs=1e-6), name
