@@ -123,3 +123,24 @@ def test_export_scores_reproduce_the_trainers_test_figures(workflow_run):
     assert figures["users"] == logged["users"]
     for name in ("accuracy", "recall@10", "ap@10"):
         assert figures[name] == pytest.approx(logged[name], abs=1e-6), name
+
+
+def test_reproduce_table2_prints_each_losss_paired_differences():
+    from benchmarks.reproduce_table2 import format_differences
+
+    rng = np.random.default_rng(3)
+    models = ("EASE", "rankmax", "softmax")
+    metrics = ("ap@10", "accuracy", "recall@100")
+    per_user = {name: [{key: rng.random(30) for key in metrics} for _ in range(2)] for name in models}
+    per_user["rankmax"] = [{key: values + 0.5 for key, values in seed.items()} for seed in per_user["EASE"]]
+    lines = format_differences(per_user).splitlines()
+    assert [line.split()[0:3] for line in lines[1:]] == [
+        ["rankmax", "-", "EASE"],
+        ["softmax", "-", "EASE"],
+        ["rankmax", "-", "softmax"],
+    ]
+    assert lines[1].split()[3:] == ["+0.500", "[+0.500,", "+0.500]"] * 3  # a constant shift has no spread
+    mean, low, high = paired_difference(
+        [s["accuracy"] for s in per_user["softmax"]], [s["accuracy"] for s in per_user["EASE"]]
+    )
+    assert f"{mean:+.3f} [{low:+.3f}, {high:+.3f}]" in lines[2]
