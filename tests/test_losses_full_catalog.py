@@ -149,7 +149,7 @@ def test_sparsemax_loss_gradient_is_sparsemax_minus_onehot():
 
 @pytest.mark.parametrize("temperature", [0.1, 0.5, 3.0])
 def test_sparsemax_temperature_is_the_sorting_reference_of_scaled_scores(temperature):
-    # Small scores (wide supports at T = 1): T < 1 must shrink the support exactly as scaling the scores does.
+    # Small scores (wide supports at T = 1), so T < 1 changes the support: the loss is exactly that of z / T.
     generator = torch.Generator().manual_seed(13)
     users = torch.randn(8, 5, generator=generator, dtype=torch.float64).mul_(0.3).requires_grad_()
     items = torch.randn(45, 5, generator=generator, dtype=torch.float64).requires_grad_()
