@@ -98,24 +98,26 @@ def train(config: Path, data: Path, run_dir: Path, epochs: int | None) -> dict:
     return json.loads((run_dir / "eval.json").read_text())["test"]
 
 
-def per_user_test_metrics(datasets: dict[int, Path], lambdas: dict[int, float], runs: dict[str, list[Path]]):
-    """``{model: [per-seed {metric: float[U]}]}`` on the test split for EASE (its λ per seed) and each trained
-    run (exported with ``bigrank export --no-seen`` and scored by ``benchmarks.baselines.export_scores``)."""
+def per_user_test_metrics(datasets: dict[int, Path], rows: dict[str, list[dict]], runs: dict[str, list[Path]]):
+    """``{model: [per-seed {metric: float[U]}]}`` on the test split for EASE (the λ of ``rows["EASE"]``, per seed)
+    and each trained run (exported with ``bigrank export --no-seen`` and scored by
+    ``benchmarks.baselines.export_scores``); ``rows`` holds the table's per-seed test figures, which the export's
+    must reproduce."""
     from benchmarks.baselines import ease_scores, export_scores, per_user_metrics, split_matrix
 
     ks = (10, 100)
     out: dict[str, list[dict]] = {"EASE": [], **{name: [] for name in runs}}
-    for index, (seed, data) in enumerate(datasets.items()):
+    for index, data in enumerate(datasets.values()):
         train, test = split_matrix(data, "train"), split_matrix(data, "test")
-        out["EASE"].append(per_user_metrics(ease_scores(train, lambdas[seed]), train, test, ks))
+        out["EASE"].append(per_user_metrics(ease_scores(train, rows["EASE"][index]["lambda"]), train, test, ks))
         for name, run_dirs in runs.items():
             run_dir = run_dirs[index]
             export = run_dir / "export"
             if not (export / "manifest.json").exists():
                 bigrank("export", str(run_dir), "--out", str(export), "--no-seen")
             figures = per_user_metrics(export_scores(export, train), train, test, ks)
-            logged = json.loads((run_dir / "eval.json").read_text())["test"]
-            for key, _ in METRICS:  # the export, scored here, must give the figures the trainer logged
+            logged = rows[name][index]  # the run's eval.json test figures
+            for key, _ in METRICS:
                 if abs(figures[key].mean() - logged[key]) > 1e-3:
                     print(f"warning: {run_dir}: {key} {figures[key].mean():.4f} from the export, "
                           f"{logged[key]:.4f} in eval.json", flush=True)  # fmt: skip
@@ -205,9 +207,8 @@ def main() -> None:
         phases[f"train {loss} ({len(datasets)} seeds)"] = time.perf_counter() - tick
 
     tick = time.perf_counter()
-    lambdas = {seed: float(row["lambda"]) for seed, row in zip(datasets, rows["EASE"], strict=True)}
     runs = {loss: [work / f"{loss}-seed{seed}" for seed in datasets] for loss in args.losses}
-    per_user = per_user_test_metrics(datasets, lambdas, runs)
+    per_user = per_user_test_metrics(datasets, rows, runs)
     phases["paired differences"] = time.perf_counter() - tick
 
     minutes = (time.perf_counter() - started) / 60
