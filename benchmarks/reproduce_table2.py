@@ -14,7 +14,8 @@ over the seeds, all movies ranked, train pairs left out, ``bigrank.train.metrics
 * each loss's difference to EASE (and rankmax's to the other losses), user by user on the same test users (the
   trained runs are exported and scored with the baselines' code), with a 95 % paired bootstrap interval: the
   spread over ~600 users is often larger than the difference of two good models, and the interval says whether
-  a lead is more than that.
+  a lead is more than that;
+* the same users' Accuracy by how many train items they have (pooled over the seeds): where a model wins.
 
 AP@K here is (1 / min(K, |relevant|)) * sum_{i <= K} precision@i * rel_i; the paper does not state its
 normalisation.
@@ -42,6 +43,7 @@ PAPER = {  # Table 2, ML 100K: AP@10, Accuracy, R@100
 }
 METRICS = (("ap@10", "AP@10"), ("accuracy", "Accuracy"), ("recall@100", "R@100"))
 ROOT = Path(__file__).resolve().parents[1]
+ACTIVITY_EDGES = (30, 60, 120, 250)  # train items per user: the buckets of format_by_activity
 
 
 def bigrank(*args: str) -> None:
@@ -99,16 +101,18 @@ def train(config: Path, data: Path, run_dir: Path, epochs: int | None) -> dict:
 
 
 def per_user_test_metrics(datasets: dict[int, Path], rows: dict[str, list[dict]], runs: dict[str, list[Path]]):
-    """``{model: [per-seed {metric: float[U]}]}`` on the test split for EASE (the λ of ``rows["EASE"]``, per seed)
-    and each trained run (exported with ``bigrank export --no-seen`` and scored by
-    ``benchmarks.baselines.export_scores``); ``rows`` holds the table's per-seed test figures, which the export's
-    must reproduce."""
+    """``({model: [per-seed {metric: float[U]}]}, [per-seed int64[U] train items of each user])`` on the test
+    split for EASE (the λ of ``rows["EASE"]``, per seed) and each trained run (exported with ``bigrank export
+    --no-seen`` and scored by ``benchmarks.baselines.export_scores``); ``rows`` holds the table's per-seed test
+    figures, which the export's must reproduce. U: the users with test items, in user order."""
     from benchmarks.baselines import ease_scores, export_scores, per_user_metrics, split_matrix
 
     ks = (10, 100)
     out: dict[str, list[dict]] = {"EASE": [], **{name: [] for name in runs}}
+    activity = []
     for index, data in enumerate(datasets.values()):
         train, test = split_matrix(data, "train"), split_matrix(data, "test")
+        activity.append(train[test.sum(axis=1) > 0].sum(axis=1).astype(np.int64))
         out["EASE"].append(per_user_metrics(ease_scores(train, rows["EASE"][index]["lambda"]), train, test, ks))
         for name, run_dirs in runs.items():
             run_dir = run_dirs[index]
@@ -122,7 +126,7 @@ def per_user_test_metrics(datasets: dict[int, Path], rows: dict[str, list[dict]]
                     print(f"warning: {run_dir}: {key} {figures[key].mean():.4f} from the export, "
                           f"{logged[key]:.4f} in eval.json", flush=True)  # fmt: skip
             out[name].append(figures)
-    return out
+    return out, activity
 
 
 def format_differences(per_user: dict[str, list[dict]]) -> str:
@@ -141,6 +145,23 @@ def format_differences(per_user: dict[str, list[dict]]) -> str:
             mean, low, high = paired_difference([s[key] for s in per_user[first]], [s[key] for s in per_user[second]])
             cells.append(f"{mean:+.3f} [{low:+.3f}, {high:+.3f}]".rjust(26))
         lines.append(f"{first + ' - ' + second:<20}" + "".join(cells))
+    return "\n".join(lines)
+
+
+def format_by_activity(
+    per_user: dict[str, list[dict]], activity: list[np.ndarray], edges=ACTIVITY_EDGES, metric: str = "accuracy"
+) -> str:
+    """Each model's mean ``metric`` over the users (all seeds pooled) whose train-item count lies in each bucket
+    ``[0, edges[0]), [edges[0], edges[1]), …, [edges[-1], ∞)``; ``activity`` as from ``per_user_test_metrics``."""
+    counts = np.concatenate(activity)
+    bounds = [0, *edges, np.inf]
+    names = list(per_user)
+    lines = [f"{'train items':<14}{'users':>7}" + "".join(f"{name:>12}" for name in names)]
+    for low, high in zip(bounds[:-1], bounds[1:], strict=True):
+        inside = (counts >= low) & (counts < high)
+        label = f"{low}-{high - 1:.0f}" if np.isfinite(high) else f"{low}+"
+        cells = "".join(f"{np.concatenate([s[metric] for s in per_user[n]])[inside].mean():>12.3f}" for n in names)
+        lines.append(f"{label:<14}{int(inside.sum()):>7}" + cells)
     return "\n".join(lines)
 
 
@@ -208,7 +229,7 @@ def main() -> None:
 
     tick = time.perf_counter()
     runs = {loss: [work / f"{loss}-seed{seed}" for seed in datasets] for loss in args.losses}
-    per_user = per_user_test_metrics(datasets, rows, runs)
+    per_user, activity = per_user_test_metrics(datasets, rows, runs)
     phases["paired differences"] = time.perf_counter() - tick
 
     minutes = (time.perf_counter() - started) / 60
@@ -217,6 +238,8 @@ def main() -> None:
     print(format_table(rows))
     print(f"\npaired differences, test, mean over split seeds {args.seeds} [95 % bootstrap interval over users]:")
     print(format_differences(per_user))
+    print(f"\ntest Accuracy by the user's number of train items (users of split seeds {args.seeds} pooled):")
+    print(format_by_activity(per_user, activity))
 
 
 if __name__ == "__main__":

@@ -57,6 +57,12 @@ class DataConfig:
 class ModelConfig:
     dim: int = 32  # embedding dimension (multiple of 4: fbgemm's tables)
     history: bool = False  # add the mean-pooled bag of the user's train items to the user vector
+    # Training only (evaluation and export always pool the whole bag): each item of a history bag is left out
+    # with probability history_dropout (a denoising regulariser, as in Steck 2020's EDLAE), then a bag longer
+    # than history_sample_size keeps a random subset of that many items (bounds a heavy user's lookup cost;
+    # null: no cap).
+    history_dropout: float = 0.0
+    history_sample_size: int | None = None
     init_std: float | None = None  # user rows N(0, init_std^2); null: 1/sqrt(dim)
     item_init_std: float = 0.1  # catalog rows N(0, item_init_std^2)
 
@@ -255,6 +261,21 @@ def validate(config: Config) -> Config:
     _check(model.dim >= 4 and model.dim % 4 == 0, "model.dim", f"must be a positive multiple of 4, got {model.dim}")
     _check(model.init_std is None or model.init_std > 0, "model.init_std", "must be > 0 or null")
     _check(model.item_init_std > 0, "model.item_init_std", "must be > 0")
+    _check(
+        0 <= model.history_dropout < 1,
+        "model.history_dropout",
+        f"must lie in [0, 1), got {model.history_dropout}",
+    )
+    _check(
+        model.history_sample_size is None or model.history_sample_size >= 1,
+        "model.history_sample_size",
+        f"must be >= 1 or null, got {model.history_sample_size}",
+    )
+    for key, value, unset in (
+        ("history_dropout", model.history_dropout, 0),
+        ("history_sample_size", model.history_sample_size, None),
+    ):
+        _check(model.history or value == unset, f"model.{key}", "needs model.history: true (a history bag to sample)")
     loss = config.loss
     config.loss.params = parse_params(loss.name, loss.params, "loss.params")
     if loss.name in FULL_CATALOG_LOSSES:

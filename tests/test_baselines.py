@@ -144,3 +144,20 @@ def test_reproduce_table2_prints_each_losss_paired_differences():
         [s["accuracy"] for s in per_user["softmax"]], [s["accuracy"] for s in per_user["EASE"]]
     )
     assert f"{mean:+.3f} [{low:+.3f}, {high:+.3f}]" in lines[2]
+
+
+def test_reproduce_table2_splits_accuracy_by_the_users_train_items():
+    from benchmarks.reproduce_table2 import format_by_activity
+
+    rng = np.random.default_rng(4)
+    activity = [rng.integers(1, 400, 50), rng.integers(1, 400, 40)]
+    per_user = {
+        name: [{"accuracy": rng.integers(0, 2, len(a)).astype(float)} for a in activity] for name in ("EASE", "rankmax")
+    }
+    lines = format_by_activity(per_user, activity, edges=(30, 100)).splitlines()
+    assert lines[0].split() == ["train", "items", "users", "EASE", "rankmax"]
+    for line, (low, high) in zip(lines[1:], [(0, 30), (30, 100), (100, 10**9)], strict=True):
+        users = [(seed, u) for seed, a in enumerate(activity) for u in range(len(a)) if low <= a[u] < high]
+        expected = [np.mean([per_user[name][seed]["accuracy"][u] for seed, u in users]) for name in per_user]
+        assert line.split()[1:] == [str(len(users))] + [f"{value:.3f}" for value in expected]
+    assert [line.split()[0] for line in lines[1:]] == ["0-29", "30-99", "100+"]

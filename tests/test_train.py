@@ -57,8 +57,10 @@ RESUME_CASES = {
         },
         "optim": {"item_optimizer": "adam", "item_lr": 0.01},
     },
-    # The fused sampled softmax with sparse row-wise Adagrad updates of the touched item rows.
-    "sampled_softmax_rowwise_adagrad": {
+    # The fused sampled softmax with sparse row-wise Adagrad updates of the touched item rows, and a history
+    # tower whose bags lose items at random (per-step draws to resume).
+    "sampled_softmax_rowwise_adagrad_history_dropout": {
+        "model": {"history": True, "history_dropout": 0.5, "history_sample_size": 8},
         "loss": {"name": "sampled_softmax", "num_negatives": 40},
         "optim": {"item_optimizer": "rowwise_adagrad", "item_lr": 0.05},
     },
@@ -97,6 +99,17 @@ def test_resume_after_a_crash_equals_an_uninterrupted_run(tiny_dataset, tmp_path
     assert all(float(state["step"]) == 20 for state in actual[3])
     torch.testing.assert_close(actual[0], expected[0], rtol=1e-6, atol=1e-7)  # catalog
     torch.testing.assert_close(actual[1], expected[1], rtol=1e-6, atol=1e-7)  # user table
+    if "model" in sections:
+        history_table = "tables.embedding_bags.history_table.weight"
+        expected_rows, actual_rows = (
+            read_checkpoint(run / "checkpoints" / "step-00000020")["tower"]["model"][history_table]
+            for run in (straight, crashed)
+        )
+        torch.testing.assert_close(actual_rows, expected_rows, rtol=1e-6, atol=1e-7)
+        # The dropout reaches the step: without it the first step's loss is another.
+        whole = dict(sections, model={"history": True}, train=dict(sections["train"], max_steps=1))
+        launch_local(train_worker, 2, (_config(tiny_dataset, tmp_path / "whole", **whole),), timeout=240)
+        assert _train_records(tmp_path / "whole")[0]["loss"] != pytest.approx(_train_records(straight)[0]["loss"])
     assert actual[4] == expected[4]  # data stream positions
     if warmup:
         schedule = json.loads(read_checkpoint(crashed / "checkpoints" / "step-00000020")["loss"]["schedule"])

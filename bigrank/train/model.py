@@ -19,7 +19,7 @@ from bigrank.config import Config
 from bigrank.data.manifest import DatasetManifest
 from bigrank.distributed.catalog import CatalogShard
 
-__all__ = ["Model", "build_model", "model_identity", "user_vectors", "user_vectors_fn"]
+__all__ = ["Model", "build_model", "history_bags", "model_identity", "user_vectors", "user_vectors_fn"]
 
 
 @dataclass
@@ -87,9 +87,22 @@ def model_identity(config: Config, model: Model) -> dict[str, Any]:
     }
 
 
-def _history_bags(history, user_ids: torch.Tensor, exclude: torch.Tensor | None):
+def history_bags(
+    history,
+    user_ids: torch.Tensor,
+    exclude: torch.Tensor | None,
+    dropout: float = 0.0,
+    rng=None,
+    sample_size: int | None = None,
+):
     """``(values, lengths)`` of each user's train items, minus the row's own positive ``exclude`` (training:
-    the bag must not contain the item being predicted). Unknown users (id < 0) get an empty bag."""
+    the bag must not contain the item being predicted). Unknown users (id < 0) get an empty bag.
+
+    Training only, drawn from the numpy Generator ``rng`` (``model.history_dropout`` and
+    ``model.history_sample_size``): with ``dropout`` > 0 each remaining item leaves the bag with that
+    probability, then a bag longer than ``sample_size`` keeps a uniform random subset of that many items (in
+    bag order). The MEAN pooling averages whatever is kept.
+    """
     indptr, items = history
     parts, lengths = [], []
     excluded = exclude.tolist() if exclude is not None else None
@@ -97,18 +110,34 @@ def _history_bags(history, user_ids: torch.Tensor, exclude: torch.Tensor | None)
         row = items[indptr[user] : indptr[user + 1]] if user >= 0 else items[:0]
         if excluded is not None:
             row = row[row != excluded[k]]
+        if dropout > 0 and len(row):
+            row = row[rng.random(len(row)) >= dropout]
+        if sample_size is not None and len(row) > sample_size:
+            row = row[np.sort(rng.choice(len(row), sample_size, replace=False))]
         parts.append(row)
         lengths.append(len(row))
     values = np.concatenate(parts).astype(np.int64) if parts else np.empty(0, np.int64)
     return torch.from_numpy(values), torch.tensor(lengths, dtype=torch.int64)
 
 
-def user_vectors(model: Model, user_ids: torch.Tensor, *, pad_to: int | None = None, exclude=None) -> torch.Tensor:
+def user_vectors(
+    model: Model,
+    user_ids: torch.Tensor,
+    *,
+    pad_to: int | None = None,
+    exclude=None,
+    history_dropout: float = 0.0,
+    rng=None,
+    history_sample_size: int | None = None,
+) -> torch.Tensor:
     """User vectors float32[len(user_ids), d] (collective: every rank calls it with the same ``pad_to``).
 
     ``exclude``: int64[b] item to leave out of each user's history bag (training); ids < 0 are unknown users.
+    ``history_dropout``, ``history_sample_size``, ``rng``: training only; see :func:`history_bags`.
     """
-    history = None if model.history is None else _history_bags(model.history, user_ids, exclude)
+    history = None
+    if model.history is not None:
+        history = history_bags(model.history, user_ids, exclude, history_dropout, rng, history_sample_size)
     features = model.user_module.features(user_ids, history, pad_to=pad_to, device=model.device)
     return model.tower(features)[: user_ids.numel()]
 

@@ -31,6 +31,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -265,7 +266,18 @@ class Trainer:
                 self.state.step, self.item_optimizer, optim.item_lr, self.model.tower, optim.user_lr
             )
         users, items = batch["user_id"], batch["item_id"]
-        local_vectors = user_vectors(self.model, users, pad_to=self.local_batch, exclude=items)
+        dropout, sample = self.config.model.history_dropout, self.config.model.history_sample_size
+        # Seeded by the step, so a resumed run draws the same masks as an uninterrupted one.
+        rng = np.random.default_rng([self.config.seed, self.state.step, self.rank])
+        local_vectors = user_vectors(
+            self.model,
+            users,
+            pad_to=self.local_batch,
+            exclude=items,
+            history_dropout=dropout,
+            rng=rng,
+            history_sample_size=sample,
+        )
         global_vectors, target = self._gather_batch(local_vectors, items.to(self.device, non_blocking=True))
         with replicated_inputs():  # the target and the batch are all-gathered: the same on every rank
             loss = self.step_loss(

@@ -1,0 +1,64 @@
+"""The training-time history bags of bigrank.train.model: the row's own positive is left out, and with
+``model.history_dropout`` each other item leaves the bag independently with that probability (brute-force
+reference: the same numpy draws, one user at a time)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from bigrank.train.model import history_bags
+
+# CSR of 4 users' train items: user 2 has none.
+INDPTR = np.array([0, 3, 5, 5, 9])
+ITEMS = np.array([4, 1, 7, 2, 4, 0, 3, 5, 6])
+
+
+def _bags(values, lengths):
+    return [row.tolist() for row in torch.split(values, lengths.tolist())]
+
+
+def test_bags_leave_out_the_rows_positive_and_unknown_users_are_empty():
+    users = torch.tensor([0, 1, 2, 3, -1])
+    values, lengths = history_bags((INDPTR, ITEMS), users, torch.tensor([1, 9, 0, 0, 3]))
+    assert _bags(values, lengths) == [[4, 7], [2, 4], [], [3, 5, 6], []]
+    values, lengths = history_bags((INDPTR, ITEMS), users, None)  # evaluation: the whole bag
+    assert _bags(values, lengths) == [[4, 1, 7], [2, 4], [], [0, 3, 5, 6], []]
+
+
+@pytest.mark.parametrize("dropout", [0.25, 0.5])
+def test_dropout_keeps_the_items_whose_draw_is_at_least_p(dropout):
+    users, exclude = torch.tensor([3, 0, 2, 3]), torch.tensor([5, 1, 0, 0])
+    values, lengths = history_bags((INDPTR, ITEMS), users, exclude, dropout, np.random.default_rng(7))
+    rng, expected = np.random.default_rng(7), []
+    for user, positive in zip(users.tolist(), exclude.tolist(), strict=True):
+        row = [item for item in ITEMS[INDPTR[user] : INDPTR[user + 1]] if item != positive]
+        draws = rng.random(len(row)) if row else []
+        expected.append([item for item, draw in zip(row, draws, strict=True) if draw >= dropout])
+    assert _bags(values, lengths) == expected
+
+
+def test_dropout_removes_about_p_of_a_long_bag_and_the_same_seed_draws_the_same_bags():
+    indptr, items = np.array([0, 20_000]), np.arange(20_000)
+    users, exclude = torch.tensor([0]), torch.tensor([-1])
+    values, lengths = history_bags((indptr, items), users, exclude, 0.3, np.random.default_rng(1))
+    assert abs(int(lengths[0]) / 20_000 - 0.7) < 0.02
+    again, _ = history_bags((indptr, items), users, exclude, 0.3, np.random.default_rng(1))
+    other, _ = history_bags((indptr, items), users, exclude, 0.3, np.random.default_rng(2))
+    assert torch.equal(values, again) and not torch.equal(values[:1000], other[:1000])
+
+
+def test_sample_size_keeps_a_random_subset_of_at_most_that_many_items_in_bag_order():
+    users, exclude = torch.tensor([3, 0, 2]), torch.tensor([-1, 4, -1])
+    values, lengths = history_bags((INDPTR, ITEMS), users, exclude, 0.0, np.random.default_rng(3), sample_size=2)
+    bags = _bags(values, lengths)
+    assert lengths.tolist() == [2, 2, 0]  # user 3's 4 items sampled down, user 0's 2 left whole
+    assert bags[1] == [1, 7]
+    positions = [ITEMS[5:9].tolist().index(item) for item in bags[0]]
+    assert positions == sorted(positions) and len(set(positions)) == 2
+    drawn = {
+        tuple(_bags(*history_bags((INDPTR, ITEMS), users, exclude, 0.0, np.random.default_rng(s), 2))[0])
+        for s in range(40)
+    }
+    assert len(drawn) == 6  # every 2-subset of 4 items comes up
