@@ -6,7 +6,9 @@ and export through the CLI are in tests/test_workflow.py."""
 
 from __future__ import annotations
 
+import copy
 import json
+import pickle
 
 import numpy as np
 import pytest
@@ -151,6 +153,12 @@ def test_launcher_reports_the_failing_rank_and_does_not_hang():
         launch_local(_fail_on_rank_one, 2, ("xyz",), timeout=120)
     assert error.value.rank == 1 and error.value.error_type == "ValueError"
     assert "bad input on purpose (xyz)" in str(error.value) and "Traceback" in error.value.traceback
+    # Ray Tune copies and pickles a trial's exception: both keep every field (not a TypeError from __init__).
+    for twin in (copy.copy(error.value), pickle.loads(pickle.dumps(error.value))):
+        assert (twin.rank, twin.error_type, twin.message, twin.traceback) == (
+            1, "ValueError", error.value.message, error.value.traceback
+        )  # fmt: skip
+        assert str(twin) == str(error.value)
 
 
 def test_worker_needs_a_process_group(tiny_dataset, tmp_path):

@@ -87,6 +87,11 @@ def test_a_bad_space_key_is_an_error_naming_it(tmp_path, demo_data, capsys):
         load_space(_space(tmp_path, "sampler: random\nspace:\n  model.dim: 32\n"))
     with pytest.raises(SpaceError, match="ap@5"):
         validate_space(load_space(_space(tmp_path, "metric: ap@5\nspace:\n  model.dim: 32\n")), base)
+    # Two values each valid alone (the base has the history tower) but not together: named before any trial runs.
+    with_history = dict(base, model=dict(base["model"], history=True))
+    crossed = "space:\n  model.history: {choice: [true, false]}\n  model.history_dropout: {choice: [0.0, 0.5]}\n"
+    with pytest.raises(SpaceError, match=r"'model\.history' = False and 'model\.history_dropout' = 0\.5"):
+        validate_space(load_space(_space(tmp_path, crossed)), with_history)
     # The command reports it plainly (exit status 2) before any Ray runtime or trial starts.
     bad = _space(tmp_path, "space:\n  optim.usr_lr: {loguniform: [0.01, 0.1]}\n")
     code = main(["tune", str(_base_config(tmp_path, demo_data)), "--space", str(bad), "--out", str(tmp_path / "x")])
@@ -179,3 +184,23 @@ def test_an_interrupted_search_resumes_where_it_stopped(ray_runtime, tmp_path, d
     other = load_space(_space(tmp_path, "space:\n  optim.user_lr: {grid: [0.1]}\n  train.epochs: 2\n"))
     with pytest.raises(ConfigError, match="another space"):
         run_search(config, other, out)
+
+
+def test_a_search_whose_every_trial_fails_exits_non_zero_naming_the_error(ray_runtime, tmp_path, demo_data, capsys):
+    import json
+    import shutil
+
+    from bigrank.cli import main
+
+    # The manifest is intact (the command's own checks pass), a train file is garbage: every trial fails.
+    data = tmp_path / "data"
+    shutil.copytree(demo_data, data)
+    victim = data / json.loads((data / "manifest.json").read_text())["splits"]["train"]["files"][0]
+    victim.write_bytes(b"\0" * victim.stat().st_size)
+    config = _base_config(tmp_path, data)
+    space = _space(tmp_path, "space:\n  train.epochs: 1\n")
+    code = main(["tune", str(config), "--space", str(space), "--out", str(tmp_path / "search")])
+    err = capsys.readouterr().err
+    assert code == 1
+    assert "no trial finished (1 error)" in err and "every trial failed" in err and victim.name in err
+    assert not (tmp_path / "search" / "best.yaml").exists()

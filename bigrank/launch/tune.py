@@ -15,8 +15,9 @@ The space file names config keys with the values to try::
 
 Domains: ``grid`` (every value, Tune's grid search), ``choice`` (one at random), ``uniform``/``loguniform``
 ([low, high] floats), ``randint`` ([low, high] integers, both included). Every key and every value is checked
-against the config schema before Ray starts: a key that does not exist, or a value the key refuses, is an
-error naming the key.
+against the config schema before Ray starts: a key that does not exist, a value the key refuses, or two values
+of two keys that cannot go together (``model.history: false`` and ``model.history_dropout: 0.5``), is an error
+naming the key or keys.
 
 How a trial runs. Tune runs :func:`bigrank_trial` in an actor holding ``workers * ray.cpus_per_worker`` CPUs
 (one placement-group bundle, so one node); the trial starts the run's ``workers`` gloo processes there with the
@@ -38,6 +39,8 @@ refused (Tune cannot change a search half-way): use a new ``--out``.
 Outputs (``DIR``): ``trials.csv`` and ``trials.txt`` (one row per trial: status, the tuned values, epochs,
 validation and test metrics), ``best.yaml`` (the resolved config of the best *finished* trial by the last
 validation metric, ``run_dir`` set back to the base config's: ``bigrank train DIR/best.yaml`` reproduces it).
+When no trial finished, ``bigrank tune`` says how many ended how; when every trial failed it exits with status 1
+and names the first trial's error.
 
 Where Ray runs: no ``--address`` (nor ``ray.address`` / ``RAY_ADDRESS``): an embedded local runtime with the
 machine's CPUs; otherwise the cluster at that address (``DIR`` must then be on storage every node sees, and
@@ -54,6 +57,7 @@ import json
 import math
 import os
 import re
+import sys
 import tempfile
 import threading
 import time
@@ -272,8 +276,10 @@ def search_base(config: Config) -> dict:
 
 
 def validate_space(space: SearchSpace, base: dict, where: str = "space") -> None:
-    """Check every key and candidate value of ``space`` against the config schema (starting from ``base``), and
-    one trial with the first value of every key. Raises SpaceError naming the key."""
+    """Check ``space`` against the config schema, starting from ``base``: every key and candidate value alone,
+    then every pair of candidate values of two keys (the schema's cross-key rules, e.g. ``model.history_dropout``
+    needs ``model.history: true``, would otherwise fail trials half-way through a search), then one trial with
+    the first value of every key. Raises SpaceError naming the key or keys."""
     from bigrank.train.metrics import metric_names
 
     for key, domain in space.params.items():
@@ -282,6 +288,19 @@ def validate_space(space: SearchSpace, base: dict, where: str = "space") -> None
                 _check_trial_config(_set_path(copy.deepcopy(base), key, value))
             except (ConfigError, ValueError) as error:
                 raise SpaceError(f"{where}: space key {key!r} = {value!r}: {error}") from None
+    keys = list(space.params)
+    for i, first in enumerate(keys):
+        for second in keys[i + 1 :]:
+            for first_value in space.params[first].candidates():
+                with_first = _set_path(copy.deepcopy(base), first, first_value)
+                for second_value in space.params[second].candidates():
+                    try:
+                        _check_trial_config(_set_path(copy.deepcopy(with_first), second, second_value))
+                    except (ConfigError, ValueError) as error:
+                        raise SpaceError(
+                            f"{where}: space keys {first!r} = {first_value!r} and {second!r} = {second_value!r} "
+                            f"cannot go together: {error}"
+                        ) from None
     combined = copy.deepcopy(base)
     for key, domain in space.params.items():
         _set_path(combined, key, domain.candidates()[0])
@@ -515,7 +534,7 @@ def _trial_rows(results, space: SearchSpace) -> list[dict]:
         for name in ("ap@10", "accuracy", "recall@100"):
             row[f"test {name}"] = metrics.get(f"test/{name}")
         row["seconds"] = metrics.get("time_total_s")
-        row["error"] = str(result.error).splitlines()[0][:200] if result.error is not None else ""
+        row["error"] = _error_summary(result.error) if result.error is not None else ""
         row["_config"] = config
         rows.append(row)
 
@@ -524,6 +543,21 @@ def _trial_rows(results, space: SearchSpace) -> list[dict]:
         return (row["status"] != "finished", -(value if value is not None else -math.inf))
 
     return sorted(rows, key=order)
+
+
+def _error_summary(error: BaseException) -> str:
+    """One line naming a trial's error: the innermost cause Ray kept (its ``RayTaskError`` wraps the trial's
+    exception, and its first line is only Ray's actor header), at most 300 characters."""
+    seen = set()
+    while id(error) not in seen:
+        seen.add(id(error))
+        inner = getattr(error, "cause", None) or error.__cause__
+        if not isinstance(inner, BaseException):
+            break
+        error = inner
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    text = lines[-1] if lines else ""
+    return f"{type(error).__name__}: {text}"[:300]
 
 
 def _format_cell(value) -> str:
@@ -745,6 +779,12 @@ def run_tune(args: argparse.Namespace) -> int:
     print(f"\ntrials: {result.out / 'trials.csv'}")
     if result.best_config is not None:
         print(f"best config: {result.best_config}  (bigrank train {result.best_config})")
-    else:
-        print("no trial finished: no best config written")
+        return 0
+    statuses = [row["status"] for row in result.rows]
+    counts = ", ".join(f"{statuses.count(status)} {status}" for status in sorted(set(statuses))) or "none ran"
+    print(f"no trial finished ({counts}): no best config written", file=sys.stderr)
+    if statuses and set(statuses) == {"error"}:
+        first = result.rows[0]
+        print(f"every trial failed; trial {first['trial']}: {first['error']}", file=sys.stderr)
+        return 1
     return 0

@@ -32,6 +32,11 @@ class WorkerError(RuntimeError):
         self.rank, self.error_type, self.message, self.traceback = rank, error_type, message, traceback_text
         super().__init__(f"rank {rank} failed: {error_type}: {message}")
 
+    def __reduce__(self):
+        # Ray Tune copies and pickles a trial's exception; the default (type, args) would call __init__ with the
+        # formatted message alone and replace the worker's error by a TypeError.
+        return type(self), (self.rank, self.error_type, self.message, self.traceback)
+
 
 def free_port() -> int:
     """A TCP port free on 127.0.0.1 right now."""
