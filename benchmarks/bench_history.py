@@ -3,8 +3,9 @@
 
 One process, the unsharded ``UserTower`` with a history table of ``--items`` rows (row-wise Adagrad fused into
 the backward, as in training): per step, build the bags of a batch of users (``history_bags``, the target left
-out), look them up, backward a dummy loss. The users' bag lengths are drawn log-normal with mean ``--mean-bag``
-(ML-1B: ~1B ratings over ~2.2M users, about 455 per user) and a heavy tail, clipped to [20, 20000]. Reported:
+out), look them up, backward a dummy loss. The users' bag lengths are drawn log-normal with mean ``--mean-bag`` before
+clipping to [20, 20000] (ML-1B: ~1B ratings over ~2.2M users, about 455 per user), a heavy tail; the table
+prints the mean ids per step actually looked up. Reported:
 best step time of the bag building and of the tower, ids looked up per step, and the ratios to the whole bag.
 
     .venv/bin/python -m benchmarks.bench_history [--items 849000] [--batch 4096] [--dim 64] [--steps 3]
@@ -64,6 +65,10 @@ def main() -> None:
     parser.add_argument("--dim", type=int, default=64)
     parser.add_argument("--steps", type=int, default=3)
     args = parser.parse_args()
+    if args.steps < 1:
+        parser.error(f"--steps must be >= 1 (timed steps after one warm-up), got {args.steps}")
+    if not 1 <= args.batch <= args.users:
+        parser.error(f"--batch must lie in [1, --users={args.users}] (a batch draws distinct users), got {args.batch}")
     with quiet_torchrec():
         import torchrec  # noqa: F401 - the first import prints fbgemm notices
     import torch.distributed as dist

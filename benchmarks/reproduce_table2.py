@@ -160,7 +160,10 @@ def format_by_activity(
     for low, high in zip(bounds[:-1], bounds[1:], strict=True):
         inside = (counts >= low) & (counts < high)
         label = f"{low}-{high - 1:.0f}" if np.isfinite(high) else f"{low}+"
-        cells = "".join(f"{np.concatenate([s[metric] for s in per_user[n]])[inside].mean():>12.3f}" for n in names)
+        if inside.any():
+            cells = "".join(f"{np.concatenate([s[metric] for s in per_user[n]])[inside].mean():>12.3f}" for n in names)
+        else:  # no user in the bucket (other edges, or a small sample)
+            cells = "".join(f"{'-':>12}" for _ in names)
         lines.append(f"{label:<14}{int(inside.sum()):>7}" + cells)
     return "\n".join(lines)
 

@@ -161,3 +161,6 @@ def test_reproduce_table2_splits_accuracy_by_the_users_train_items():
         expected = [np.mean([per_user[name][seed]["accuracy"][u] for seed, u in users]) for name in per_user]
         assert line.split()[1:] == [str(len(users))] + [f"{value:.3f}" for value in expected]
     assert [line.split()[0] for line in lines[1:]] == ["0-29", "30-99", "100+"]
+    # A bucket without users prints dashes, not NaN.
+    empty = format_by_activity(per_user, activity, edges=(30, 100, 1000)).splitlines()[-1]
+    assert empty.split() == ["1000+", "0", "-", "-"]

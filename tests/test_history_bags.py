@@ -1,6 +1,7 @@
-"""The training-time history bags of bigrank.train.model: the row's own positive is left out, and with
-``model.history_dropout`` each other item leaves the bag independently with that probability (brute-force
-reference: the same numpy draws, one user at a time)."""
+"""The training-time history bags of bigrank.train.model: the row's own positive is left out, with
+``model.history_dropout`` each other item leaves the bag independently with that probability, and with
+``model.history_sample_size`` a longer bag keeps a random subset of that size, dropout first (brute-force
+reference: the same numpy draws, one user at a time). The draws of a step are a function of (seed, step, rank)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from bigrank.train.model import history_bags
+from bigrank.train.model import history_bags, history_generator
 
 # CSR of 4 users' train items: user 2 has none.
 INDPTR = np.array([0, 3, 5, 5, 9])
@@ -62,3 +63,31 @@ def test_sample_size_keeps_a_random_subset_of_at_most_that_many_items_in_bag_ord
         for s in range(40)
     }
     assert len(drawn) == 6  # every 2-subset of 4 items comes up
+
+
+def test_dropout_comes_before_the_sample_size():
+    users, exclude = torch.tensor([3, 0, 3, 1]), torch.tensor([-1, 4, 6, -1])
+    values, lengths = history_bags((INDPTR, ITEMS), users, exclude, 0.3, np.random.default_rng(5), sample_size=2)
+    rng, expected = np.random.default_rng(5), []
+    for user, positive in zip(users.tolist(), exclude.tolist(), strict=True):
+        row = np.array([item for item in ITEMS[INDPTR[user] : INDPTR[user + 1]] if item != positive])
+        row = row[rng.random(len(row)) >= 0.3]
+        if len(row) > 2:
+            row = row[np.sort(rng.choice(len(row), 2, replace=False))]
+        expected.append(row.tolist())
+    assert _bags(values, lengths) == expected
+
+
+def test_draws_without_a_generator_are_an_error():
+    for dropout, sample_size in ((0.5, None), (0.0, 2)):
+        with pytest.raises(ValueError, match="numpy Generator"):
+            history_bags((INDPTR, ITEMS), torch.tensor([0]), None, dropout, None, sample_size)
+
+
+def test_each_step_and_rank_draws_other_masks_and_the_same_ones_again():
+    def mask(seed, step, rank):
+        return history_generator(seed, step, rank).random(64) >= 0.5
+
+    assert np.array_equal(mask(0, 7, 1), mask(0, 7, 1))  # a resumed step draws what it drew before
+    others = [mask(0, 8, 1), mask(0, 7, 0), mask(1, 7, 1), mask(0, 0, 0)]
+    assert all(not np.array_equal(mask(0, 7, 1), other) for other in others)

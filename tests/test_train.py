@@ -108,8 +108,10 @@ def test_resume_after_a_crash_equals_an_uninterrupted_run(tiny_dataset, tmp_path
             for run in (straight, crashed)
         )
         torch.testing.assert_close(actual_rows, expected_rows, rtol=1e-6, atol=1e-7)
-        # The dropout reaches the step: without it the first step's loss is another.
-        whole = dict(sections, model={"history": True}, train=dict(sections["train"], max_steps=1))
+        # The dropout reaches the step: with the same sample size but no dropout the first step's loss is another.
+        whole = dict(
+            sections, model={"history": True, "history_sample_size": 8}, train=dict(sections["train"], max_steps=1)
+        )
         launch_local(train_worker, 2, (_config(tiny_dataset, tmp_path / "whole", **whole),), timeout=240)
         assert _train_records(tmp_path / "whole")[0]["loss"] != pytest.approx(_train_records(straight)[0]["loss"])
     assert actual[4] == expected[4]  # data stream positions

@@ -19,7 +19,17 @@ from bigrank.config import Config
 from bigrank.data.manifest import DatasetManifest
 from bigrank.distributed.catalog import CatalogShard
 
-__all__ = ["Model", "build_model", "history_bags", "model_identity", "user_vectors", "user_vectors_fn"]
+__all__ = [
+    "Model",
+    "build_model",
+    "history_bags",
+    "history_generator",
+    "model_identity",
+    "user_vectors",
+    "user_vectors_fn",
+]
+
+_HISTORY_DRAWS = 0x4B1D  # tags the seed of history-bag draws apart from the other numpy streams of a run
 
 
 @dataclass
@@ -95,14 +105,23 @@ def history_bags(
     rng=None,
     sample_size: int | None = None,
 ):
-    """``(values, lengths)`` of each user's train items, minus the row's own positive ``exclude`` (training:
-    the bag must not contain the item being predicted). Unknown users (id < 0) get an empty bag.
+    """``(values int64[sum(lengths)], lengths int64[b])``: each user's train items, minus the row's own
+    positive (training: the bag must not contain the item being predicted). Unknown users (id < 0) get an empty
+    bag.
 
-    Training only, drawn from the numpy Generator ``rng`` (``model.history_dropout`` and
-    ``model.history_sample_size``): with ``dropout`` > 0 each remaining item leaves the bag with that
-    probability, then a bag longer than ``sample_size`` keeps a uniform random subset of that many items (in
-    bag order). The MEAN pooling averages whatever is kept.
+    Args:
+        history: ``(indptr int64[U+1], items int64[nnz])``, the CSR of the train split (``Model.history``).
+        user_ids: int64[b].
+        exclude: int64[b] item to leave out of each bag (ids not in the bag leave it whole), or None.
+        dropout, sample_size, rng: training only (``model.history_dropout``, ``model.history_sample_size``),
+            drawn from the numpy Generator ``rng``: with ``dropout`` > 0 each remaining item leaves the bag with
+            that probability, then a bag longer than ``sample_size`` keeps a uniform random subset of that many
+            items (in bag order). The MEAN pooling averages whatever is kept.
+
+    Raises ValueError when ``dropout`` or ``sample_size`` is set without ``rng``.
     """
+    if rng is None and (dropout > 0 or sample_size is not None):
+        raise ValueError("history_bags: history dropout and sample_size draw from rng; pass a numpy Generator")
     indptr, items = history
     parts, lengths = [], []
     excluded = exclude.tolist() if exclude is not None else None
@@ -118,6 +137,13 @@ def history_bags(
         lengths.append(len(row))
     values = np.concatenate(parts).astype(np.int64) if parts else np.empty(0, np.int64)
     return torch.from_numpy(values), torch.tensor(lengths, dtype=torch.int64)
+
+
+def history_generator(seed: int, step: int, rank: int) -> np.random.Generator:
+    """The numpy Generator of one training step's history-bag draws on one rank: a function of
+    ``(seed, step, rank)`` alone, so a resumed run draws the masks of an uninterrupted one (nothing to save in
+    a checkpoint) and every step and rank draws other masks."""
+    return np.random.default_rng([seed, step, rank, _HISTORY_DRAWS])
 
 
 def user_vectors(

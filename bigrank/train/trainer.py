@@ -31,7 +31,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -48,7 +47,7 @@ from bigrank.train.evaluate import write_eval_json
 from bigrank.train.evaluator import Evaluator
 from bigrank.train.item_optim import RowOptimizer
 from bigrank.train.losses import StepLoss
-from bigrank.train.model import build_model, model_identity, user_vectors
+from bigrank.train.model import build_model, history_generator, model_identity, user_vectors
 from bigrank.train.regularization import user_l2_penalty
 from bigrank.train.schedule import LearningRateSchedule
 from bigrank.train.state import CatalogState, LossState, RNGState, StreamState, TowerState, TrainState
@@ -267,8 +266,9 @@ class Trainer:
             )
         users, items = batch["user_id"], batch["item_id"]
         dropout, sample = self.config.model.history_dropout, self.config.model.history_sample_size
-        # Seeded by the step, so a resumed run draws the same masks as an uninterrupted one.
-        rng = np.random.default_rng([self.config.seed, self.state.step, self.rank])
+        rng = None
+        if dropout > 0 or sample is not None:
+            rng = history_generator(self.config.seed, self.state.step, self.rank)
         local_vectors = user_vectors(
             self.model,
             users,
