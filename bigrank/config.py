@@ -14,6 +14,7 @@ and checked there (types and values), with errors naming the dotted key (``loss.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import types
 import typing
@@ -225,8 +226,13 @@ def _convert(value: Any, tp, key: str) -> Any:
     raise ConfigError(f"{key}: unsupported type {_type_name(tp)}")  # a bug in the schema, not in the file
 
 
+@functools.cache
+def _type_hints(cls) -> dict:
+    return typing.get_type_hints(cls)  # resolving the annotations is most of a small config's build time
+
+
 def _build(cls, raw: dict, prefix: str):
-    hints = typing.get_type_hints(cls)
+    hints = _type_hints(cls)
     names = {f.name: f for f in dataclasses.fields(cls)}
     for key in raw:
         if key not in names:

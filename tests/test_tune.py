@@ -92,6 +92,10 @@ def test_a_bad_space_key_is_an_error_naming_it(tmp_path, demo_data, capsys):
     crossed = "space:\n  model.history: {choice: [true, false]}\n  model.history_dropout: {choice: [0.0, 0.5]}\n"
     with pytest.raises(SpaceError, match=r"'model\.history' = False and 'model\.history_dropout' = 0\.5"):
         validate_space(load_space(_space(tmp_path, crossed)), with_history)
+    # The space's own fixed values count: history fixed on makes the dropout valid on a base without it.
+    assert base["model"]["history"] is False
+    fixed_on = "space:\n  model.history: true\n  model.history_dropout: {choice: [0.0, 0.5]}\n"
+    validate_space(load_space(_space(tmp_path, fixed_on)), base)
     # The command reports it plainly (exit status 2) before any Ray runtime or trial starts.
     bad = _space(tmp_path, "space:\n  optim.usr_lr: {loguniform: [0.01, 0.1]}\n")
     code = main(["tune", str(_base_config(tmp_path, demo_data)), "--space", str(bad), "--out", str(tmp_path / "x")])
@@ -202,5 +206,26 @@ def test_a_search_whose_every_trial_fails_exits_non_zero_naming_the_error(ray_ru
     code = main(["tune", str(config), "--space", str(space), "--out", str(tmp_path / "search")])
     err = capsys.readouterr().err
     assert code == 1
-    assert "no trial finished (1 error)" in err and "every trial failed" in err and victim.name in err
+    assert "no trial finished (1 error)" in err
+    failed = next(line for line in err.splitlines() if line.startswith("every trial failed; trial "))
+    assert victim.name in failed and "WorkerError: rank 0 failed" in failed
     assert not (tmp_path / "search" / "best.yaml").exists()
+
+
+def test_a_trials_error_is_summarised_by_its_cause():
+    from ray.exceptions import RayTaskError
+
+    from bigrank.launch.tune import _error_summary
+    from bigrank.train.launcher import WorkerError
+
+    worker = WorkerError(0, "RuntimeError", "CUDA error: oops\nCompile with TORCH_USE_CUDA_DSA", "Traceback ...")
+    wrapped = RayTaskError("train", "Traceback (most recent call last):\n  ...", worker).as_instanceof_cause()
+    expected = "WorkerError: rank 0 failed: RuntimeError: CUDA error: oops"
+    assert _error_summary(wrapped) == expected  # Ray's wrapper, unwrapped to the trial's exception
+    assert _error_summary(worker) == expected  # a multi-line message keeps its first line
+    chained = ValueError("the trial's run failed")
+    chained.__cause__ = worker
+    assert _error_summary(chained) == expected
+    bare = RayTaskError("train", "header (pid=1)\n  File ...\nKeyError: 'x'", None)
+    assert _error_summary(bare).endswith("KeyError: 'x'")  # no cause kept: the wrapper's last line
+    assert len(_error_summary(WorkerError(0, "E", "x" * 1000, ""))) == 300

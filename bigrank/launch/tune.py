@@ -39,8 +39,8 @@ refused (Tune cannot change a search half-way): use a new ``--out``.
 Outputs (``DIR``): ``trials.csv`` and ``trials.txt`` (one row per trial: status, the tuned values, epochs,
 validation and test metrics), ``best.yaml`` (the resolved config of the best *finished* trial by the last
 validation metric, ``run_dir`` set back to the base config's: ``bigrank train DIR/best.yaml`` reproduces it).
-When no trial finished, ``bigrank tune`` says how many ended how; when every trial failed it exits with status 1
-and names the first trial's error.
+When no trial finished, no ``best.yaml`` is written and ``bigrank tune`` exits with status 1, saying how many
+trials ended how (and, when every trial failed, the first trial's error).
 
 Where Ray runs: no ``--address`` (nor ``ray.address`` / ``RAY_ADDRESS``): an embedded local runtime with the
 machine's CPUs; otherwise the cluster at that address (``DIR`` must then be on storage every node sees, and
@@ -276,26 +276,35 @@ def search_base(config: Config) -> dict:
 
 
 def validate_space(space: SearchSpace, base: dict, where: str = "space") -> None:
-    """Check ``space`` against the config schema, starting from ``base``: every key and candidate value alone,
-    then every pair of candidate values of two keys (the schema's cross-key rules, e.g. ``model.history_dropout``
-    needs ``model.history: true``, would otherwise fail trials half-way through a search), then one trial with
-    the first value of every key. Raises SpaceError naming the key or keys."""
+    """Check ``space`` against the config schema, starting from ``base`` with the space's fixed keys (one
+    candidate) set: every candidate value of the other keys alone, then every pair of candidate values of two
+    keys (the schema's cross-key rules, e.g. ``model.history_dropout`` needs ``model.history: true``, would
+    otherwise fail trials half-way through a search), then one trial with the first value of every key. Raises
+    SpaceError naming the key or keys."""
     from bigrank.train.metrics import metric_names
 
-    for key, domain in space.params.items():
-        for value in domain.candidates():
+    fixed = {key: domain for key, domain in space.params.items() if len(domain.candidates()) == 1}
+    start = copy.deepcopy(base)
+    for key, domain in fixed.items():
+        _set_path(start, key, domain.candidates()[0])
+    try:
+        _check_trial_config(start)
+    except (ConfigError, ValueError) as error:
+        raise SpaceError(f"{where}: the fixed values of {', '.join(fixed)}: {error}") from None
+    varied = [key for key in space.params if key not in fixed]
+    for key in varied:
+        for value in space.params[key].candidates():
             try:
-                _check_trial_config(_set_path(copy.deepcopy(base), key, value))
+                _check_trial_config(_set_path(copy.deepcopy(start), key, value))
             except (ConfigError, ValueError) as error:
                 raise SpaceError(f"{where}: space key {key!r} = {value!r}: {error}") from None
-    keys = list(space.params)
-    for i, first in enumerate(keys):
-        for second in keys[i + 1 :]:
+    for i, first in enumerate(varied):
+        for second in varied[i + 1 :]:
             for first_value in space.params[first].candidates():
-                with_first = _set_path(copy.deepcopy(base), first, first_value)
+                with_first = _set_path(copy.deepcopy(start), first, first_value)
                 for second_value in space.params[second].candidates():
-                    try:
-                        _check_trial_config(_set_path(copy.deepcopy(with_first), second, second_value))
+                    try:  # _check_trial_config copies: with_first stays as it is
+                        _check_trial_config(_set_path(with_first, second, second_value))
                     except (ConfigError, ValueError) as error:
                         raise SpaceError(
                             f"{where}: space keys {first!r} = {first_value!r} and {second!r} = {second_value!r} "
@@ -546,17 +555,21 @@ def _trial_rows(results, space: SearchSpace) -> list[dict]:
 
 
 def _error_summary(error: BaseException) -> str:
-    """One line naming a trial's error: the innermost cause Ray kept (its ``RayTaskError`` wraps the trial's
-    exception, and its first line is only Ray's actor header), at most 300 characters."""
+    """One line naming a trial's error, at most 300 characters: the innermost cause Ray kept (its
+    ``RayTaskError`` wraps the trial's exception) and that exception's first line; when only Ray's or Tune's
+    wrapper is left (a ``TuneError`` read back on resume), the last line of its text, which ends with the
+    trial's exception (the first line is Ray's actor header)."""
     seen = set()
     while id(error) not in seen:
         seen.add(id(error))
-        inner = getattr(error, "cause", None) or error.__cause__
+        inner = getattr(error, "cause", None)
+        inner = inner if isinstance(inner, BaseException) else error.__cause__
         if not isinstance(inner, BaseException):
             break
         error = inner
     lines = [line.strip() for line in str(error).splitlines() if line.strip()]
-    text = lines[-1] if lines else ""
+    wrapper = type(error).__module__.split(".")[0] == "ray"
+    text = (lines[-1] if wrapper else lines[0]) if lines else ""
     return f"{type(error).__name__}: {text}"[:300]
 
 
@@ -786,5 +799,6 @@ def run_tune(args: argparse.Namespace) -> int:
     if statuses and set(statuses) == {"error"}:
         first = result.rows[0]
         print(f"every trial failed; trial {first['trial']}: {first['error']}", file=sys.stderr)
-        return 1
-    return 0
+    else:
+        print(f"see {result.out / 'trials.txt'}; an interrupted search resumes with the same command", file=sys.stderr)
+    return 1  # no best config: a script that goes on to `bigrank train DIR/best.yaml` must not

@@ -35,7 +35,7 @@ class WorkerError(RuntimeError):
     def __reduce__(self):
         # Ray Tune copies and pickles a trial's exception; the default (type, args) would call __init__ with the
         # formatted message alone and replace the worker's error by a TypeError.
-        return type(self), (self.rank, self.error_type, self.message, self.traceback)
+        return type(self), (self.rank, self.error_type, self.message, self.traceback), self.__dict__
 
 
 def free_port() -> int:
