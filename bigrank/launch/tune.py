@@ -303,7 +303,7 @@ def validate_space(space: SearchSpace, base: dict, where: str = "space") -> None
             for first_value in space.params[first].candidates():
                 with_first = _set_path(copy.deepcopy(start), first, first_value)
                 for second_value in space.params[second].candidates():
-                    try:  # _check_trial_config copies: with_first stays as it is
+                    try:  # each value of `second` overwrites the last in with_first; the check works on a copy
                         _check_trial_config(_set_path(with_first, second, second_value))
                     except (ConfigError, ValueError) as error:
                         raise SpaceError(
