@@ -155,15 +155,15 @@ def format_by_activity(
     ``[0, edges[0]), [edges[0], edges[1]), …, [edges[-1], ∞)``; ``activity`` as from ``per_user_test_metrics``."""
     counts = np.concatenate(activity)
     bounds = [0, *edges, np.inf]
-    names = list(per_user)
-    lines = [f"{'train items':<14}{'users':>7}" + "".join(f"{name:>12}" for name in names)]
+    values = {name: np.concatenate([seed[metric] for seed in seeds]) for name, seeds in per_user.items()}
+    lines = [f"{'train items':<14}{'users':>7}" + "".join(f"{name:>12}" for name in values)]
     for low, high in zip(bounds[:-1], bounds[1:], strict=True):
         inside = (counts >= low) & (counts < high)
         label = f"{low}-{high - 1:.0f}" if np.isfinite(high) else f"{low}+"
         if inside.any():
-            cells = "".join(f"{np.concatenate([s[metric] for s in per_user[n]])[inside].mean():>12.3f}" for n in names)
+            cells = "".join(f"{per_model[inside].mean():>12.3f}" for per_model in values.values())
         else:  # no user in the bucket (other edges, or a small sample)
-            cells = "".join(f"{'-':>12}" for _ in names)
+            cells = "".join(f"{'-':>12}" for _ in values)
         lines.append(f"{label:<14}{int(inside.sum()):>7}" + cells)
     return "\n".join(lines)
 
