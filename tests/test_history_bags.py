@@ -20,6 +20,18 @@ def _bags(values, lengths):
     return [row.tolist() for row in torch.split(values, lengths.tolist())]
 
 
+def _reference_bags(users, exclude, dropout, seed, sample_size=None):
+    """The bags drawn one user at a time: the positive left out, then each item's dropout draw, then the sample."""
+    rng, expected = np.random.default_rng(seed), []
+    for user, positive in zip(users.tolist(), exclude.tolist(), strict=True):
+        row = np.array([item for item in ITEMS[INDPTR[user] : INDPTR[user + 1]] if item != positive], dtype=np.int64)
+        row = row[rng.random(len(row)) >= dropout]
+        if sample_size is not None and len(row) > sample_size:
+            row = row[np.sort(rng.choice(len(row), sample_size, replace=False))]
+        expected.append(row.tolist())
+    return expected
+
+
 def test_bags_leave_out_the_rows_positive_and_unknown_users_are_empty():
     users = torch.tensor([0, 1, 2, 3, -1])
     values, lengths = history_bags((INDPTR, ITEMS), users, torch.tensor([1, 9, 0, 0, 3]))
@@ -32,12 +44,7 @@ def test_bags_leave_out_the_rows_positive_and_unknown_users_are_empty():
 def test_dropout_keeps_the_items_whose_draw_is_at_least_p(dropout):
     users, exclude = torch.tensor([3, 0, 2, 3]), torch.tensor([5, 1, 0, 0])
     values, lengths = history_bags((INDPTR, ITEMS), users, exclude, dropout, np.random.default_rng(7))
-    rng, expected = np.random.default_rng(7), []
-    for user, positive in zip(users.tolist(), exclude.tolist(), strict=True):
-        row = [item for item in ITEMS[INDPTR[user] : INDPTR[user + 1]] if item != positive]
-        draws = rng.random(len(row)) if row else []
-        expected.append([item for item, draw in zip(row, draws, strict=True) if draw >= dropout])
-    assert _bags(values, lengths) == expected
+    assert _bags(values, lengths) == _reference_bags(users, exclude, dropout, seed=7)
 
 
 def test_dropout_removes_about_p_of_a_long_bag_and_the_same_seed_draws_the_same_bags():
@@ -68,14 +75,7 @@ def test_sample_size_keeps_a_random_subset_of_at_most_that_many_items_in_bag_ord
 def test_dropout_comes_before_the_sample_size():
     users, exclude = torch.tensor([3, 0, 3, 1]), torch.tensor([-1, 4, 6, -1])
     values, lengths = history_bags((INDPTR, ITEMS), users, exclude, 0.3, np.random.default_rng(5), sample_size=2)
-    rng, expected = np.random.default_rng(5), []
-    for user, positive in zip(users.tolist(), exclude.tolist(), strict=True):
-        row = np.array([item for item in ITEMS[INDPTR[user] : INDPTR[user + 1]] if item != positive])
-        row = row[rng.random(len(row)) >= 0.3]
-        if len(row) > 2:
-            row = row[np.sort(rng.choice(len(row), 2, replace=False))]
-        expected.append(row.tolist())
-    assert _bags(values, lengths) == expected
+    assert _bags(values, lengths) == _reference_bags(users, exclude, 0.3, seed=5, sample_size=2)
 
 
 def test_draws_without_a_generator_are_an_error():
