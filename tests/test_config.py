@@ -42,7 +42,7 @@ def test_defaults_overrides_and_absolute_paths(tmp_path, monkeypatch):
     )
     assert isinstance(config, Config)
     assert config.train.max_steps == 50 and config.eval.ks == [5, 50] and config.eval.sample_users is None
-    assert config.loss.params == {"k": 3, "margin": 0.5}  # merged over the loss's defaults
+    assert config.loss.params == {"k": 3, "margin": 0.5, "k_fraction": 0.0}  # merged over the loss's defaults
     assert config.seed == 7 and config.train.batch_size == 1024 and config.optim.item_optimizer == "adagrad"
     assert config.data.root == str(tmp_path / "data/x") and config.run_dir == str(tmp_path / "runs/x")
     assert config.loss.candidates == "catalog"  # resolved

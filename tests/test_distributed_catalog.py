@@ -15,6 +15,8 @@ from tests.distributed_utils import run_distributed
 LOSSES = {
     "rankmax1": lambda s, y, **kw: rankmax_loss(s, y, k=1, **kw),
     "rankmax5": lambda s, y, **kw: rankmax_loss(s, y, k=5, **kw),
+    # A k per row, some larger than the narrowest shard (those shards pad their top-k with -inf).
+    "rankmax_per_row_k": lambda s, y, **kw: rankmax_loss(s, y, k=torch.tensor([1, 12, 3, 5, 2, 9, 4])[: len(y)], **kw),
     "softmax": lambda s, y, **kw: softmax_loss(s, y, **kw),
     "sparsemax": lambda s, y, **kw: sparsemax_loss(s, y, support_guess=2, **kw),
 }

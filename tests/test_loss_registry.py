@@ -43,8 +43,9 @@ def test_params_defaults_are_the_loss_function_and_module_defaults(name):
     module_defaults.pop("reduction", None)  # the trainer always averages over the batch (the default "mean")
     assert params == module_defaults, f"{name}: Params vs {spec.module.__name__}.__init__"
     # The function holds more keywords (reduction, group, ...); the module may apply a parameter itself
-    # (sampled softmax divides the scores by its temperature before calling the function).
-    applied_by_module = {"sampled_softmax": {"temperature"}}.get(name, set())
+    # (sampled softmax divides the scores by its temperature before calling the function; rankmax turns
+    # k_fraction and each row's positives into the function's per-row k).
+    applied_by_module = {"sampled_softmax": {"temperature"}, "rankmax": {"k_fraction"}}.get(name, set())
     for param, default in params.items():
         if param not in applied_by_module:
             assert function_defaults[param] == default, f"{name}.{param}: Params vs {spec.function.__name__}"

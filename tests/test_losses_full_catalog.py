@@ -19,6 +19,7 @@ from bigrank.losses import (
     sparsemax,
     sparsemax_loss,
 )
+from bigrank.losses.rankmax import positives_to_k
 from bigrank.losses.scores import score_matrix
 from tests.reference_losses import rankmax_reference, sparsemax_loss_row, sparsemax_row
 
@@ -111,6 +112,61 @@ def test_rankmax_gradient_at_ties_is_a_symmetric_subgradient():
     grads = scores.grad[0][tied]
     torch.testing.assert_close(grads, grads[:1].expand(3))  # tied scores share the gradient equally
     torch.testing.assert_close(scores.grad.sum(), torch.tensor(0.0, dtype=torch.float64))
+
+
+def _rows_with_their_own_k():
+    """Every regime of ``scores_with_all_regimes`` for k = 1, 2 and 5 in one batch, with each row's own k."""
+    parts = [(*scores_with_all_regimes(k, seed=k), k) for k in (1, 2, 5)]
+    scores = torch.cat([p[0] for p in parts])
+    target = torch.cat([p[1] for p in parts])
+    row_k = torch.cat([torch.full((p[0].shape[0],), p[2], dtype=torch.int64) for p in parts])
+    return scores, target, row_k
+
+
+@pytest.mark.parametrize("chunk_size", [None, 7])
+def test_rankmax_with_a_k_per_row_is_each_rows_own_rankmax(chunk_size):
+    """A per-row k (the label-set size of Section 3) gives each row the loss and gradient of its own k: against
+    the bisection reference row by row, and against the scalar-k loss on each row (dense and chunked)."""
+    scores, target, row_k = _rows_with_their_own_k()
+    expected = torch.cat(
+        [rankmax_reference(scores[b : b + 1], target[b : b + 1], int(row_k[b]))[1] for b in range(len(row_k))]
+    )
+    torch.testing.assert_close(rankmax_loss(scores, target, k=row_k, reduction="none"), expected, atol=1e-9, rtol=0)
+    generator = torch.Generator().manual_seed(1)
+    users = torch.randn(len(row_k), 6, generator=generator, dtype=torch.float64, requires_grad=True)
+    items = torch.randn(30, 6, generator=generator, dtype=torch.float64, requires_grad=True)
+    source = ChunkedScores(users, items, chunk_size) if chunk_size else users @ items.T
+    rankmax_loss(source, target, k=row_k, margin=0.7, reduction="sum").backward()
+    got = users.grad.clone(), items.grad.clone()
+    users.grad, items.grad = None, None
+    dense = users @ items.T
+    rows = range(len(row_k))
+    sum(rankmax_loss(dense[b : b + 1], target[b : b + 1], k=int(row_k[b]), margin=0.7) for b in rows).backward()
+    torch.testing.assert_close(got[0], users.grad, atol=1e-12, rtol=0)
+    torch.testing.assert_close(got[1], items.grad, atol=1e-12, rtol=0)
+
+
+def test_rankmax_per_row_k_gradcheck():
+    scores, target, row_k = _rows_with_their_own_k()
+    scores = scores[::2] + 1e-3 * torch.arange(scores[::2].numel(), dtype=torch.float64).reshape(-1, 30)  # no ties
+    scores.requires_grad_(True)
+    assert torch.autograd.gradcheck(lambda s: rankmax_loss(s, target[::2], k=row_k[::2], margin=0.8), (scores,))
+
+
+def test_rankmax_k_fraction_sets_each_rows_k_from_its_positives():
+    assert positives_to_k(torch.tensor([1, 3, 10, 250]), 1, 0.1).tolist() == [1, 1, 1, 25]
+    assert positives_to_k(torch.tensor([1, 3, 10, 250]), 2, 1.0).tolist() == [2, 3, 10, 250]
+    scores, target = make_scores(batch=5, n=40)
+    positives = torch.tensor([1, 4, 12, 40, 7])
+    loss = RankmaxLoss(k=2, margin=0.5, k_fraction=0.5, reduction="none")(scores, target, positives=positives)
+    expected = rankmax_loss(scores, target, k=torch.tensor([2, 2, 6, 20, 4]), margin=0.5, reduction="none")
+    torch.testing.assert_close(loss, expected, atol=0, rtol=0)
+    assert not torch.equal(loss, rankmax_loss(scores, target, k=2, margin=0.5, reduction="none"))
+    with pytest.raises(ValueError, match="needs positives"):
+        RankmaxLoss(k_fraction=0.5)(scores, target)
+    with pytest.raises(ValueError, match=r"k_fraction must be a number in \[0, 1\]"):
+        RankmaxLoss(k_fraction=1.5)
+    assert "k_fraction=0.5" in repr(RankmaxLoss(k_fraction=0.5))
 
 
 def test_softmax_loss_matches_cross_entropy():
@@ -231,6 +287,10 @@ def test_full_catalog_row_of_849000_items():
         (lambda s, y: rankmax_loss(s, y.double()), "integer item ids"),
         (lambda s, y: rankmax_loss(s, y, reduction="avg"), "reduction must be one of"),
         (lambda s, y: rankmax_loss(s.long(), y), "floating point"),
+        (lambda s, y: rankmax_loss(s, y, k=torch.ones(3, dtype=torch.int64)), "per-row k must be an integer tensor"),
+        (lambda s, y: rankmax_loss(s, y, k=torch.ones(8)), "per-row k must be an integer tensor"),
+        (lambda s, y: rankmax_loss(s, y, k=torch.zeros(8, dtype=torch.int64)), "per-row k must be >= 1"),
+        (lambda s, y: rankmax_loss(s, y, k=torch.full((8,), 41)), "k must be <= the number of items n = 40"),
     ],
 )
 def test_bad_input_raises_value_error(call, message):

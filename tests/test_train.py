@@ -227,3 +227,38 @@ def test_every_configured_loss_learns(tiny_dataset, tmp_path):
         if not (last < first and items_moved > 0.5 and users_moved > 0.5 and recall > 2.5 * 10 / NUM_ITEMS):
             failures.append(figures)
     assert not failures, "\n".join(failures)
+
+
+def _first_batch_positives(config):
+    """On each rank: the train-item counts the trainer hands the loss for its first global batch, the users of
+    that batch's rows (gathered the way the batch is), and the loss of one step on it."""
+    import torch.distributed as dist
+
+    from bigrank.distributed.collectives import all_gather_rows_with_ids
+    from bigrank.train.trainer import Trainer
+
+    trainer = Trainer(config)
+    batch = next(iter(trainer.stream))
+    users = batch["user_id"].to(torch.int64)
+    positives = trainer._gather_positives(users)
+    dummy = torch.zeros(users.numel(), 1)
+    _, gathered_users = all_gather_rows_with_ids(dummy, users, trainer.local_batch, trainer.group)
+    loss, _ = trainer.train_step(batch)
+    dist.barrier(trainer.group)
+    return positives, gathered_users[gathered_users >= 0], loss
+
+
+def test_a_per_row_k_reads_each_rows_own_users_train_items(tiny_dataset, tmp_path):
+    """rankmax with ``k_fraction``: on 2 workers every row of the global batch gets the train-item count of its
+    own user (counted here from the Parquet files), in the gathered batch's row order, and a step trains."""
+    import pyarrow.parquet as pq
+
+    config = _config(tiny_dataset, tmp_path / "run", loss={"name": "rankmax", "params": {"k_fraction": 0.5}})
+    per_rank = launch_local(_first_batch_positives, 2, (config,), timeout=300)
+    parts = sorted((tiny_dataset / "train").glob("*.parquet"))
+    users = np.concatenate([pq.read_table(path, columns=["user_id"])["user_id"].to_numpy() for path in parts])
+    counts = np.bincount(users.astype(np.int64))
+    for positives, batch_users, loss in per_rank:
+        assert positives.tolist() == counts[batch_users.numpy()].tolist()
+        assert len(set(positives.tolist())) > 1  # users of different activity: a mix-up of rows would show
+        assert np.isfinite(loss) and loss == per_rank[0][2]

@@ -53,10 +53,18 @@ class RankmaxParams:
 
     k: int = field(default=1, metadata=_doc("k of the (n, k)-simplex (eq. 11-13): the ranks the loss optimises, top-k"))
     margin: float = field(default=1.0, metadata=_doc("margin eta below min(z_y, z_[k]) (eq. 11)"))
+    k_fraction: float = field(
+        default=0.0,
+        metadata=_doc("> 0: a row's k is max(k, ceil(k_fraction * its user's train items)), its label set (0: off)"),
+    )
 
     def check(self) -> None:
         _integer(self.k, "k", 1)
         _positive(self.margin, "margin")
+        if isinstance(self.k_fraction, bool) or not isinstance(self.k_fraction, int | float):
+            raise ValueError(f"k_fraction must be a number in [0, 1], got {self.k_fraction!r}")
+        if not 0.0 <= self.k_fraction <= 1.0:
+            raise ValueError(f"k_fraction must be a number in [0, 1], got {self.k_fraction!r}")
 
 
 @dataclass(frozen=True)

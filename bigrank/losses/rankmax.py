@@ -12,6 +12,10 @@ eta = margin.
 ``t`` (the number of coordinates clipped at 1) is the smallest t in [0, k) with alpha_t (z_[t+1] - mu) <= 1,
 found from the top-k values only, so a row costs O(n log k) (``torch.topk``) plus O(n) sums.
 
+k may differ per row (an int64[B] tensor): Section 3 defines the (n, k)-simplex for a label set Y_x, and in item
+recommendation a row's natural k grows with its user's number of positives (``RankmaxLoss(k_fraction=...)``).
+The rows then share one top-k of width max(k) and each reads its own z_[k_b] and its own range t in [0, k_b).
+
 Gradient (derived from eq. 14; the loss is log D - log(z_y - mu) - log(k - t) with D = sum over the
 "middle" set M = {i : mu < z_i, i not among the top t}): for rows with alpha_y (z_y - mu) < 1,
 
@@ -48,7 +52,7 @@ from bigrank.losses.validation import (
     reduce_rows,
 )
 
-__all__ = ["rankmax", "rankmax_loss", "RankmaxLoss"]
+__all__ = ["positives_to_k", "rankmax", "rankmax_loss", "RankmaxLoss"]
 
 
 def _check_params(k, margin) -> None:
@@ -58,21 +62,56 @@ def _check_params(k, margin) -> None:
         raise ValueError(f"margin must be a finite number > 0, got {margin!r}")
 
 
-def _solve_alpha(top: torch.Tensor, mu: torch.Tensor, support_sum: torch.Tensor, k: int):
+def _check_k_fraction(k_fraction) -> None:
+    ok = isinstance(k_fraction, int | float) and not isinstance(k_fraction, bool) and 0.0 <= k_fraction <= 1.0
+    if not ok:
+        raise ValueError(f"k_fraction must be a number in [0, 1], got {k_fraction!r}")
+
+
+def _row_k(k, batch: int) -> torch.Tensor | None:
+    """``k`` as given to ``rankmax_loss``: None for an int, else the checked int64[B] per-row k."""
+    if isinstance(k, torch.Tensor):
+        if k.shape != (batch,) or k.dtype not in (torch.int64, torch.int32):
+            raise ValueError(f"per-row k must be an integer tensor of shape ({batch},), got {k.dtype} {tuple(k.shape)}")
+        if k.numel() and int(k.min()) < 1:
+            raise ValueError(f"per-row k must be >= 1, got {int(k.min())}")
+        return k.to(torch.int64)
+    _check_params(k, 1.0)
+    return None
+
+
+def positives_to_k(positives: torch.Tensor, k: int, k_fraction: float) -> torch.Tensor:
+    """Per-row k int64[B] = max(k, ceil(k_fraction * positives)) from each row's number of positives int[B]
+    (its user's train items: the label set Y_x of Section 3)."""
+    scaled = torch.ceil(positives.to(torch.float64) * k_fraction).to(torch.int64)
+    return scaled.clamp_min(k)
+
+
+def _solve_alpha(top: torch.Tensor, mu: torch.Tensor, support_sum: torch.Tensor, k: int, row_k=None):
     """Eq. 12 for every row: t, D_t = sum_{i=t+1..s}(z_[i] - mu) and alpha = (k - t) / D_t.
 
     ``top`` [B, k] are the k largest scores (descending), ``support_sum`` [B] is sum_i (z_i - mu)_+. t is the
     smallest index with alpha_t (z_[t+1] - mu) <= 1; it exists because at t = k - 1, D_t >= z_[k] - mu.
+    ``row_k`` int64[B] (each <= k): row b's own k; its t is searched in [0, row_k[b]) only.
     """
     gaps = top - mu.unsqueeze(1)  # z_[i] - mu > 0 for the top k, since mu <= z_[k] - eta
     clipped_sums = torch.cumsum(gaps, dim=1) - gaps  # sum_{i<=t} (z_[i] - mu) for t = 0..k-1
     denominators = support_sum.unsqueeze(1) - clipped_sums
-    remaining = torch.arange(k, 0, -1, dtype=top.dtype, device=top.device)  # k - t
-    alphas = remaining / denominators
-    feasible = alphas * gaps <= 1
-    # t = k - 1 is always feasible in exact arithmetic; when the support is exactly the top k (a gap of at
-    # least eta below z_[k]) the test there is an equality that rounding may break, so force it.
-    feasible[:, k - 1] = True
+    index = torch.arange(k, device=top.device)
+    if row_k is None:
+        remaining = (k - index).to(top.dtype)  # k - t
+        alphas = remaining / denominators
+        feasible = alphas * gaps <= 1
+        # t = k - 1 is always feasible in exact arithmetic; when the support is exactly the top k (a gap of at
+        # least eta below z_[k]) the test there is an equality that rounding may break, so force it.
+        feasible[:, k - 1] = True
+    else:
+        remaining = (row_k.unsqueeze(1) - index).to(top.dtype)
+        inside = remaining > 0  # t < k_b; the columns past a row's k hold no candidate t (alpha 0 there)
+        alphas = torch.where(inside, remaining / torch.where(inside, denominators, 1.0), 0.0)
+        feasible = alphas * gaps <= 1
+        # As above, t = k_b - 1 is forced; being feasible, it also bounds the argmax below the columns past k_b.
+        feasible.scatter_(1, (row_k - 1).unsqueeze(1), True)
     t = feasible.to(torch.int64).argmax(dim=1)  # first feasible t
     pick = t.unsqueeze(1)
     return t, denominators.gather(1, pick).squeeze(1), alphas.gather(1, pick).squeeze(1)
@@ -81,13 +120,17 @@ def _solve_alpha(top: torch.Tensor, mu: torch.Tensor, support_sum: torch.Tensor,
 class _RankmaxImpl:
     """Per-row statistics and analytic gradient of eq. 14, shared by the dense, chunked and distributed forms."""
 
-    def __init__(self, k: int, margin: float):
-        self.k, self.margin = k, float(margin)
+    def __init__(self, k: int, margin: float, row_k: torch.Tensor | None = None):
+        self.row_k = row_k  # int64[B] per-row k, or None: k for every row
+        self.k = k if row_k is None else (int(row_k.max()) if row_k.numel() else 1)
+        self.margin = float(margin)
 
     def forward(self, source, layout: Layout, group):
-        k, margin = self.k, self.margin
+        k, margin, row_k = self.k, self.margin, self.row_k
         if k > layout.num_items:
             raise ValueError(f"k must be <= the number of items n = {layout.num_items}, got k = {k}")
+        if row_k is not None:
+            row_k = row_k.to(source.device)
         positive = layout.positive
         # Pass 1: local top-k, and the support sums for the common case mu = z_y - eta (y not in the top k).
         guess = positive - margin
@@ -99,7 +142,7 @@ class _RankmaxImpl:
         gathered = gather_row_stats(torch.cat([top, sums], dim=1), group)  # [W, B, k + 2]
         top = merge_rank_topk(gathered[..., :k])
         sums = gathered[..., k:].sum(dim=0)
-        kth = top[:, k - 1]
+        kth = top[:, k - 1] if row_k is None else top.gather(1, (row_k - 1).unsqueeze(1)).squeeze(1)
         y_carries_mu = positive <= kth
         mu = torch.where(y_carries_mu, guess, kth - margin)
         ties_at_kth = torch.ones_like(kth)
@@ -115,7 +158,7 @@ class _RankmaxImpl:
             sums[rows] = extra[:, :2]
             ties_at_kth[rows] = extra[:, 2].clamp_min(1)
         support_sum, support_size = sums[:, 0], sums[:, 1]
-        t, denominator, alpha = _solve_alpha(top, mu, support_sum, k)
+        t, denominator, alpha = _solve_alpha(top, mu, support_sum, k, row_k)
         prob_positive = alpha * (positive - mu)
         per_row = -torch.log(prob_positive.clamp(max=1.0))
         upper = torch.where(t > 0, top.gather(1, (t - 1).clamp_min(0).unsqueeze(1)).squeeze(1), torch.inf)
@@ -157,7 +200,7 @@ def _accumulate_support(block: torch.Tensor, mu: torch.Tensor, sums: torch.Tenso
 def rankmax_loss(
     scores,
     target: torch.Tensor,
-    k: int = 1,
+    k: int | torch.Tensor = 1,
     margin: float = 1.0,
     reduction: str = "mean",
     *,
@@ -171,21 +214,23 @@ def rankmax_loss(
         scores: float[B, n] scores (or ``ChunkedScores`` for a lazily computed ``U @ V.T``). With ``group``,
             columns ``[offset, offset + n_local)`` of the full [B, n] matrix, the same B rows on every rank.
         target: int64[B], the positive item of each row (global item ids).
-        k: size of the (n, k)-simplex, 1 <= k <= n.
+        k: size of the (n, k)-simplex, 1 <= k <= n; or int64[B], each row's own k (a label-set size, e.g. from
+            ``positives_to_k``), the same tensor on every rank.
         margin: eta > 0 in eq. 11 (the paper uses 1).
         reduction: "mean" | "sum" | "none" (per-row loss [B]).
         group: process group over which the catalog's columns are split (None: single process).
         offset: first global column held by this rank.
 
-    Only per-row statistics cross the wire: each rank's top-k values and two sums (B x (k + 2) floats), the
+    Only per-row statistics cross the wire: each rank's top-k values and two sums (B x (max k + 2) floats), the
     positive's score (B floats), and, for rows whose positive is in the top k, three more sums.
     Gradients are exact (analytic, see the module docstring) w.r.t. ``scores`` (or its factors).
     """
-    _check_params(k, margin)
+    _check_params(1, margin)
     check_reduction(reduction)
     if isinstance(scores, torch.Tensor):
         check_scores(scores)
-    per_row = catalog_loss_rows(_RankmaxImpl(k, margin), scores, target, group, offset)
+    row_k = _row_k(k, int(target.shape[0]) if target.dim() == 1 else -1)
+    per_row = catalog_loss_rows(_RankmaxImpl(k if row_k is None else 1, margin, row_k), scores, target, group, offset)
     return reduce_rows(per_row, reduction)
 
 
@@ -217,16 +262,33 @@ def rankmax(scores: torch.Tensor, target: torch.Tensor, k: int = 1, margin: floa
 
 
 class RankmaxLoss(torch.nn.Module):
-    """``rankmax_loss`` with its hyper-parameters held by the module (k, margin, reduction)."""
+    """``rankmax_loss`` with its hyper-parameters held by the module (k, margin, k_fraction, reduction).
 
-    def __init__(self, k: int = 1, margin: float = 1.0, reduction: str = "mean"):
+    ``k_fraction`` > 0 sets each row's k from its number of positives (``forward(..., positives=int[B])``, the
+    row's user's train items): k_b = max(k, ceil(k_fraction * positives_b)), so k_fraction = 1 projects on the
+    (n, |Y_x|)-simplex of Section 3. 0 (default): k for every row.
+    """
+
+    def __init__(self, k: int = 1, margin: float = 1.0, reduction: str = "mean", k_fraction: float = 0.0):
         super().__init__()
         _check_params(k, margin)
+        _check_k_fraction(k_fraction)
         check_reduction(reduction)
-        self.k, self.margin, self.reduction = k, margin, reduction
+        self.k, self.margin, self.reduction, self.k_fraction = k, margin, reduction, float(k_fraction)
 
-    def forward(self, scores, target: torch.Tensor, *, group=None, offset: int = 0) -> torch.Tensor:
-        return rankmax_loss(scores, target, self.k, self.margin, self.reduction, group=group, offset=offset)
+    @property
+    def needs_positives(self) -> bool:
+        """Whether ``forward`` needs each row's number of positives."""
+        return self.k_fraction > 0
+
+    def forward(self, scores, target: torch.Tensor, *, group=None, offset: int = 0, positives=None) -> torch.Tensor:
+        k = self.k
+        if self.needs_positives:
+            if positives is None:
+                raise ValueError("RankmaxLoss(k_fraction > 0) needs positives: each row's number of positives")
+            k = positives_to_k(torch.as_tensor(positives), self.k, self.k_fraction)
+        return rankmax_loss(scores, target, k, self.margin, self.reduction, group=group, offset=offset)
 
     def extra_repr(self) -> str:
-        return f"k={self.k}, margin={self.margin}, reduction={self.reduction!r}"
+        extra = f", k_fraction={self.k_fraction}" if self.k_fraction else ""
+        return f"k={self.k}, margin={self.margin}{extra}, reduction={self.reduction!r}"

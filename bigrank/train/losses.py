@@ -135,6 +135,11 @@ class StepLoss:
         return self.config.name
 
     @property
+    def needs_positives(self) -> bool:
+        """Whether the loss takes each row's number of positives (rankmax with a per-row k)."""
+        return bool(getattr(self.module, "needs_positives", False))
+
+    @property
     def temperature(self) -> float | None:
         """The scheduled temperature (warm-up) or the candidate loss's temperature; None for full-catalog losses."""
         if self.full_catalog:
@@ -152,6 +157,7 @@ class StepLoss:
         group=None,
         chunk_size: int | str | None = None,
         step: int = 0,
+        positives: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Loss of the global batch (the same value on every rank).
 
@@ -162,6 +168,8 @@ class StepLoss:
             chunk_size: items scored at once by full-catalog losses (None: all at once; "auto": blocks of
                 about 2^22 scores).
             step: the global step (seeds the negative draws).
+            positives: int64[B] train items of each row's user, for a loss whose k follows them
+                (``needs_positives``: rankmax with ``k_fraction`` > 0); ignored otherwise.
 
         Sampled candidates read only the rows they touch: ``self.last_rows`` then holds them (a
         :class:`TouchedRows` whose ``grad`` after backward is the [u, d] row gradient to pass to
@@ -173,6 +181,8 @@ class StepLoss:
             from bigrank.losses.scores import score_matrix
 
             scores = score_matrix(user_vectors, item_weight, chunk_size, dtype=self.score_dtype)
+            if self.needs_positives:
+                return self.module(scores, target, group=group, offset=self.start, positives=positives)
             return self.module(scores, target, group=group, offset=self.start)
         if self.config.candidates == "catalog":
             catalog_fn = self._catalog_function()

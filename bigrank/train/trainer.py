@@ -39,7 +39,7 @@ from bigrank.config import Config, config_from_dict, save_config
 from bigrank.data.manifest import DatasetManifest
 from bigrank.data.stream import ParquetStream
 from bigrank.devices import setup_precision, worker_device
-from bigrank.distributed.collectives import all_gather_rows_with_ids
+from bigrank.distributed.collectives import all_gather_replicated, all_gather_rows_with_ids
 from bigrank.distributed.groups import init_control_group
 from bigrank.losses.scores import replicated_inputs
 from bigrank.train.checkpoint import Checkpointer, latest_checkpoint, remove_partial_checkpoints
@@ -192,6 +192,11 @@ class Trainer:
             rank=self.rank,
             score_dtype=self.precision.score_dtype,
         )
+        # A loss whose k follows each row's label set (rankmax, loss.params.k_fraction) reads every user's
+        # number of train items: int64[num_users], 8 bytes a user.
+        self.user_positives = None
+        if self.step_loss.needs_positives:
+            self.user_positives = _user_counts(config.data.root, model.num_users)
         self.state = TrainState()
         run_steps = train_cfg.epochs * self.stream.steps_per_epoch()
         if train_cfg.max_steps is not None:
@@ -287,6 +292,7 @@ class Trainer:
                 group=self.group,
                 chunk_size=self.config.train.chunk_size,
                 step=self.state.step,
+                positives=self._gather_positives(users),
             )
         if self.config.debug.nan_at_step == self.state.step + 1:
             loss = loss * float("nan")
@@ -320,6 +326,16 @@ class Trainer:
         if bool(valid.all()):
             return vectors, target
         return vectors[valid], target[valid]
+
+    def _gather_positives(self, users: torch.Tensor) -> torch.Tensor | None:
+        """The train-item counts int64[B'] of the global batch's users, in ``_gather_batch``'s row order (None
+        unless the loss needs them)."""
+        if self.user_positives is None:
+            return None
+        local = torch.full((self.local_batch,), -1, dtype=torch.int64)
+        local[: users.numel()] = self.user_positives[users.to(torch.int64)]
+        gathered = all_gather_replicated(local.to(self.device), self.group)
+        return gathered[gathered >= 0]
 
     def finished(self) -> bool:
         max_steps = self.config.train.max_steps
@@ -431,6 +447,18 @@ def _item_counts(root: str, start: int, stop: int) -> torch.Tensor:
         items = group["item_id"].astype(np.int64)
         items = items[(items >= start) & (items < stop)] - start
         counts += np.bincount(items, minlength=stop - start)
+    return torch.from_numpy(counts)
+
+
+def _user_counts(root: str, num_users: int) -> torch.Tensor:
+    """Train interactions of every user, int64[num_users], read row group by row group."""
+    import numpy as np
+
+    from bigrank.data.stream import iter_row_groups
+
+    counts = np.zeros(num_users, dtype=np.int64)
+    for group in iter_row_groups(root, "train", columns=("user_id",)):
+        counts += np.bincount(group["user_id"].astype(np.int64), minlength=num_users)
     return torch.from_numpy(counts)
 
 
