@@ -1,16 +1,23 @@
-"""Reproduce the "ML 100K" columns of Table 2 of the Rankmax paper on ml-latest-small, beside two baselines.
+"""Reproduce Table 2 of the Rankmax paper on a MovieLens file, beside two baselines.
 
-For each split seed (``--seeds``, default 0 1 2) ml-latest-small is ingested with a random 80/10/10 split of the
+``--data`` names the MovieLens directory (default ``../shared/datasets/ml-latest-small``); its directory name
+picks a preset (``DATASETS``): the configs ``configs/<name>-<loss>.yaml``, the EASE λ grid and the paper's
+column used as the reference row — "ML 100K" for ml-latest-small (sparse, 610 users), "ML 20M" for ml-1m
+(dense, 6,040 users with ~165 ratings each, the nearest to ML-20M that these machines hold).
+
+For each split seed (``--seeds``, default 0 1 2) the file is ingested with a random 80/10/10 split of the
 (user, item) pairs (the paper's protocol). On every split, in one table (test split, mean ± standard deviation
 over the seeds, all movies ranked, train pairs left out, ``bigrank.train.metrics``):
 
-* popularity and EASE (λ picked on the validation split; ``benchmarks.baselines``);
-* each loss of ``--losses`` (rankmax and softmax by default; sparsemax on request, ~20 min a run) trained with
-  ``configs/ml-latest-small-<loss>.yaml`` — the settings found by ``bigrank tune`` and by hand on the validation
-  splits — or, with ``--tune``, first searched again with ``configs/tune/ml-latest-small-<loss>.space.yaml`` on
+* popularity and EASE (λ picked on the validation split from the preset's grid; a pick at either end of the
+  grid is flagged, since the best λ may lie beyond it; ``benchmarks.baselines``);
+* each loss of ``--losses`` (rankmax and softmax by default; sparsemax and sampled_softmax on request) trained
+  with ``configs/<name>-<loss>.yaml`` — the settings found by ``bigrank tune`` and by hand on the validation
+  splits — or, with ``--tune``, first searched again with ``configs/tune/<name>-<loss>.space.yaml`` on
   split seed 0 (validation AP@10, ASHA, ``--tune-budget`` seconds) and then trained from the search's
   ``best.yaml``;
-* the paper's figures as a separate reference row (its own protocol: not comparable number for number);
+* the paper's figures as a separate reference row (its own protocol and data: not comparable number for
+  number; for ml-1m it is the ML-20M column, the direction to look for);
 * each loss's difference to EASE (and rankmax's to the other losses), user by user on the same test users (the
   trained runs are exported and scored with the baselines' code), with a 95 % paired bootstrap interval: the
   spread over ~600 users is often larger than the difference of two good models, and the interval says whether
@@ -23,6 +30,7 @@ normalisation.
     .venv/bin/python -m benchmarks.reproduce_table2                  # tuned configs, 3 split seeds
     .venv/bin/python -m benchmarks.reproduce_table2 --quick          # split seed 0, rankmax + softmax, one EASE λ
     .venv/bin/python -m benchmarks.reproduce_table2 --tune           # search each loss 10 min first (≤ 60 min)
+    .venv/bin/python -m benchmarks.reproduce_table2 --data ../shared/datasets/ml-1m --work runs/table2-ml-1m
 """
 
 from __future__ import annotations
@@ -32,15 +40,41 @@ import json
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
-PAPER = {  # Table 2, ML 100K: AP@10, Accuracy, R@100
-    "rankmax": (0.154, 0.342, 0.387),
-    "softmax": (0.147, 0.300, 0.401),
-    "sparsemax": (0.147, 0.286, 0.384),
+
+@dataclass(frozen=True)
+class Dataset:
+    """A preset of the table: which configs train on it, the EASE grid, and the paper's reference column."""
+
+    name: str  # the configs are configs/<name>-<loss>.yaml, the spaces configs/tune/<name>-<loss>.space.yaml
+    lambdas: tuple[float, ...]  # EASE λ grid, wide enough that the validation pick lies inside it
+    quick_lambda: float  # the one λ of --quick
+    paper_column: str
+    paper: dict[str, tuple[float, float, float]]  # Table 2: AP@10, Accuracy, R@100 per loss
+
+
+DATASETS = {
+    "ml-latest-small": Dataset(
+        "ml-latest-small",
+        (50.0, 100.0, 200.0, 400.0),
+        200.0,
+        "ML 100K",
+        {"rankmax": (0.154, 0.342, 0.387), "softmax": (0.147, 0.300, 0.401), "sparsemax": (0.147, 0.286, 0.384)},
+    ),
+    # Dense: λ = 1,000 measured best on valid (2026-11-25); 100/200/400 stop short of it.
+    "ml-1m": Dataset(
+        "ml-1m",
+        (100.0, 300.0, 1000.0, 3000.0, 10000.0),
+        1000.0,
+        "ML 20M",
+        {"rankmax": (0.210, 0.397, 0.492), "softmax": (0.182, 0.342, 0.483), "sparsemax": (0.191, 0.369, 0.464)},
+    ),
 }
+LOSS_CHOICES = ("rankmax", "softmax", "sparsemax", "sampled_softmax")
 METRICS = (("ap@10", "AP@10"), ("accuracy", "Accuracy"), ("recall@100", "R@100"))
 ROOT = Path(__file__).resolve().parents[1]
 ACTIVITY_EDGES = (30, 60, 120, 250)  # train items per user: the buckets of format_by_activity
@@ -52,13 +86,33 @@ def bigrank(*args: str) -> None:
     subprocess.run(command, check=True, cwd=ROOT)
 
 
+def dataset_preset(source: str | Path) -> Dataset:
+    """The preset of a MovieLens directory (or ratings file), by its directory name."""
+    path = Path(source)
+    name = path.name if path.is_dir() or not path.suffix else path.parent.name
+    if name not in DATASETS:
+        known = ", ".join(DATASETS)
+        raise SystemExit(f"reproduce_table2: no preset for {name!r} ({source}); known data sets: {known}")
+    return DATASETS[name]
+
+
 def ingest(source: str, work: Path, seed: int) -> Path:
     data = work / f"data-seed{seed}"
     if not (data / "manifest.json").exists():
         if not Path(source).exists():
-            sys.exit(f"reproduce_table2: {source} not found (ml-latest-small is needed)")
+            sys.exit(f"reproduce_table2: {source} not found (a MovieLens directory is needed: --data)")
         bigrank("ingest", source, "--out", str(data), "--split", "random", "--seed", str(seed))
     return data
+
+
+def lambda_at_grid_edge(picked: float, lambdas) -> str | None:
+    """A warning when the validation pick of EASE's λ is the smallest or largest of a grid of 2+ values: the
+    best λ may then lie outside the grid, and EASE's row of the table would understate it."""
+    grid = sorted(lambdas)
+    if len(grid) > 1 and picked in (grid[0], grid[-1]):
+        side = "smallest" if picked == grid[0] else "largest"
+        return f"warning: EASE picked λ = {picked:g}, the {side} of the grid {grid}; widen --lambdas"
+    return None
 
 
 def run_baselines(data: Path, lambdas: list[float]) -> dict:
@@ -77,11 +131,12 @@ def run_baselines(data: Path, lambdas: list[float]) -> dict:
     return out
 
 
-def tune(loss: str, data: Path, work: Path, budget: float | None) -> Path:
+def tune(dataset: Dataset, loss: str, data: Path, work: Path, budget: float | None) -> Path:
     """``bigrank tune`` of the loss's space on ``data``; returns the search's best.yaml."""
     out = work / f"tune-{loss}"
+    prefix = dataset.name
     args = [
-        "tune", f"configs/ml-latest-small-{loss}.yaml", "--space", f"configs/tune/ml-latest-small-{loss}.space.yaml",
+        "tune", f"configs/{prefix}-{loss}.yaml", "--space", f"configs/tune/{prefix}-{loss}.space.yaml",
         "--out", str(out), "--set", f"data.root={data}", "--set", f"run_dir={work / f'tuned-{loss}'}",
     ]  # fmt: skip
     if budget:
@@ -168,7 +223,7 @@ def format_by_activity(
     return "\n".join(lines)
 
 
-def format_table(rows: dict[str, list[dict]]) -> str:
+def format_table(rows: dict[str, list[dict]], dataset: Dataset = DATASETS["ml-latest-small"]) -> str:
     header = f"{'model':<12}{'seeds':>6}" + "".join(f"{title:>18}" for _, title in METRICS)
     lines = [header]
     for name, results in rows.items():
@@ -179,8 +234,8 @@ def format_table(rows: dict[str, list[dict]]) -> str:
             cells.append(f"{values.mean():.3f}{spread}".rjust(18))
         lines.append(f"{name:<12}{len(results):>6}" + "".join(cells))
     lines.append("")
-    lines.append("paper (ML 100K, its own protocol and AP normalisation):")
-    for name, figures in PAPER.items():
+    lines.append(f"paper ({dataset.paper_column}, its own protocol and AP normalisation):")
+    for name, figures in dataset.paper.items():
         if name in rows:
             lines.append(f"{name:<12}{'':>6}" + "".join(f"{v:>18.3f}" for v in figures))
     return "\n".join(lines)
@@ -188,13 +243,19 @@ def format_table(rows: dict[str, list[dict]]) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--source", default=str(ROOT.parent / "shared" / "datasets" / "ml-latest-small"))
+    parser.add_argument(
+        "--data",
+        "--source",
+        dest="source",
+        default=str(ROOT.parent / "shared" / "datasets" / "ml-latest-small"),
+        help=f"MovieLens directory; its name picks the preset ({', '.join(DATASETS)})",
+    )
     parser.add_argument("--work", default="runs/table2")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     # sparsemax is left out by default: at the shared settings its support grows to thousands of items and a run
     # takes ~20 minutes here (8x rankmax), too long for the hour the whole search must fit in.
-    parser.add_argument("--losses", nargs="+", default=["rankmax", "softmax"], choices=list(PAPER))
-    parser.add_argument("--lambdas", type=float, nargs="+", default=[50, 100, 200, 400], help="EASE grid")
+    parser.add_argument("--losses", nargs="+", default=["rankmax", "softmax"], choices=LOSS_CHOICES)
+    parser.add_argument("--lambdas", type=float, nargs="+", default=None, help="EASE grid (default: the preset's)")
     parser.add_argument("--epochs", type=int, default=None, help="override the configs' train.epochs")
     parser.add_argument("--tune", action="store_true", help="search each loss's space first (split seed 0)")
     parser.add_argument(
@@ -204,10 +265,16 @@ def main() -> None:
         help="seconds per loss's search (--time-budget; default 600: the default losses' searches and the table "
         "took 36 min on 2 cores; 0: no limit, every trial of the space)",
     )
-    parser.add_argument("--quick", action="store_true", help="split seed 0, rankmax and softmax, EASE λ=200 only")
+    parser.add_argument("--quick", action="store_true", help="split seed 0, rankmax and softmax, one EASE λ")
     args = parser.parse_args()
+    dataset = dataset_preset(args.source)
+    if args.lambdas is None:
+        args.lambdas = list(dataset.lambdas)
     if args.quick:
-        args.seeds, args.losses, args.lambdas = [0], ["rankmax", "softmax"], [200.0]
+        args.seeds, args.losses, args.lambdas = [0], ["rankmax", "softmax"], [dataset.quick_lambda]
+    missing = [loss for loss in args.losses if not (ROOT / "configs" / f"{dataset.name}-{loss}.yaml").exists()]
+    if missing:
+        parser.error(f"no config for {', '.join(missing)} on {dataset.name}: configs/{dataset.name}-<loss>.yaml")
 
     started = time.perf_counter()
     work = (ROOT / args.work).resolve()
@@ -219,12 +286,15 @@ def main() -> None:
         rows["popularity"].append(result["popularity"])
         rows["EASE"].append(result["ease"])
         print(f"seed {seed}: EASE lambda {result['ease']['lambda']:g}", flush=True)
+        edge = lambda_at_grid_edge(result["ease"]["lambda"], args.lambdas)
+        if edge:
+            print(edge, flush=True)
     phases = {"data and baselines": time.perf_counter() - started}
     for loss in args.losses:
-        config = ROOT / "configs" / f"ml-latest-small-{loss}.yaml"
+        config = ROOT / "configs" / f"{dataset.name}-{loss}.yaml"
         if args.tune:
             tick = time.perf_counter()
-            config = tune(loss, datasets[args.seeds[0]], work, args.tune_budget)
+            config = tune(dataset, loss, datasets[args.seeds[0]], work, args.tune_budget)
             phases[f"search {loss}"] = time.perf_counter() - tick
         tick = time.perf_counter()
         rows[loss] = [train(config, data, work / f"{loss}-seed{seed}", args.epochs) for seed, data in datasets.items()]
@@ -237,8 +307,8 @@ def main() -> None:
 
     minutes = (time.perf_counter() - started) / 60
     print("\n" + ", ".join(f"{name} {seconds / 60:.1f} min" for name, seconds in phases.items()))
-    print(f"ml-latest-small, test split, mean ± std over split seeds {args.seeds} ({minutes:.1f} min)")
-    print(format_table(rows))
+    print(f"{dataset.name}, test split, mean ± std over split seeds {args.seeds} ({minutes:.1f} min)")
+    print(format_table(rows, dataset))
     print(f"\npaired differences, test, mean over split seeds {args.seeds} [95 % bootstrap interval over users]:")
     print(format_differences(per_user))
     print(f"\ntest Accuracy by the user's number of train items (users of split seeds {args.seeds} pooled):")

@@ -164,3 +164,33 @@ def test_reproduce_table2_splits_accuracy_by_the_users_train_items():
     # A bucket without users prints dashes, not NaN.
     empty = format_by_activity(per_user, activity, edges=(30, 100, 1000)).splitlines()[-1]
     assert empty.split() == ["1000+", "0", "-", "-"]
+
+
+def test_reproduce_table2_picks_the_preset_of_the_data_directory(tmp_path):
+    from benchmarks.reproduce_table2 import DATASETS, dataset_preset, format_table
+
+    dense = tmp_path / "ml-1m"
+    dense.mkdir()
+    (dense / "ratings.csv").write_text("userId,movieId,rating,timestamp\n")
+    assert dataset_preset(dense) is DATASETS["ml-1m"]
+    assert dataset_preset(dense / "ratings.csv") is DATASETS["ml-1m"]  # a ratings file: its directory's name
+    assert dataset_preset(tmp_path / "x" / "ml-latest-small") is DATASETS["ml-latest-small"]
+    with pytest.raises(SystemExit, match="no preset for 'ml-25m'.*known data sets: ml-latest-small, ml-1m"):
+        dataset_preset(tmp_path / "ml-25m")
+    # The dense preset's reference row is the paper's ML-20M column, and its EASE grid spans 100 to 10,000.
+    rows = {"rankmax": [{"ap@10": 0.1, "accuracy": 0.2, "recall@100": 0.5}]}
+    table = format_table(rows, DATASETS["ml-1m"]).splitlines()
+    assert table[-2] == "paper (ML 20M, its own protocol and AP normalisation):"
+    assert table[-1].split() == ["rankmax", "0.210", "0.397", "0.492"]
+    assert min(DATASETS["ml-1m"].lambdas) == 100 and max(DATASETS["ml-1m"].lambdas) == 10000
+
+
+def test_reproduce_table2_flags_an_ease_lambda_at_the_edge_of_its_grid():
+    from benchmarks.reproduce_table2 import lambda_at_grid_edge
+
+    assert lambda_at_grid_edge(400.0, [100.0, 200.0, 400.0]) == (
+        "warning: EASE picked λ = 400, the largest of the grid [100.0, 200.0, 400.0]; widen --lambdas"
+    )
+    assert "the smallest" in lambda_at_grid_edge(100.0, [400.0, 100.0, 200.0])
+    assert lambda_at_grid_edge(200.0, [100.0, 200.0, 400.0]) is None
+    assert lambda_at_grid_edge(200.0, [200.0]) is None  # one λ (--quick): no grid to widen
