@@ -13,31 +13,35 @@ from bigrank.config import load_config
 from bigrank.launch.tune import Domain, SearchSpace, _get_path, base_point, load_space, search_base, validate_space
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
-LOSSES = ["rankmax", "softmax", "sparsemax"]
+SHIPPED = sorted(path.name.removesuffix(".space.yaml") for path in (CONFIGS / "tune").glob("*.space.yaml"))
 
 
-def _space_and_base(loss: str):
-    space = load_space(CONFIGS / "tune" / f"ml-latest-small-{loss}.space.yaml")
-    base = search_base(load_config(CONFIGS / f"ml-latest-small-{loss}.yaml"))
+def _space_and_base(name: str):
+    space = load_space(CONFIGS / "tune" / f"{name}.space.yaml")
+    base = search_base(load_config(CONFIGS / f"{name}.yaml"))
     return space, base
 
 
-@pytest.mark.parametrize("loss", LOSSES)
-def test_shipped_space_validates_against_its_config(loss):
-    space, base = _space_and_base(loss)
-    validate_space(space, base, where=f"{loss} space")
+def test_every_dataset_ships_a_space_per_loss():
+    assert {"ml-latest-small-rankmax", "ml-1m-rankmax", "ml-1m-softmax", "ml-1m-sampled_softmax"} <= set(SHIPPED)
+
+
+@pytest.mark.parametrize("name", SHIPPED)
+def test_shipped_space_validates_against_its_config(name):
+    space, base = _space_and_base(name)
+    validate_space(space, base, where=f"{name} space")
     assert space.metric == "ap@10"
 
 
-@pytest.mark.parametrize("loss", LOSSES)
-def test_shipped_config_lies_inside_its_space_and_is_the_first_trial(loss):
-    space, base = _space_and_base(loss)
+@pytest.mark.parametrize("name", SHIPPED)
+def test_shipped_config_lies_inside_its_space_and_is_the_first_trial(name):
+    space, base = _space_and_base(name)
     outside = {
         key: (_get_path(base, key), domain.values)
         for key, domain in space.params.items()
         if not domain.contains(_get_path(base, key))
     }
-    assert not outside, f"configs/ml-latest-small-{loss}.yaml holds values outside its space: {outside}"
+    assert not outside, f"configs/{name}.yaml holds values outside its space: {outside}"
     start = base_point(space, base)
     sampled = [key for key, domain in space.params.items() if domain.kind not in ("fixed", "grid")]
     assert sampled and {key: _get_path(start, key) for key in sampled} == {key: _get_path(base, key) for key in sampled}
