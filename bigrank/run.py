@@ -25,10 +25,11 @@ import yaml
 from bigrank.config import Config, config_from_dict, load_config
 from bigrank.data.manifest import load_manifest
 from bigrank.devices import check_devices, cuda_build, process_group_backend, visible_gpus
-from bigrank.errors import CommandError, ConfigError
+from bigrank.errors import CommandError, ConfigError, Terminated
 from bigrank.launch.jobs import CONFIG_ENV
 from bigrank.launch.ray_train import train_on_ray
 from bigrank.losses.build import check_loss_config
+from bigrank.train.checkpoint import latest_checkpoint
 from bigrank.train.evaluate import format_eval_table
 from bigrank.train.launcher import WorkerError, launch_local
 from bigrank.train.workers import evaluate_worker, export_worker, train_worker
@@ -75,7 +76,9 @@ def train(config: Config, *, launcher: str = "ray", address: str | None = None) 
     """Train ``config`` (resuming from the run's newest checkpoint); returns rank 0's run summary.
 
     ``launcher``: "ray" (Ray Train on an embedded runtime, or the cluster of ``address`` / ``ray.address`` /
-    ``RAY_ADDRESS``) or "local" (``workers`` plain local gloo processes; ``address`` must be None).
+    ``RAY_ADDRESS``) or "local" (``workers`` plain local gloo processes; ``address`` must be None). With the local
+    launcher SIGINT / SIGTERM stop the workers (``bigrank.train.launcher``), print the last complete checkpoint
+    and raise KeyboardInterrupt / Terminated.
     """
     if launcher not in LAUNCHERS:
         raise CommandError(f"unknown launcher {launcher!r}; choose one of {', '.join(LAUNCHERS)}")
@@ -84,7 +87,13 @@ def train(config: Config, *, launcher: str = "ray", address: str | None = None) 
     prepare_run(config, launcher)
     if launcher == "ray":
         return train_on_ray(config, train_worker, address=address)
-    return _launch_local(train_worker, config.workers, (config,), check_devices(config, "local"))[0]
+    try:
+        return _launch_local(train_worker, config.workers, (config,), check_devices(config, "local"))[0]
+    except (KeyboardInterrupt, Terminated):  # the launcher has stopped every worker
+        last = latest_checkpoint(config.run_dir)
+        kept = f"the last complete checkpoint is {last}" if last else "no checkpoint had been written yet"
+        print(f"training of {config.run_dir} stopped; {kept}", file=sys.stderr, flush=True)
+        raise
 
 
 def evaluate(

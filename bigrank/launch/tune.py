@@ -766,7 +766,7 @@ def register(subparsers) -> None:
         "lie in the space)",
     )
     add_override_argument(parser)
-    parser.set_defaults(func=run_tune)
+    parser.set_defaults(func=run_tune, resumable=True)
 
 
 def run_tune(args: argparse.Namespace) -> int:
