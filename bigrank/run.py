@@ -3,8 +3,9 @@
     prepare_run(config)                   the loss is built once (bad values: ConfigError naming the key) and
                                           the dataset manifest is read (a missing dataset: FileNotFoundError
                                           naming the path), before any process or Ray runtime starts
-    train(config, launcher, address)      prepare_run, then the Ray launcher (bigrank.launch.ray_train) or the
-                                          local one (bigrank.train.launcher) running bigrank.train.workers's worker
+    train(config, launcher, address)      prepare_run, the lock of the run directory (bigrank.runlock), then the
+                                          Ray launcher (bigrank.launch.ray_train) or the local one
+                                          (bigrank.train.launcher) running bigrank.train.workers's worker
     evaluate(...), export(...)            a run's checkpoint in local processes
 
 Callers: the ``bigrank train | evaluate | export`` commands (``bigrank.train.commands``), a job submitted with
@@ -29,6 +30,7 @@ from bigrank.errors import CommandError, ConfigError, Terminated
 from bigrank.launch.jobs import CONFIG_ENV
 from bigrank.launch.ray_train import train_on_ray
 from bigrank.losses.build import check_loss_config
+from bigrank.runlock import hold_run_dir
 from bigrank.train.checkpoint import latest_checkpoint
 from bigrank.train.evaluate import format_eval_table
 from bigrank.train.launcher import WorkerError, launch_local
@@ -79,14 +81,23 @@ def train(config: Config, *, launcher: str = "ray", address: str | None = None) 
     ``RAY_ADDRESS``) or "local" (``workers`` plain local gloo processes; ``address`` must be None). With the local
     launcher SIGINT / SIGTERM stop the workers (``bigrank.train.launcher``), print the last complete checkpoint
     and raise KeyboardInterrupt / Terminated.
+
+    This process holds the lock of ``run_dir`` while the run lasts (``bigrank.runlock``): a second ``train`` of
+    the same directory, with either launcher, fails at once with RunDirectoryInUse naming the holder.
     """
     if launcher not in LAUNCHERS:
         raise CommandError(f"unknown launcher {launcher!r}; choose one of {', '.join(LAUNCHERS)}")
     if launcher == "local" and address:
         raise CommandError("--address needs the Ray launcher (drop --launcher local)")
     prepare_run(config, launcher)
-    if launcher == "ray":
-        return train_on_ray(config, train_worker, address=address)
+    with hold_run_dir(config.run_dir, "bigrank train"):
+        if launcher == "ray":
+            return train_on_ray(config, train_worker, address=address)
+        return _train_local(config)
+
+
+def _train_local(config: Config) -> dict[str, Any]:
+    """``train_worker`` in ``workers`` local processes; a stop by SIGINT/SIGTERM names the last checkpoint."""
     try:
         return _launch_local(train_worker, config.workers, (config,), check_devices(config, "local"))[0]
     except (KeyboardInterrupt, Terminated):  # the launcher has stopped every worker

@@ -1,5 +1,6 @@
 """Operating a run with real processes: `bigrank train --launcher local` stopped with SIGTERM or Ctrl+C (or its
-parent SIGKILLed) leaves no process behind and resumes when run again.
+parent SIGKILLed) leaves no process behind and resumes when run again; a run directory has one writer at a time
+(a second `bigrank train` or `bigrank tune` of it fails at once naming the holder).
 
 The processes of a run are those of the process group each test starts the command in (``start_new_session``):
 the command, its workers and the multiprocessing resource tracker, read from ``/proc``.
@@ -10,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -94,6 +96,15 @@ def _wait_for_checkpoint(proc: subprocess.Popen, run_dir: Path, log: Path, timeo
     pytest.fail(f"no checkpoint within {timeout} s:\n{log.read_text()}")
 
 
+def _wait_for_line(proc: subprocess.Popen, log: Path, text: str, timeout: float = 120.0) -> None:
+    """Wait until ``text`` appears in the command's output (fails when the command ends before)."""
+    deadline = time.monotonic() + timeout
+    while text not in log.read_text():
+        if proc.poll() is not None or time.monotonic() > deadline:
+            pytest.fail(f"no {text!r} in the output (exit status {proc.returncode}):\n{log.read_text()}")
+        time.sleep(0.05)
+
+
 def _gone_within(pgid: int, seconds: float) -> list[int]:
     """The processes of group ``pgid`` still alive after waiting up to ``seconds`` for all to end."""
     deadline = time.monotonic() + seconds
@@ -172,3 +183,67 @@ def test_ctrl_c_stops_every_worker_with_status_130(run_config, tmp_path):
     output = log.read_text()
     assert "bigrank train: interrupted; run the same command again to resume" in output, output
     assert "failed" not in output and "Traceback" not in output, output
+
+
+def test_a_run_dir_in_use_is_refused_naming_the_holder_until_it_ends(run_config, tmp_path):
+    config, run_dir = run_config
+    endless = "train.max_steps=1000000"
+    first = _start(config, tmp_path / "first.log", endless)
+    try:
+        _wait_for_checkpoint(first, run_dir, tmp_path / "first.log")
+        holder = f"bigrank train (pid {first.pid} on host {socket.gethostname()}"
+        for launcher in ("local", "ray"):  # the run layer takes the lock before either launcher starts
+            second = bigrank("train", config, "--launcher", launcher, "--set", endless, check=False, timeout=120)
+            assert second.returncode == 2, second.stdout + second.stderr
+            assert f"{run_dir} is in use by {holder}" in second.stderr, second.stderr
+            assert "training on" not in second.stdout and "ray ready" not in second.stdout, second.stdout
+        assert first.poll() is None, "the first run goes on"
+        first.kill()  # no clean-up in the holder: the kernel releases its lock
+        first.wait(timeout=15)
+        assert not _gone_within(first.pid, 10.0)
+    finally:
+        _kill_group(first.pid)
+
+    log = tmp_path / "third.log"
+    third = _start(config, log, endless)  # takes the lock and resumes
+    try:
+        _wait_for_line(third, log, "resuming from")
+        third.send_signal(signal.SIGTERM)
+        assert third.wait(timeout=15) == 143, log.read_text()
+    finally:
+        _kill_group(third.pid)
+
+
+HOLD = """\
+import sys, time
+from bigrank.runlock import hold_run_dir
+with hold_run_dir(sys.argv[1], "bigrank tune"):
+    print("held", flush=True)
+    time.sleep(600)
+"""
+
+SPACE = """\
+metric: ap@10
+trials: 1
+space:
+  optim.item_lr: {loguniform: [0.05, 0.2]}
+"""
+
+
+def test_a_second_tune_of_an_experiment_dir_in_use_fails_naming_the_holder(run_config, tmp_path):
+    config, _ = run_config
+    out = tmp_path / "search"
+    holder = subprocess.Popen(
+        [sys.executable, "-c", HOLD, str(out)], stdout=subprocess.PIPE, text=True, cwd=REPO, start_new_session=True
+    )
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        space = tmp_path / "space.yaml"
+        space.write_text(SPACE)
+        done = bigrank("tune", config, "--space", space, "--out", out, check=False, timeout=120)
+        assert done.returncode == 2, done.stdout + done.stderr
+        assert f"{out} is in use by bigrank tune (pid {holder.pid} on host" in done.stderr, done.stderr
+        assert not (out / "search.json").exists()  # it wrote nothing
+    finally:
+        _kill_group(holder.pid)
+        holder.wait()
