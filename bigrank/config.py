@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
 import os
 import types
 import typing
@@ -38,6 +39,7 @@ __all__ = [
     "dump_config",
     "load_config",
     "parse_override",
+    "resume_changes",
     "save_config",
     "validate",
 ]
@@ -129,6 +131,9 @@ class TrainConfig:
     # Score GEMM: fp32; tf32 (CUDA tensor cores, fp32 tensors); bf16 (bf16 scores, fp32 parameters and
     # gradients); the losses' statistics (thresholds, sums, log-sum-exp) are accumulated in float64 always.
     precision: str = field(default="fp32", metadata=_choices("fp32", "tf32", "bf16"))
+    # Resuming a run whose saved config differs in a key that alters its trajectory (TRAJECTORY_KEYS):
+    # auto = refuse, naming the changes; force = go on with the new settings (they become the run's config).
+    resume: str = field(default="auto", metadata=_choices("auto", "force"))
 
 
 @dataclass
@@ -367,6 +372,58 @@ def validate(config: Config) -> Config:
     _check(0 <= debug.fail_rank, "debug.fail_rank", "must be >= 0")
     _check(debug.nan_at_step is None or debug.nan_at_step >= 1, "debug.nan_at_step", "must be >= 1 or null")
     return config
+
+
+# ------------------------------------------------------------------------------------------------ resume
+# The keys (a section covers its keys) whose change alters a resumed run's trajectory: the model, the loss, the
+# updates, the data and its order, the number and length of the steps. A run resumed with another value is
+# neither the old run nor a new one. The other keys (workers: a run resumes on any worker count; evaluation,
+# logging, checkpoint cadence, devices and precision, Ray, debug) may change on resume.
+TRAJECTORY_KEYS = (
+    "seed",
+    "data.root",
+    "data.shuffle_buffer",
+    "model",
+    "loss",
+    "optim",
+    "train.batch_size",
+    "train.epochs",
+    "train.max_steps",
+    "train.drop_last",
+)
+_NOT_COMPARED = ("train.resume",)  # the switch itself
+_UNSET = "(unset)"
+
+
+def _flat(tree: dict, prefix: str = "") -> dict[str, Any]:
+    flat: dict[str, Any] = {}
+    for key, value in tree.items():
+        if isinstance(value, dict) and value:
+            flat.update(_flat(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
+
+
+def resume_changes(saved: dict, new: dict) -> tuple[dict[str, tuple], dict[str, tuple]]:
+    """The differences between a run's saved config and a new one (both as ``Config.to_dict()``), by dotted
+    key: ``(trajectory, harmless)``, each ``{key: (old, new)}`` sorted by key; a key missing on one side has the
+    value ``"(unset)"``. ``trajectory`` holds the keys under :data:`TRAJECTORY_KEYS`."""
+    old_flat, new_flat = _flat(saved), _flat(new)
+    trajectory, harmless = {}, {}
+    for key in sorted(set(old_flat) | set(new_flat)):
+        old, value = old_flat.get(key, _UNSET), new_flat.get(key, _UNSET)
+        if old == value or key in _NOT_COMPARED:
+            continue
+        alters = any(key == prefix or key.startswith(prefix + ".") for prefix in TRAJECTORY_KEYS)
+        (trajectory if alters else harmless)[key] = (old, value)
+    return trajectory, harmless
+
+
+def format_change(key: str, change: tuple) -> str:
+    """``key: old → new`` with YAML-like values (``null``, ``[10, 100]``)."""
+    old, new = (value if isinstance(value, str) else json.dumps(value) for value in change)
+    return f"{key}: {old} → {new}"
 
 
 # ----------------------------------------------------------------------------------------------- loading

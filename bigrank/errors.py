@@ -1,11 +1,12 @@
 """The errors a user can fix, shared by every layer (a leaf module: it imports nothing from bigrank).
 
-The ``bigrank`` command prints them without a traceback and exits with status 2.
+The ``bigrank`` command prints them without a traceback and exits with status 2. :class:`Terminated` is no
+error: it carries a SIGTERM up to the command, which exits with status 143 as a process killed by it would.
 """
 
 from __future__ import annotations
 
-__all__ = ["CommandError", "ConfigError"]
+__all__ = ["CommandError", "ConfigError", "Terminated"]
 
 
 class CommandError(Exception):
@@ -14,3 +15,15 @@ class CommandError(Exception):
 
 class ConfigError(ValueError):
     """A configuration problem; the message names the dotted key (``loss.params.k``)."""
+
+
+class Terminated(BaseException):
+    """SIGTERM reached a process that stops its workers before it exits (``bigrank.train.launcher``); like
+    KeyboardInterrupt for SIGINT, a BaseException, so that no ``except Exception`` swallows it."""
+
+    def __init__(self, signum: int = 15):
+        super().__init__(signum)  # args = (signum,): pickles and copies as it is
+        self.signum = signum
+
+    def __str__(self) -> str:
+        return f"terminated by signal {self.signum}"

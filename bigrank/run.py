@@ -3,8 +3,9 @@
     prepare_run(config)                   the loss is built once (bad values: ConfigError naming the key) and
                                           the dataset manifest is read (a missing dataset: FileNotFoundError
                                           naming the path), before any process or Ray runtime starts
-    train(config, launcher, address)      prepare_run, then the Ray launcher (bigrank.launch.ray_train) or the
-                                          local one (bigrank.train.launcher) running bigrank.train.workers's worker
+    train(config, launcher, address)      prepare_run, the lock of the run directory (bigrank.runlock), then the
+                                          Ray launcher (bigrank.launch.ray_train) or the local one
+                                          (bigrank.train.launcher) running bigrank.train.workers's worker
     evaluate(...), export(...)            a run's checkpoint in local processes
 
 Callers: the ``bigrank train | evaluate | export`` commands (``bigrank.train.commands``), a job submitted with
@@ -22,18 +23,30 @@ from typing import Any
 
 import yaml
 
-from bigrank.config import Config, config_from_dict, load_config
+from bigrank.config import Config, config_from_dict, format_change, load_config, resume_changes
 from bigrank.data.manifest import load_manifest
 from bigrank.devices import check_devices, cuda_build, process_group_backend, visible_gpus
-from bigrank.errors import CommandError, ConfigError
+from bigrank.errors import CommandError, ConfigError, Terminated
 from bigrank.launch.jobs import CONFIG_ENV
 from bigrank.launch.ray_train import train_on_ray
 from bigrank.losses.build import check_loss_config
+from bigrank.runlock import hold_run_dir
+from bigrank.train.checkpoint import latest_checkpoint
 from bigrank.train.evaluate import format_eval_table
 from bigrank.train.launcher import WorkerError, launch_local
 from bigrank.train.workers import evaluate_worker, export_worker, train_worker
 
-__all__ = ["LAUNCHERS", "evaluate", "export", "format_summary", "load_run_config", "main", "prepare_run", "train"]
+__all__ = [
+    "LAUNCHERS",
+    "check_resume_config",
+    "evaluate",
+    "export",
+    "format_summary",
+    "load_run_config",
+    "main",
+    "prepare_run",
+    "train",
+]
 
 LAUNCHERS = ("ray", "local")
 # Worker errors whose message says it all (no traceback printed): bad input the user can fix.
@@ -75,16 +88,69 @@ def train(config: Config, *, launcher: str = "ray", address: str | None = None) 
     """Train ``config`` (resuming from the run's newest checkpoint); returns rank 0's run summary.
 
     ``launcher``: "ray" (Ray Train on an embedded runtime, or the cluster of ``address`` / ``ray.address`` /
-    ``RAY_ADDRESS``) or "local" (``workers`` plain local gloo processes; ``address`` must be None).
+    ``RAY_ADDRESS``) or "local" (``workers`` plain local gloo processes; ``address`` must be None). With the local
+    launcher SIGINT / SIGTERM stop the workers (``bigrank.train.launcher``), print the last complete checkpoint
+    and raise KeyboardInterrupt / Terminated.
+
+    This process holds the lock of ``run_dir`` while the run lasts (``bigrank.runlock``): a second ``train`` of
+    the same directory, with either launcher, fails at once with RunDirectoryInUse naming the holder. A resumed
+    run is checked against its saved config first (:func:`check_resume_config`).
     """
     if launcher not in LAUNCHERS:
         raise CommandError(f"unknown launcher {launcher!r}; choose one of {', '.join(LAUNCHERS)}")
     if launcher == "local" and address:
         raise CommandError("--address needs the Ray launcher (drop --launcher local)")
     prepare_run(config, launcher)
-    if launcher == "ray":
-        return train_on_ray(config, train_worker, address=address)
-    return _launch_local(train_worker, config.workers, (config,), check_devices(config, "local"))[0]
+    with hold_run_dir(config.run_dir, "bigrank train"):
+        check_resume_config(config)
+        if launcher == "ray":
+            return train_on_ray(config, train_worker, address=address)
+        return _train_local(config)
+
+
+def check_resume_config(config: Config) -> None:
+    """Before a run resumes: compare ``config`` with the one the run saved (``RUN_DIR/config.yaml``).
+
+    A change of a key that alters the trajectory (``bigrank.config.TRAJECTORY_KEYS``: seed, data, model, loss,
+    optim, the batch size and the run's length) raises ConfigError listing every such key with its old and new
+    value, unless ``train.resume`` is ``force`` (then they are printed and the run goes on with them). The other
+    changes (workers, eval, logging, ...) are printed on one line. A run without a complete checkpoint starts
+    over, so there is nothing to check.
+    """
+    saved_path = Path(config.run_dir) / "config.yaml"
+    if latest_checkpoint(config.run_dir) is None or not saved_path.is_file():
+        return
+    raw = yaml.safe_load(saved_path.read_text()) or {}
+    try:  # defaults filled in as in the new config; a config of an older bigrank may not load: compare it raw
+        saved = config_from_dict(raw).to_dict()
+    except (ConfigError, ValueError):
+        saved = raw
+    trajectory, harmless = resume_changes(saved, config.to_dict())
+    if harmless:
+        changes = ", ".join(format_change(key, change) for key, change in harmless.items())
+        print(f"resuming {config.run_dir} with changed settings that keep its trajectory: {changes}", flush=True)
+    if not trajectory:
+        return
+    lines = "\n".join(f"  {format_change(key, change)}" for key, change in trajectory.items())
+    if config.train.resume == "force":
+        print(f"train.resume=force: resuming {config.run_dir} with changed settings:\n{lines}", flush=True)
+        return
+    raise ConfigError(
+        f"{config.run_dir} holds a run trained with other settings; resuming it with these would change its "
+        f"course:\n{lines}\nrestore them, use a new run_dir, or continue this run with the new settings: "
+        "--set train.resume=force"
+    )
+
+
+def _train_local(config: Config) -> dict[str, Any]:
+    """``train_worker`` in ``workers`` local processes; a stop by SIGINT/SIGTERM names the last checkpoint."""
+    try:
+        return _launch_local(train_worker, config.workers, (config,), check_devices(config, "local"))[0]
+    except (KeyboardInterrupt, Terminated):  # the launcher has stopped every worker
+        last = latest_checkpoint(config.run_dir)
+        kept = f"the last complete checkpoint is {last}" if last else "no checkpoint had been written yet"
+        print(f"training of {config.run_dir} stopped; {kept}", file=sys.stderr, flush=True)
+        raise
 
 
 def evaluate(

@@ -102,6 +102,7 @@ def test_resolved_config_round_trips_through_yaml(tmp_path):
         (_minimal(), ["loss.warmup.steps=2"], "loss.warmup is for candidate losses"),
         ({"run_dir": "x"}, [], "data.root must be set"),
         (_minimal(), ["train.max_steps=0"], "train.max_steps must be >= 1 or null"),
+        (_minimal(), ["train.resume=always"], "train.resume must be one of auto, force; got 'always'"),
         (_minimal(), ["train.chunk_size=0"], 'train.chunk_size must be >= 1, "auto" or null'),
         (_minimal(), ["train.chunk_size=big"], 'train.chunk_size must be >= 1, "auto" or null'),
         (_minimal(), ["optim.user_lr=-1"], "optim.user_lr must be > 0"),

@@ -659,8 +659,36 @@ def run_search(
         verbose: Tune's own progress output (0: none; each trial prints a line per evaluation).
         base_trial: run the base config's values of the sampled keys as the first trial (when they lie in the
             space; :func:`base_point`), so the search starts from the given settings.
-    Returns a :class:`SearchResult`. Raises SpaceError/ConfigError naming the bad key before Ray starts.
+    Returns a :class:`SearchResult`. Raises SpaceError/ConfigError naming the bad key before Ray starts, and
+    RunDirectoryInUse when another process holds ``out`` (``bigrank.runlock``: one search at a time writes it).
     """
+    from bigrank.runlock import hold_run_dir
+
+    out = Path(out).resolve()
+    base = search_base(config)
+    validate_space(space, base)
+    with hold_run_dir(out, "bigrank tune"):
+        return _search(
+            config, space, out, base, trials=trials, address=address, max_concurrent=max_concurrent,
+            time_budget_s=time_budget_s, callbacks=callbacks, verbose=verbose, base_trial=base_trial,
+        )  # fmt: skip
+
+
+def _search(
+    config: Config,
+    space: SearchSpace,
+    out: Path,
+    base: dict,
+    *,
+    trials: int | None,
+    address: str | None,
+    max_concurrent: int | None,
+    time_budget_s: float | None,
+    callbacks: list | None,
+    verbose: int,
+    base_trial: bool,
+) -> SearchResult:
+    """:func:`run_search` once ``out`` is held: Tune's run, then the trials table and the best config."""
     import ray
     from ray import tune
     from ray.tune.schedulers import ASHAScheduler
@@ -668,9 +696,6 @@ def run_search(
 
     from bigrank.launch.ray_train import init_ray, resolve_address
 
-    out = Path(out).resolve()
-    base = search_base(config)
-    validate_space(space, base)
     trials = trials or space.trials
     identity = {"config": json.loads(json.dumps(base)), "space": json.loads(json.dumps(space.raw, default=str))}
     _check_same_search(out, identity)
@@ -766,7 +791,7 @@ def register(subparsers) -> None:
         "lie in the space)",
     )
     add_override_argument(parser)
-    parser.set_defaults(func=run_tune)
+    parser.set_defaults(func=run_tune, resumable=True)
 
 
 def run_tune(args: argparse.Namespace) -> int:

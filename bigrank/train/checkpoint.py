@@ -232,6 +232,9 @@ class Checkpointer:
                 shutil.rmtree(final)
             os.replace(partial, final)
             for old in list_checkpoints(self.run_dir)[: -self.keep]:
+                # trainer.json first: a kill during the removal then leaves an incomplete checkpoint, which
+                # nothing loads, not a "complete" one with shards missing.
+                (old / TRAINER_FILE).unlink(missing_ok=True)
                 shutil.rmtree(old, ignore_errors=True)
         self._barrier()
         self.last = final

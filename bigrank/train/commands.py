@@ -39,7 +39,7 @@ def register(subparsers) -> None:
         help="Ray cluster to join (HOST:6379 or ray://HOST:10001; default: config ray.address, RAY_ADDRESS, "
         "else an embedded local runtime)",
     )
-    train.set_defaults(func=run_train)
+    train.set_defaults(func=run_train, resumable=True)
 
     evaluate = subparsers.add_parser(
         "evaluate",

@@ -82,7 +82,9 @@ class RunLog:
         if not enabled:
             return
         if self.path.exists():  # a resumed run: drop what was logged after the checkpoint it resumes from
-            kept = [line for line in self.path.read_text().splitlines() if _step_of(line) <= resume_step]
+            # (and a line cut short by a kill mid-write: _step_of is None for it)
+            steps = [(line, _step_of(line)) for line in self.path.read_text().splitlines()]
+            kept = [line for line, step in steps if step is not None and step <= resume_step]
             write_text_atomic(self.path, "".join(line + "\n" for line in kept))
         try:
             from torch.utils.tensorboard import SummaryWriter
@@ -107,11 +109,12 @@ class RunLog:
             self.writer.close()
 
 
-def _step_of(line: str) -> int:
+def _step_of(line: str) -> int | None:
+    """The step of a ``metrics.jsonl`` line; None for a line that is no JSON record (cut short by a kill)."""
     try:
         return int(json.loads(line).get("step", 0))
     except (ValueError, AttributeError):
-        return 0
+        return None
 
 
 class _Window:
@@ -363,8 +366,14 @@ class Trainer:
         return self.state.step / self.stream.steps_per_epoch()
 
     def _progress_bar(self):
+        import threading
+
         from tqdm import tqdm
 
+        # tqdm's default lock is a multiprocessing semaphore: a worker stopped by SIGTERM leaves it to the
+        # resource tracker, which warns about "leaked semaphore objects". Only rank 0 draws a bar, so a thread
+        # lock is enough.
+        tqdm.set_lock(threading.RLock())
         cfg = self.config.train
         left = self.stream.steps_left_in_epoch() + (cfg.epochs - self.stream.epoch - 1) * self.stream.steps_per_epoch()
         total = self.state.step + max(left, 0)

@@ -1,0 +1,249 @@
+"""Operating a run with real processes: `bigrank train --launcher local` stopped with SIGTERM or Ctrl+C (or its
+parent SIGKILLed) leaves no process behind and resumes when run again; a run directory has one writer at a time
+(a second `bigrank train` or `bigrank tune` of it fails at once naming the holder).
+
+The processes of a run are those of the process group each test starts the command in (``start_new_session``):
+the command, its workers and the multiprocessing resource tracker, read from ``/proc``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from bigrank.train.checkpoint import latest_checkpoint
+from tests.conftest import REPO, bigrank
+
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc; PR_SET_PDEATHSIG")
+
+# 2 workers, ~22 steps an epoch of the tiny data: a checkpoint every 10 steps (the first a second or two after
+# the workers start), 120 steps in all (a few seconds), so a run can be stopped half-way and then finished.
+CONFIG = """\
+data: {{root: {data}, shuffle_buffer: 256}}
+run_dir: {run}
+seed: 3
+workers: 2
+model: {{dim: 8}}
+loss: {{name: rankmax}}
+optim: {{user_lr: 0.1, item_lr: 0.1}}
+train: {{batch_size: 64, epochs: 100, max_steps: 120, checkpoint_every: 10, log_every: 10, progress: false}}
+eval: {{every_epochs: null, at_end: false}}
+"""
+
+
+@pytest.fixture
+def run_config(tiny_dataset, tmp_path) -> tuple[Path, Path]:
+    """``(config file, run dir)`` of a fresh run on the tiny data."""
+    run_dir = tmp_path / "run"
+    path = tmp_path / "run.yaml"
+    path.write_text(CONFIG.format(data=tiny_dataset, run=run_dir))
+    return path, run_dir
+
+
+def _start(config: Path, log: Path, *overrides: str) -> subprocess.Popen:
+    """``bigrank train CONFIG --launcher local`` in a new session (its own process group), output to ``log``."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep))
+    sets = [arg for override in overrides for arg in ("--set", override)]
+    command = [sys.executable, "-m", "bigrank.cli", "train", str(config), "--launcher", "local", *sets]
+    with open(log, "w") as out:
+        return subprocess.Popen(
+            command, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=REPO, start_new_session=True
+        )
+
+
+def _group(pgid: int) -> list[int]:
+    """The live (not zombie) processes of process group ``pgid``, read from /proc."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:  # gone meanwhile
+            continue
+        fields = stat[stat.rindex(")") + 2 :].split()  # after "pid (comm) ": state ppid pgrp ...
+        if fields[0] != "Z" and int(fields[2]) == pgid:
+            found.append(int(entry.name))
+    return found
+
+
+def _kill_group(pgid: int) -> None:
+    """Test hygiene: SIGKILL whatever is left of a process group (nothing, when the code under test works)."""
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+def _wait_for_checkpoint(proc: subprocess.Popen, run_dir: Path, log: Path, timeout: float = 120.0) -> Path:
+    """The run's first complete checkpoint, once written (fails when the command ends before)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        found = latest_checkpoint(run_dir)
+        if found is not None:
+            return found
+        if proc.poll() is not None:
+            pytest.fail(f"bigrank train exited {proc.returncode} before its first checkpoint:\n{log.read_text()}")
+        time.sleep(0.05)
+    pytest.fail(f"no checkpoint within {timeout} s:\n{log.read_text()}")
+
+
+def _wait_for_line(proc: subprocess.Popen, log: Path, text: str, timeout: float = 120.0) -> None:
+    """Wait until ``text`` appears in the command's output (fails when the command ends before)."""
+    deadline = time.monotonic() + timeout
+    while text not in log.read_text():
+        if proc.poll() is not None or time.monotonic() > deadline:
+            pytest.fail(f"no {text!r} in the output (exit status {proc.returncode}):\n{log.read_text()}")
+        time.sleep(0.05)
+
+
+def _gone_within(pgid: int, seconds: float) -> list[int]:
+    """The processes of group ``pgid`` still alive after waiting up to ``seconds`` for all to end."""
+    deadline = time.monotonic() + seconds
+    while (left := _group(pgid)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return left
+
+
+def test_sigterm_stops_every_worker_and_the_same_command_resumes(run_config, tmp_path):
+    config, run_dir = run_config
+    log = tmp_path / "first.log"
+    proc = _start(config, log)
+    try:
+        _wait_for_checkpoint(proc, run_dir, log)
+        assert len(_group(proc.pid)) >= 3, "the command, 2 workers (and the resource tracker) are running"
+        proc.send_signal(signal.SIGTERM)
+        sent = time.monotonic()
+        assert proc.wait(timeout=15) == 143, log.read_text()
+        left = _gone_within(proc.pid, 10.0 - (time.monotonic() - sent))
+        assert not left, f"processes of the run still alive 10 s after SIGTERM: {left}"
+    finally:
+        _kill_group(proc.pid)
+    output = log.read_text()
+    assert "stopped by SIGTERM" in output and "run the same command again to resume" in output, output
+    assert f"bigrank train {config} --launcher local" in output, output
+    assert "leaked" not in output, output  # the stopped workers left nothing for the resource tracker to clean
+    stopped_at = latest_checkpoint(run_dir)
+    assert stopped_at is not None and not (run_dir / "checkpoints" / "step-00000120").exists()
+
+    # The same command again resumes from the last complete checkpoint and finishes.
+    done = bigrank("train", config, "--launcher", "local")
+    assert f"resuming from {stopped_at}" in done.stdout, done.stdout
+    assert "steps          120 " in done.stdout, done.stdout
+    assert latest_checkpoint(run_dir).name == "step-00000120"
+    kept = sorted((run_dir / "checkpoints").iterdir())  # keep_checkpoints (2) complete ones, nothing else
+    assert len(kept) == 2 and all((path / "trainer.json").is_file() for path in kept), kept
+
+
+def test_workers_end_when_the_command_is_killed(run_config, tmp_path):
+    config, run_dir = run_config
+    log = tmp_path / "killed.log"
+    proc = _start(config, log)
+    try:
+        _wait_for_checkpoint(proc, run_dir, log)
+        assert len(_group(proc.pid)) >= 3
+        proc.kill()  # SIGKILL: no handler runs in the command; the workers must notice on their own
+        proc.wait(timeout=15)
+        left = _gone_within(proc.pid, 10.0)
+        assert not left, f"workers of a SIGKILLed command still alive after 10 s: {left}"
+    finally:
+        _kill_group(proc.pid)
+
+
+def test_a_metrics_line_cut_short_by_a_kill_is_dropped_on_resume(tmp_path):
+    from bigrank.train.trainer import RunLog
+
+    lines = [json.dumps({"type": "train", "step": step, "loss": 1.0}) for step in (10, 20, 30)]
+    (tmp_path / "metrics.jsonl").write_text("\n".join(lines) + '\n{"type": "train", "st')
+    RunLog(tmp_path, True, resume_step=20).close()  # resuming from the checkpoint of step 20
+    assert (tmp_path / "metrics.jsonl").read_text().splitlines() == lines[:2]
+
+
+def test_ctrl_c_stops_every_worker_with_status_130(run_config, tmp_path):
+    config, run_dir = run_config
+    log = tmp_path / "interrupted.log"
+    proc = _start(config, log)
+    try:
+        _wait_for_checkpoint(proc, run_dir, log)
+        os.killpg(proc.pid, signal.SIGINT)  # as a terminal's Ctrl+C: to the whole foreground process group
+        sent = time.monotonic()
+        assert proc.wait(timeout=15) == 130, log.read_text()
+        left = _gone_within(proc.pid, 10.0 - (time.monotonic() - sent))
+        assert not left, f"processes of the run still alive 10 s after Ctrl+C: {left}"
+    finally:
+        _kill_group(proc.pid)
+    output = log.read_text()
+    assert "bigrank train: interrupted; run the same command again to resume" in output, output
+    assert "failed" not in output and "Traceback" not in output, output
+
+
+def test_a_run_dir_in_use_is_refused_naming_the_holder_until_it_ends(run_config, tmp_path):
+    config, run_dir = run_config
+    endless = "train.max_steps=1000000"
+    first = _start(config, tmp_path / "first.log", endless)
+    try:
+        _wait_for_checkpoint(first, run_dir, tmp_path / "first.log")
+        holder = f"bigrank train (pid {first.pid} on host {socket.gethostname()}"
+        for launcher in ("local", "ray"):  # the run layer takes the lock before either launcher starts
+            second = bigrank("train", config, "--launcher", launcher, "--set", endless, check=False, timeout=120)
+            assert second.returncode == 2, second.stdout + second.stderr
+            assert f"{run_dir} is in use by {holder}" in second.stderr, second.stderr
+            assert "training on" not in second.stdout and "ray ready" not in second.stdout, second.stdout
+        assert first.poll() is None, "the first run goes on"
+        first.kill()  # no clean-up in the holder: the kernel releases its lock
+        first.wait(timeout=15)
+        assert not _gone_within(first.pid, 10.0)
+    finally:
+        _kill_group(first.pid)
+
+    log = tmp_path / "third.log"
+    third = _start(config, log, endless)  # takes the lock and resumes
+    try:
+        _wait_for_line(third, log, "resuming from")
+        third.send_signal(signal.SIGTERM)
+        assert third.wait(timeout=15) == 143, log.read_text()
+    finally:
+        _kill_group(third.pid)
+
+
+HOLD = """\
+import sys, time
+from bigrank.runlock import hold_run_dir
+with hold_run_dir(sys.argv[1], "bigrank tune"):
+    print("held", flush=True)
+    time.sleep(600)
+"""
+
+SPACE = """\
+metric: ap@10
+trials: 1
+space:
+  optim.item_lr: {loguniform: [0.05, 0.2]}
+"""
+
+
+def test_a_second_tune_of_an_experiment_dir_in_use_fails_naming_the_holder(run_config, tmp_path):
+    config, _ = run_config
+    out = tmp_path / "search"
+    holder = subprocess.Popen(
+        [sys.executable, "-c", HOLD, str(out)], stdout=subprocess.PIPE, text=True, cwd=REPO, start_new_session=True
+    )
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        space = tmp_path / "space.yaml"
+        space.write_text(SPACE)
+        done = bigrank("tune", config, "--space", space, "--out", out, check=False, timeout=120)
+        assert done.returncode == 2, done.stdout + done.stderr
+        assert f"{out} is in use by bigrank tune (pid {holder.pid} on host" in done.stderr, done.stderr
+        assert not (out / "search.json").exists()  # it wrote nothing
+    finally:
+        _kill_group(holder.pid)
+        holder.wait()
