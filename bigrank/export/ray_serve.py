@@ -266,7 +266,9 @@ def deploy(
 
     if not ray.is_initialized():
         if address is None:  # a single-node Ray on this machine, reachable on loopback only
-            ray.init(address="local", include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=False)
+            from bigrank.launch.loopback import init_local_ray
+
+            init_local_ray(log_to_driver=False)
         else:
             ray.init(address=address, log_to_driver=False)
     serve.start(http_options={"host": host, "port": port})

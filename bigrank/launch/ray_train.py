@@ -111,11 +111,13 @@ def init_ray(config: Config, address: str | None = None) -> bool:
     """Start an embedded local Ray runtime sized for ``config`` (``address`` None) or join ``address``.
 
     Does nothing when Ray is already initialised in this process (returns False); otherwise returns True
-    (the caller owns the runtime and shuts it down). The embedded runtime runs on 127.0.0.1 without a
+    (the caller owns the runtime and shuts it down). The embedded runtime listens on 127.0.0.1 only, without a
     dashboard and gets at least ``workers * ray.cpus_per_worker`` CPUs, so a 2-worker run never waits for
     resources on a smaller machine (the processes then share the cores).
     """
     import ray
+
+    from bigrank.launch.loopback import init_local_ray
 
     if address is not None:
         _check_reachable(address)
@@ -124,12 +126,9 @@ def init_ray(config: Config, address: str | None = None) -> bool:
     if address is None:
         need = config.workers * config.ray.cpus_per_worker
         num_cpus = max(os.cpu_count() or 1, int(need + 0.999))
-        ray.init(
-            address="local",
+        init_local_ray(  # every listener on 127.0.0.1 (bigrank.launch.loopback)
             num_cpus=num_cpus,
             num_gpus=int(config.workers * config.ray.gpus_per_worker + 0.999) or None,
-            include_dashboard=False,
-            _node_ip_address="127.0.0.1",
             runtime_env={"env_vars": dict(_LOCAL_ENV)},
             log_to_driver=True,
             # Without a dashboard Ray Train's placement-group cleaner warns every second that the State API
