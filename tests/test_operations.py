@@ -113,20 +113,26 @@ def _gone_within(pgid: int, seconds: float) -> list[int]:
     return left
 
 
-def test_sigterm_stops_every_worker_and_the_same_command_resumes(run_config, tmp_path):
-    config, run_dir = run_config
-    log = tmp_path / "first.log"
+def _stop_half_way(config, run_dir, log, send, status: int) -> None:
+    """Start the run, ``send(proc)`` a signal once a checkpoint exists, then assert the exit ``status`` and
+    that no process of the run is left 10 s after the signal."""
     proc = _start(config, log)
     try:
         _wait_for_checkpoint(proc, run_dir, log)
         assert len(_group(proc.pid)) >= 3, "the command, 2 workers (and the resource tracker) are running"
-        proc.send_signal(signal.SIGTERM)
+        send(proc)
         sent = time.monotonic()
-        assert proc.wait(timeout=15) == 143, log.read_text()
+        assert proc.wait(timeout=15) == status, log.read_text()
         left = _gone_within(proc.pid, 10.0 - (time.monotonic() - sent))
-        assert not left, f"processes of the run still alive 10 s after SIGTERM: {left}"
+        assert not left, f"processes of the run still alive 10 s after the signal: {left}"
     finally:
         _kill_group(proc.pid)
+
+
+def test_sigterm_stops_every_worker_and_the_same_command_resumes(run_config, tmp_path):
+    config, run_dir = run_config
+    log = tmp_path / "first.log"
+    _stop_half_way(config, run_dir, log, lambda proc: proc.send_signal(signal.SIGTERM), 143)
     output = log.read_text()
     assert "stopped by SIGTERM" in output and "run the same command again to resume" in output, output
     assert f"bigrank train {config} --launcher local" in output, output
@@ -170,16 +176,8 @@ def test_a_metrics_line_cut_short_by_a_kill_is_dropped_on_resume(tmp_path):
 def test_ctrl_c_stops_every_worker_with_status_130(run_config, tmp_path):
     config, run_dir = run_config
     log = tmp_path / "interrupted.log"
-    proc = _start(config, log)
-    try:
-        _wait_for_checkpoint(proc, run_dir, log)
-        os.killpg(proc.pid, signal.SIGINT)  # as a terminal's Ctrl+C: to the whole foreground process group
-        sent = time.monotonic()
-        assert proc.wait(timeout=15) == 130, log.read_text()
-        left = _gone_within(proc.pid, 10.0 - (time.monotonic() - sent))
-        assert not left, f"processes of the run still alive 10 s after Ctrl+C: {left}"
-    finally:
-        _kill_group(proc.pid)
+    # As a terminal's Ctrl+C: SIGINT to the whole foreground process group.
+    _stop_half_way(config, run_dir, log, lambda proc: os.killpg(proc.pid, signal.SIGINT), 130)
     output = log.read_text()
     assert "bigrank train: interrupted; run the same command again to resume" in output, output
     assert "failed" not in output and "Traceback" not in output, output
