@@ -330,23 +330,10 @@ def _max_epochs(space: SearchSpace, base: dict) -> int:
 
 
 # ------------------------------------------------------------------------------------------------ a trial
-def _exit_with_parent() -> None:
-    """Exit this process when its parent (the trial's actor) goes away: Tune ends stopped trials' actors, and
-    the training processes must not outlive them (a kill skips any clean-up code in the actor)."""
-    parent = os.getppid()
-
-    def watch():
-        while True:
-            if os.getppid() != parent:
-                os._exit(3)
-            time.sleep(0.5)
-
-    threading.Thread(target=watch, name="exit-with-parent", daemon=True).start()
-
-
 def _train_rank(config: Config, threads: int, log_path: str | None) -> dict:
-    """One training process of a trial: ``train_worker`` with the trial's thread budget, output to the run's log."""
-    _exit_with_parent()
+    """One training process of a trial: ``train_worker`` with the trial's thread budget, output to the run's log.
+    It ends with the trial's actor (Tune ends stopped trials' actors, a kill skipping any clean-up there): the
+    local launcher's workers get SIGTERM when their parent dies (``bigrank.train.launcher``)."""
     import torch
 
     torch.set_num_threads(max(1, threads))
