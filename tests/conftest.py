@@ -140,6 +140,15 @@ def write_movielens_files(directory: Path) -> tuple[np.ndarray, np.ndarray]:
     return users, movies
 
 
+def tiny_run_yaml(data, run, *, train: str, eval: str) -> str:
+    """The YAML of a 2-worker rankmax run of the tiny data at ``data`` into ``run``; ``train`` and ``eval`` are
+    the flow mappings of those sections (``"{batch_size: 64, ...}"``), the part a test is about."""
+    return (
+        f"data: {{root: {data}, shuffle_buffer: 256}}\nrun_dir: {run}\nseed: 3\nworkers: 2\nmodel: {{dim: 8}}\n"
+        f"loss: {{name: rankmax}}\noptim: {{user_lr: 0.1, item_lr: 0.1}}\ntrain: {train}\neval: {eval}\n"
+    )
+
+
 WORKFLOW_CONFIG = """\
 # the tiny workflow run: 2 local workers, Rankmax, evaluation every 2 epochs and at the end
 data: {{root: {data}, shuffle_buffer: 256}}

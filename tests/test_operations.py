@@ -20,23 +20,14 @@ from pathlib import Path
 import pytest
 
 from bigrank.train.checkpoint import latest_checkpoint
-from tests.conftest import REPO, bigrank
+from tests.conftest import REPO, bigrank, tiny_run_yaml
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc; PR_SET_PDEATHSIG")
 
 # 2 workers, ~22 steps an epoch of the tiny data: a checkpoint every 10 steps (the first a second or two after
 # the workers start), 120 steps in all (a few seconds), so a run can be stopped half-way and then finished.
-CONFIG = """\
-data: {{root: {data}, shuffle_buffer: 256}}
-run_dir: {run}
-seed: 3
-workers: 2
-model: {{dim: 8}}
-loss: {{name: rankmax}}
-optim: {{user_lr: 0.1, item_lr: 0.1}}
-train: {{batch_size: 64, epochs: 100, max_steps: 120, checkpoint_every: 10, log_every: 10, progress: false}}
-eval: {{every_epochs: null, at_end: false}}
-"""
+TRAIN = "{batch_size: 64, epochs: 100, max_steps: 120, checkpoint_every: 10, log_every: 10, progress: false}"
+EVAL = "{every_epochs: null, at_end: false}"
 
 
 @pytest.fixture
@@ -44,7 +35,7 @@ def run_config(tiny_dataset, tmp_path) -> tuple[Path, Path]:
     """``(config file, run dir)`` of a fresh run on the tiny data."""
     run_dir = tmp_path / "run"
     path = tmp_path / "run.yaml"
-    path.write_text(CONFIG.format(data=tiny_dataset, run=run_dir))
+    path.write_text(tiny_run_yaml(tiny_dataset, run_dir, train=TRAIN, eval=EVAL))
     return path, run_dir
 
 

@@ -10,19 +10,10 @@ import pytest
 from bigrank import run
 from bigrank.config import config_from_dict, load_config, resume_changes
 from bigrank.errors import ConfigError
-from tests.conftest import bigrank
+from tests.conftest import bigrank, tiny_run_yaml
 
-CONFIG = """\
-data: {{root: {data}, shuffle_buffer: 256}}
-run_dir: {run}
-seed: 3
-workers: 2
-model: {{dim: 8}}
-loss: {{name: rankmax}}
-optim: {{user_lr: 0.1, item_lr: 0.1}}
-train: {{batch_size: 64, epochs: 3, max_steps: 4, log_every: 1, progress: false}}
-eval: {{every_epochs: null, at_end: false, ks: [10]}}
-"""
+TRAIN = "{batch_size: 64, epochs: 3, max_steps: 4, log_every: 1, progress: false}"
+EVAL = "{every_epochs: null, at_end: false, ks: [10]}"
 
 
 def _raw(**sections) -> dict:
@@ -62,7 +53,7 @@ def trained_run(tiny_dataset, tmp_path_factory):
     """A finished 4-step run of the tiny data (2 local workers): ``(config file, run dir)``."""
     root = tmp_path_factory.mktemp("resume-config")
     config, run_dir = root / "run.yaml", root / "run"
-    config.write_text(CONFIG.format(data=tiny_dataset, run=run_dir))
+    config.write_text(tiny_run_yaml(tiny_dataset, run_dir, train=TRAIN, eval=EVAL))
     bigrank("train", config, "--launcher", "local")
     return config, run_dir
 
