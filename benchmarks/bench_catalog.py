@@ -27,9 +27,10 @@ def _worker(rank, world_size, port, args, batch, chunk, items, queue):
     if world_size > 1:
         dist.init_process_group("gloo", rank=rank, world_size=world_size, init_method=f"tcp://127.0.0.1:{port}")
     group = dist.group.WORLD if world_size > 1 else None
-    from bigrank.distributed.catalog import CatalogShard
     from bigrank.distributed.collectives import all_gather_rows, count_bytes
     from bigrank.losses import rankmax_loss
+    from bigrank.losses.scores import score_matrix
+    from bigrank.model.catalog import CatalogShard
 
     shard = CatalogShard(items, args.dim, group)
     generator = torch.Generator().manual_seed(rank)
@@ -40,7 +41,7 @@ def _worker(rank, world_size, port, args, batch, chunk, items, queue):
         start = time.perf_counter()
         with count_bytes() as counter:
             users = all_gather_rows(local_users, group)
-            loss = rankmax_loss(shard.scores(users, chunk), target, k=10, group=group, offset=shard.start)
+            loss = rankmax_loss(score_matrix(users, shard.weight, chunk), target, k=10, group=group, offset=shard.start)
             loss.backward()
         times.append(time.perf_counter() - start)
         sent = counter.total

@@ -26,7 +26,7 @@ def _body(root: str, users: int, dim: int, batch: int, threads: int) -> dict:
     import torch.distributed as dist
 
     from bigrank.data.manifest import DatasetManifest
-    from bigrank.distributed.catalog import CatalogShard
+    from bigrank.model.catalog import CatalogShard
     from bigrank.train.evaluate import evaluate_model, evaluation_data
 
     torch.set_num_threads(threads)

@@ -74,7 +74,8 @@ def plain_examples_per_s(config, data: str, steps: int) -> float:
     item_matrix = torch.nn.Parameter(torch.randn(manifest["num_items"], dim, generator=generator) * 0.1)
     optimizer = torch.optim.Adagrad([*user_table.parameters(), item_matrix], lr=config.optim.item_lr)
     loss_fn = FULL_CATALOG[config.loss.name]
-    params = dict(config.loss.params or {})
+    # per-row k (k_fraction) needs the users' train counts: the trainer's job, not the plain loop's
+    params = {k: v for k, v in dict(config.loss.params or {}).items() if k != "k_fraction"}
     order = torch.randperm(users.numel(), generator=generator)
     started = None
     for step in range(steps):

@@ -39,6 +39,7 @@ __all__ = [
     "dump_config",
     "load_config",
     "parse_override",
+    "requested_layouts",
     "resume_changes",
     "save_config",
     "validate",
@@ -68,6 +69,10 @@ class ModelConfig:
     history_sample_size: int | None = None
     init_std: float | None = None  # user rows N(0, init_std^2); null: 1/sqrt(dim)
     item_init_std: float = 0.1  # catalog rows N(0, item_init_std^2)
+    # Each table (catalog, user_table, history_table) held whole by every worker ("replicated") or split by rows
+    # ("sharded"); "auto" picks by a measured cost model (bigrank.model.layout, printed in RUN_DIR/plan.txt).
+    # One value for every table, or a mapping {table: value} (tables left out: auto).
+    layout: str | dict[str, str] = "auto"
 
 
 @dataclass
@@ -282,6 +287,7 @@ def validate(config: Config) -> Config:
         "model.history_sample_size",
         f"must be >= 1 or null, got {model.history_sample_size}",
     )
+    requested_layouts(model)  # raises ConfigError naming the key
     for key, value, unset in (
         ("history_dropout", model.history_dropout, 0),
         ("history_sample_size", model.history_sample_size, None),
@@ -374,6 +380,23 @@ def validate(config: Config) -> Config:
     return config
 
 
+def requested_layouts(model: ModelConfig) -> dict[str, str]:
+    """``model.layout`` as ``{table: "auto" | "replicated" | "sharded"}`` for each table the model has (the
+    history table only with ``model.history``); raises ConfigError naming the key of a bad value."""
+    from bigrank.model.layout import LAYOUTS, TABLES
+
+    tables = TABLES if model.history else tuple(t for t in TABLES if t != "history_table")
+    choices = ("auto", *LAYOUTS)
+    layout = model.layout
+    if isinstance(layout, str):
+        _check(layout in choices, "model.layout", f"must be one of {', '.join(choices)} or a mapping, got {layout!r}")
+        return dict.fromkeys(tables, layout)
+    for table, value in layout.items():
+        _check(table in tables, f"model.layout.{table}", f"is not a table of this model ({', '.join(tables)})")
+        _check(value in choices, f"model.layout.{table}", f"must be one of {', '.join(choices)}, got {value!r}")
+    return {table: layout.get(table, "auto") for table in tables}
+
+
 # ------------------------------------------------------------------------------------------------ resume
 # The keys (a section covers its keys) whose change alters a resumed run's trajectory: the model, the loss, the
 # updates, the data and its order, the number and length of the steps. A run resumed with another value is
@@ -392,6 +415,9 @@ TRAJECTORY_KEYS = (
     "train.drop_last",
 )
 _NOT_COMPARED = ("train.resume",)  # the switch itself
+# Keys under TRAJECTORY_KEYS that do not alter the trajectory: a run resumes on any layout, as on any worker
+# count (checkpoints hold each table by owned rows, whatever the layout).
+_LAYOUT_FREE = ("model.layout",)
 _UNSET = "(unset)"
 
 
@@ -415,7 +441,9 @@ def resume_changes(saved: dict, new: dict) -> tuple[dict[str, tuple], dict[str, 
         old, value = old_flat.get(key, _UNSET), new_flat.get(key, _UNSET)
         if old == value or key in _NOT_COMPARED:
             continue
-        alters = any(key == prefix or key.startswith(prefix + ".") for prefix in TRAJECTORY_KEYS)
+        alters = any(key == prefix or key.startswith(prefix + ".") for prefix in TRAJECTORY_KEYS) and not any(
+            key == prefix or key.startswith(prefix + ".") for prefix in _LAYOUT_FREE
+        )
         (trajectory if alters else harmless)[key] = (old, value)
     return trajectory, harmless
 

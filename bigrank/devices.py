@@ -230,7 +230,7 @@ class Precision:
     """How scores are computed for ``train.precision``.
 
     ``score_dtype``: the dtype of the score GEMM's inputs and output (``torch.bfloat16`` for ``bf16``, else
-    ``torch.float32``); pass it to ``CatalogShard.scores(..., dtype=)`` / ``score_matrix(..., dtype=)``. The
+    ``torch.float32``); pass it to ``score_matrix(..., dtype=)``. The
     parameters, their gradients and optimizer states stay float32; the losses' per-row statistics
     (thresholds, sums, log-sum-exp) are accumulated in float64 whatever the score dtype.
     ``matmul``: the float32 matmul mode set (``torch.set_float32_matmul_precision``): ``"highest"`` (true

@@ -190,7 +190,7 @@ def test_losses_catalog_and_benchmark_import_without_torchrec_ray_or_fbgemm():
                 if name.split(".")[0] in ("torchrec", "ray", "fbgemm_gpu", "pyarrow"):
                     raise ImportError(f"blocked: {name}")
         sys.meta_path.insert(0, Block())
-        import bigrank.losses, bigrank.distributed.catalog, bigrank.devices, bigrank.distributed.groups
+        import bigrank.losses, bigrank.model.catalog, bigrank.devices, bigrank.distributed.groups
         import benchmarks.bench_losses
         print("ok")
         """

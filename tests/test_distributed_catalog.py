@@ -7,9 +7,10 @@ import math
 import pytest
 import torch
 
-from bigrank.distributed.catalog import CatalogShard, distributed_topk, shard_range
 from bigrank.distributed.collectives import all_gather_rows, count_bytes
 from bigrank.losses import rankmax_loss, softmax_loss, sparsemax_loss
+from bigrank.losses.scores import score_matrix
+from bigrank.model.catalog import CatalogShard, distributed_topk, shard_range
 from tests.distributed_utils import run_distributed
 
 LOSSES = {
@@ -85,7 +86,7 @@ def _shard_body(rank, world_size, group, users, items, target, user_splits, chun
             shard.weight.copy_(items[start:stop])
         local_users = users[user_splits[rank] : user_splits[rank + 1]].clone().requires_grad_(True)
         gathered = all_gather_rows(local_users, group)
-        loss = loss_fn(shard.scores(gathered, chunk_size=chunk_size), target, group=group, offset=shard.start)
+        loss = loss_fn(score_matrix(gathered, shard.weight, chunk_size), target, group=group, offset=shard.start)
         loss.backward()
         results[name] = (loss.detach(), local_users.grad, shard.weight.grad)
     return results
@@ -423,7 +424,7 @@ def test_replicated_inputs_check_the_layout_once_and_still_catch_bad_scores_on_e
 
 @pytest.mark.parametrize("case", ["random", "ties", "excluded", "nan", "tail"])
 def test_row_topk_by_threshold_equals_torch_topk(case):
-    from bigrank.distributed.catalog import _row_topk
+    from bigrank.model.catalog import _row_topk
 
     generator = torch.Generator().manual_seed(5)
     rows, width, k = 6, 40_000 + (37 if case == "tail" else 0), 300

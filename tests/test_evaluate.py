@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 from bigrank.data import manifest as layout
-from bigrank.distributed.catalog import CatalogShard
+from bigrank.model.catalog import CatalogShard
 from bigrank.train.evaluate import (
     evaluate_model,
     evaluation_users,

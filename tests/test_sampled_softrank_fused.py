@@ -123,8 +123,8 @@ def test_smooth_ap_shared_negatives_matches_finite_differences():
 
 
 def _distributed_body(rank, world_size, group, case, users, catalog, target):
-    from bigrank.distributed.catalog import shard_range
     from bigrank.distributed.collectives import all_gather_no_grad, all_reduce_sum
+    from bigrank.model.catalog import shard_range
 
     params, reference = CASES[case]
     start, stop = shard_range(NUM_ITEMS, rank, world_size)

@@ -55,8 +55,8 @@ def test_fused_sampled_softmax_equals_the_materialised_loss(sampler, temperature
 
 
 def _distributed_body(rank, world_size, group, users, catalog, target):
-    from bigrank.distributed.catalog import shard_range
     from bigrank.distributed.collectives import all_gather_no_grad, all_reduce_sum
+    from bigrank.model.catalog import shard_range
 
     start, stop = shard_range(NUM_ITEMS, rank, world_size)
     step_loss = _step_loss("sampled_softmax", start=start, stop=stop, negatives=24, rank=rank)

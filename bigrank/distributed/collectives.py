@@ -41,6 +41,7 @@ __all__ = [
     "all_gather_rows",
     "all_gather_rows_with_ids",
     "all_reduce_max",
+    "all_reduce_inplace",
     "all_reduce_no_grad",
     "all_reduce_sum",
     "count_bytes",
@@ -365,6 +366,15 @@ def all_reduce_no_grad(x: torch.Tensor, group: dist.ProcessGroup | None = None) 
     out = x.detach().clone(memory_format=torch.contiguous_format)
     _counted("all_reduce", out, dist.all_reduce, out, op=dist.ReduceOp.SUM, group=group)
     return out
+
+
+def all_reduce_inplace(x: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """Sum ``x`` (contiguous, no autograd) over ranks in place, e.g. a persistent gradient buffer; returns it."""
+    if not x.is_contiguous():
+        raise ValueError("all_reduce_inplace needs a contiguous tensor")
+    if is_distributed(group):
+        _counted("all_reduce", x, dist.all_reduce, x, op=dist.ReduceOp.SUM, group=group)
+    return x
 
 
 def all_gather_equal(x: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:

@@ -21,7 +21,7 @@ import logging
 import os
 import shutil
 import warnings
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -207,6 +207,10 @@ def silence_torchrec_step_warnings() -> None:
     warnings.filterwarnings("ignore", message=r".*reduce_scatter_tensor.*is deprecated", category=FutureWarning)
     warnings.filterwarnings("ignore", message=r".*all_gather_into_tensor.*is deprecated", category=FutureWarning)
     warnings.filterwarnings("ignore", message=r".*deprecating ShardedTensor.*", category=FutureWarning)
+    # fbgemm's CPU dense lookup (data-parallel tables) computes its gradient inside the CPU kernel, so autograd
+    # warns that no Autograd-key kernel is registered; the gradients are right (tests/test_layout.py compares
+    # them with the row-wise sharded tables').
+    warnings.filterwarnings("ignore", message=r"fbgemm::dense_embedding_codegen_lookup_function: an autograd kernel")
     logging.getLogger("torchrec").setLevel(logging.ERROR)
     # torch.fx logs "is_fx_tracing will return true …" once when torchrec's forward checks for tracing.
     logging.getLogger("torch.fx._symbolic_trace").setLevel(logging.ERROR)
@@ -222,8 +226,16 @@ def shard_row_wise(
     process_group: dist.ProcessGroup | None = None,
     device: torch.device | str | None = None,
     gradient_division: bool = False,
+    data_parallel_tables: Sequence[str] = (),
 ):
-    """Plan row-wise sharding of every embedding table in ``module`` and wrap it in ``DistributedModelParallel``.
+    """Plan row-wise sharding of every embedding table in ``module`` (except ``data_parallel_tables``) and wrap it
+    in ``DistributedModelParallel``.
+
+    ``data_parallel_tables``: tables every rank holds whole (torchrec's ``DATA_PARALLEL`` sharding type, its
+    ``dense`` kernel): their lookups need no collective, their parameters get a dense gradient of this rank's
+    batch in backward, and nothing syncs them — torchrec's DDP wrappers are left off, because the trainer
+    all-reduces their gradients in one buffer with the catalog's and updates them with its own optimizer
+    (``bigrank.train.replicas``). They have no fused optimizer.
 
     Collective: every rank of ``process_group`` (default: the world) must call it with the same module
     configuration. Build ``module`` on the ``meta`` device for big tables: only the local rows are then
@@ -267,7 +279,14 @@ def shard_row_wise(
     sharders = row_wise_sharders(
         fused_params(optimizer, lr, weight_decay=weight_decay, eps=eps, device_type=device.type), device.type
     )
-    constraints = {name: ParameterConstraints(sharding_types=[ShardingType.ROW_WISE.value]) for name in tables}
+    unknown = sorted(set(data_parallel_tables) - set(tables))
+    if unknown:
+        raise ValueError(f"data_parallel_tables names tables the module does not have: {unknown} (it has {tables})")
+    wanted = {
+        name: (ShardingType.DATA_PARALLEL if name in data_parallel_tables else ShardingType.ROW_WISE).value
+        for name in tables
+    }
+    constraints = {name: ParameterConstraints(sharding_types=[kind]) for name, kind in wanted.items()}
     topology = planner_topology(device, dist.get_world_size(group))
     with quiet_torchrec():
         planner = EmbeddingShardingPlanner(
@@ -277,9 +296,15 @@ def shard_row_wise(
         )
         plan = planner.collective_plan(module, sharders, group)
         dmp = DistributedModelParallel(
-            module, env=ShardingEnv.from_process_group(group), device=device, plan=plan, sharders=sharders
+            module,
+            env=ShardingEnv.from_process_group(group),
+            device=device,
+            plan=plan,
+            sharders=sharders,
+            data_parallel_wrapper=_no_data_parallel_wrapper(),
         )
-    _check_row_wise(plan, tables)
+    _check_sharding(plan, wanted)
+    _unwrap_data_parallel_lookups(dmp)
     comm_ops.set_gradient_division(bool(gradient_division))
     reset = getattr(dmp.module, "reset_parameters", None)
     if callable(reset):
@@ -287,11 +312,55 @@ def shard_row_wise(
     return dmp, plan
 
 
-def _check_row_wise(plan, tables: list[str]) -> None:
+def _no_data_parallel_wrapper():
+    """A torchrec ``DataParallelWrapper`` that wraps nothing (the trainer syncs the data-parallel tables)."""
+    from torchrec.distributed.model_parallel import DataParallelWrapper
+
+    class NoDataParallelWrapper(DataParallelWrapper):
+        def wrap(self, dmp, env, device) -> None:
+            pass
+
+    return NoDataParallelWrapper()
+
+
+def _unwrap_data_parallel_lookups(dmp) -> None:
+    """Take torchrec's own DDP off the data-parallel tables' lookups.
+
+    torchrec's sharded collections wrap each data-parallel lookup in ``DistributedDataParallel`` themselves
+    (``ShardedEmbeddingBagCollection.init_data_parallel``, whatever the ``DataParallelWrapper``): one more
+    all-reduce per step, of the mean rather than the sum, plus ~0.2 ms of DDP bookkeeping per forward on
+    CPU (measured with the torch profiler on the demo). The trainer sums these gradients in its own single
+    all-reduce (``bigrank.train.replicas``), so the lookups run bare. (tests/test_layout.py checks that the
+    replicas stay equal and the gradients are the sums.)"""
+    from torch.nn.parallel import DistributedDataParallel
+
+    for module in dmp.modules():
+        lookups = getattr(module, "_lookups", None)
+        if isinstance(lookups, list | nn.ModuleList):
+            for index, lookup in enumerate(lookups):
+                if isinstance(lookup, DistributedDataParallel):
+                    lookups[index] = lookup.module
+
+
+def _check_sharding(plan, wanted: dict[str, str]) -> None:
     found = {name: sharding.sharding_type for _, name, sharding in _plan_entries(plan)}
-    wrong = {name: found.get(name) for name in tables if found.get(name) != "row_wise"}
+    wrong = {name: found.get(name) for name, kind in wanted.items() if found.get(name) != kind}
     if wrong:
-        raise RuntimeError(f"the planner did not shard these tables row-wise: {wrong}")
+        raise RuntimeError(f"the planner did not shard these tables as asked ({wanted}): {wrong}")
+
+
+def replicated_table_parameters(module: nn.Module) -> dict[str, torch.Tensor]:
+    """The parameter of each data-parallel (replicated) table of a sharded module, by table name: float[n, d]
+    views of torchrec's dense kernel weights (writable in place under ``no_grad``; ``.grad`` after backward)."""
+    from torch.distributed._shard.sharded_tensor import ShardedTensor
+
+    state = module.state_dict()
+    found = {}
+    for name, parameter in module.named_parameters():
+        # Row-wise sharded tables show up here too (fused, never a .grad): their state is a ShardedTensor.
+        if name.endswith(".weight") and ".embedding_bags." in name and not isinstance(state.get(name), ShardedTensor):
+            found[name.removesuffix(".weight").rsplit(".", 1)[1]] = parameter
+    return found
 
 
 def _plan_entries(plan):
@@ -325,15 +394,17 @@ def plan_to_dict(plan) -> dict[str, Any]:
 
 def format_plan(plan) -> str:
     """Human-readable table of a ``ShardingPlan``: one line per shard (table, type, kernel, rows, rank)."""
-    lines = [f"{'table':<28} {'sharding':<10} {'kernel':<8} {'rows':<22} {'cols':<10} placement"]
+    lines = [f"{'table':<28} {'sharding':<14} {'kernel':<8} {'rows':<22} {'cols':<10} placement"]
     for name, entry in plan_to_dict(plan).items():
-        for shard in entry["shards"] or [{"offsets": [0, 0], "sizes": ["?", "?"], "placement": "?"}]:
+        # A data-parallel table has no shards: every rank holds all of it.
+        whole = {"offsets": [0, 0], "sizes": ["all", "all"], "placement": f"ranks {entry['ranks']}"}
+        for shard in entry["shards"] or [whole]:
             row0, col0 = shard["offsets"][:2]
             rows, cols = shard["sizes"][:2]
-            row_range = f"[{row0}, {row0 + rows})" if isinstance(rows, int) else "?"
-            col_range = f"[{col0}, {col0 + cols})" if isinstance(cols, int) else "?"
+            row_range = f"[{row0}, {row0 + rows})" if isinstance(rows, int) else str(rows)
+            col_range = f"[{col0}, {col0 + cols})" if isinstance(cols, int) else str(cols)
             lines.append(
-                f"{name:<28} {entry['sharding_type']:<10} {entry['compute_kernel']:<8} {row_range:<22} "
+                f"{name:<28} {entry['sharding_type']:<14} {entry['compute_kernel']:<8} {row_range:<22} "
                 f"{col_range:<10} {shard['placement']}"
             )
     return "\n".join(lines)

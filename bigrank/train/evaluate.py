@@ -33,8 +33,8 @@ import torch.distributed as dist
 from bigrank.atomic import write_json_atomic
 from bigrank.data import manifest as layout
 from bigrank.data.stream import iter_row_groups
-from bigrank.distributed.catalog import CatalogShard, distributed_topk
 from bigrank.distributed.collectives import group_size
+from bigrank.model.catalog import CatalogShard, distributed_topk
 from bigrank.train.metrics import combine, metric_names, ranking_metrics
 
 __all__ = [

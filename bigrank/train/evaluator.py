@@ -32,7 +32,7 @@ class Evaluator:
     def data(self, split: str, sample_users: int | None) -> EvaluationData:
         key = (split, sample_users)
         if key not in self._data:
-            shard = self.model.shard
+            shard = self.model.shard.owned()
             self._data[key] = evaluation_data(
                 self.config.data.root,
                 split,
@@ -47,7 +47,7 @@ class Evaluator:
         sample = self.config.eval.sample_users if sample_users == "config" else sample_users
         return evaluate_model(
             user_vectors_fn(self.model),
-            self.model.shard,
+            self.model.shard.owned(),  # whatever the layout, each rank ranks the rows it owns
             self.config.data.root,
             split,
             list(self.config.eval.ks),

@@ -4,8 +4,9 @@ Every rank holds the all-gathered user vectors of the global batch ``U: float[B,
 items ``target: int64[B]`` and its catalog shard (rows ``[start, stop)``). :class:`StepLoss` turns these into
 the (replicated) loss of the global batch:
 
-* full-catalog losses (``rankmax``, ``softmax``, ``sparsemax``): ``loss(shard.scores(U, chunk_size), target,
-  group=group, offset=start)`` — every item is scored, only per-row statistics cross ranks;
+* full-catalog losses (``rankmax``, ``softmax``, ``sparsemax``): ``loss(score_matrix(U, shard.weight,
+  chunk_size), target, group=group, offset=start)`` — every item is scored, only per-row statistics cross
+  ranks;
 * candidate losses (``smooth_ap``, ``recall_at_quantile``, ``pauc_at_budget``, ``softrank_ndcg``,
   ``sampled_softmax``) over ``loss.candidates``:
 

@@ -1,15 +1,20 @@
-"""The item-parallel model of one rank: the torchrec-sharded user tower and this rank's catalog shard.
+"""The model of one rank: the torchrec user tower and this rank's catalog rows, each table in its layout.
 
 ::
 
     users         int64[b]                      a rank's batch (b = B / W)
-    u_local       = user_vectors(model, users)  float[b, d]   row-wise sharded torchrec table (+ history bag)
-    V_r           = model.shard.weight           float[n_r, d] this rank's catalog rows [start_r, stop_r)
+    u_local       = user_vectors(model, users)  float[b, d]   torchrec tables (+ history bag): row-wise sharded
+                                                               or data-parallel (replicated), per table
+    V_r           = model.shard.weight           float[n_r, d] the catalog rows held: [start_r, stop_r) when
+                                                               sharded, all n when replicated
+
+The layout of each table comes from ``model.layout`` (``bigrank.model.layout``: ``auto`` by a cost model
+measured at start-up).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -17,7 +22,8 @@ import torch
 
 from bigrank.config import Config
 from bigrank.data.manifest import DatasetManifest
-from bigrank.distributed.catalog import CatalogShard
+from bigrank.distributed.collectives import group_size
+from bigrank.model.catalog import CatalogShard
 
 __all__ = [
     "Model",
@@ -34,7 +40,7 @@ _HISTORY_DRAWS = 0x4B1D  # tags the seed of history-bag draws apart from the oth
 
 @dataclass
 class Model:
-    """The item-parallel model of one rank: the sharded user tower and the catalog shard."""
+    """The model of one rank: the user tower and the catalog rows, each table in its layout."""
 
     tower: Any  # DistributedModelParallel around bigrank.model.towers.UserTower
     shard: CatalogShard
@@ -43,6 +49,9 @@ class Model:
     num_items: int
     history: tuple[np.ndarray, np.ndarray] | None  # (indptr, items) CSR of the train split, when used
     device: torch.device = torch.device("cpu")  # where the tower's rows, the catalog shard and the step live
+    layout: dict[str, str] = field(default_factory=dict)  # {table: "replicated" | "sharded"}
+    layout_plan: str = ""  # the cost model's table (bigrank.model.layout.format_layout_plan), or why none ran
+    replicated_tower: dict[str, torch.Tensor] = field(default_factory=dict)  # data-parallel tables' parameters
 
     @property
     def user_module(self):
@@ -55,11 +64,13 @@ def build_model(
     """Build the sharded user tower and this rank's catalog shard on ``device`` (this worker's device from
     ``bigrank.devices.worker_device``); collective."""
     from bigrank.data.stream import read_user_items
-    from bigrank.model.sharding import shard_row_wise
-    from bigrank.model.towers import UserTower
+    from bigrank.model.sharding import replicated_table_parameters, shard_row_wise
+    from bigrank.model.towers import HISTORY_TABLE, USER_TABLE, UserTower
 
     manifest = manifest or DatasetManifest.load(config.data.root)
     model_cfg = config.model
+    device = torch.device(device)
+    layout, layout_plan = decide_layout(config, manifest, group, device)
     tower = UserTower(
         manifest.num_users,
         model_cfg.dim,
@@ -69,20 +80,65 @@ def build_model(
         seed=config.seed,
         device="meta",
     )
-    device = torch.device(device)
     dmp, plan = shard_row_wise(
-        tower, optimizer=config.optim.user_optimizer, lr=config.optim.user_lr, process_group=group, device=device
+        tower,
+        optimizer=config.optim.user_optimizer,
+        lr=config.optim.user_lr,
+        process_group=group,
+        device=device,
+        data_parallel_tables=[t for t in (USER_TABLE, HISTORY_TABLE) if layout.get(t) == "replicated"],
     )
     shard = CatalogShard(
         manifest.num_items,
         model_cfg.dim,
         group,
+        replicated=layout["catalog"] == "replicated",
         init_std=model_cfg.item_init_std,
         seed=config.seed + 1,
         device=device,
     )
     history = read_user_items(config.data.root, "train", manifest.num_users) if model_cfg.history else None
-    return Model(dmp, shard, plan, manifest.num_users, manifest.num_items, history, device)
+    return Model(
+        dmp,
+        shard,
+        plan,
+        manifest.num_users,
+        manifest.num_items,
+        history,
+        device,
+        layout,
+        layout_plan,
+        replicated_table_parameters(dmp),
+    )
+
+
+def decide_layout(config: Config, manifest: DatasetManifest, group, device: torch.device) -> tuple[dict[str, str], str]:
+    """``({table: layout}, plan text)`` of this run (collective when a table is ``auto`` on several workers:
+    the cost model's constants are measured over ``group``)."""
+    from bigrank.config import requested_layouts
+    from bigrank.losses.registry import FULL_CATALOG_LOSSES
+    from bigrank.model.layout import StepShape, choose_layouts, format_layout_plan, measure_link
+
+    requested = requested_layouts(config.model)
+    world = group_size(group)
+    train_rows = manifest.rows("train") if config.model.history else 0
+    loss = config.loss
+    shape = StepShape(
+        world_size=world,
+        batch_size=config.train.batch_size,
+        dim=config.model.dim,
+        num_items=manifest.num_items,
+        num_users=manifest.num_users,
+        history=config.model.history,
+        mean_history=train_rows / max(manifest.num_users, 1),
+        full_catalog=loss.name in FULL_CATALOG_LOSSES or loss.candidates == "catalog",
+        num_negatives=int(loss.num_negatives or 0),
+    )
+    if world == 1:
+        return dict.fromkeys(requested, "sharded"), "layout: one worker holds every table whole (one shard)"
+    link = measure_link(group, device)
+    chosen = choose_layouts(shape, requested, link)
+    return chosen, format_layout_plan(shape, requested, chosen, link)
 
 
 def model_identity(config: Config, model: Model) -> dict[str, Any]:

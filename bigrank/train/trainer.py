@@ -39,7 +39,7 @@ from bigrank.config import Config, config_from_dict, save_config
 from bigrank.data.manifest import DatasetManifest
 from bigrank.data.stream import ParquetStream
 from bigrank.devices import setup_precision, worker_device
-from bigrank.distributed.collectives import all_gather_replicated, all_gather_rows_with_ids
+from bigrank.distributed.collectives import all_gather_replicated, all_gather_rows_with_ids, all_reduce_no_grad
 from bigrank.distributed.groups import init_control_group
 from bigrank.losses.scores import replicated_inputs
 from bigrank.train.checkpoint import Checkpointer, latest_checkpoint, remove_partial_checkpoints
@@ -49,6 +49,7 @@ from bigrank.train.item_optim import RowOptimizer
 from bigrank.train.losses import StepLoss
 from bigrank.train.model import build_model, history_generator, model_identity, user_vectors
 from bigrank.train.regularization import user_l2_penalty
+from bigrank.train.replicas import ReplicaSync
 from bigrank.train.schedule import LearningRateSchedule
 from bigrank.train.state import CatalogState, LossState, RNGState, StreamState, TowerState, TrainState
 
@@ -162,9 +163,9 @@ class Trainer:
         self.model = model = build_model(config, self.group, self.manifest, self.device)
         if self.rank == 0:
             print(f"training on {self.device} ({self.world_size} workers, precision {self.precision.name})", flush=True)
-            plan_text = format_plan(model.plan)
+            plan_text = f"{model.layout_plan}\n\n{format_plan(model.plan)}"
             print(f"sharding plan ({self.world_size} workers):\n{plan_text}", flush=True)
-            (self.run_dir / "plan.txt").write_text(plan_text + "\n")
+            write_text_atomic(self.run_dir / "plan.txt", plan_text + "\n")
             write_plan(model.plan, self.run_dir / "plan.json")
         self.local_batch = train_cfg.batch_size // self.world_size
         self.stream = ParquetStream(
@@ -195,6 +196,15 @@ class Trainer:
             rank=self.rank,
             score_dtype=self.precision.score_dtype,
         )
+        self.replicas = ReplicaSync(
+            model,
+            self.item_optimizer,
+            optim.user_optimizer,
+            optim.user_lr,
+            self.group,
+            full_catalog=config.loss.candidates != "sampled",
+            max_touched_rows=self.local_batch + self.step_loss.num_samples,
+        )
         # A loss whose k follows each row's label set (rankmax, loss.params.k_fraction) reads every user's
         # number of train items: int64[num_users], 8 bytes a user.
         self.user_positives = None
@@ -209,7 +219,11 @@ class Trainer:
         self.checkpointer = Checkpointer(
             self.run_dir,
             {
-                "tower": TowerState(model.tower),
+                "tower": TowerState(
+                    model.tower,
+                    {t: (p, self.replicas.tower_optimizers[t]) for t, p in model.replicated_tower.items()},
+                    self.group,
+                ),
                 "catalog": CatalogState(shard, self.item_optimizer),
                 "stream": StreamState(self.stream),
                 "loss": LossState(self.step_loss),
@@ -272,6 +286,7 @@ class Trainer:
             self.lr_factor = self.lr_schedule.apply(
                 self.state.step, self.item_optimizer, optim.item_lr, self.model.tower, optim.user_lr
             )
+            self.replicas.set_user_lr(optim.user_lr * self.lr_factor)
         users, items = batch["user_id"], batch["item_id"]
         dropout, sample = self.config.model.history_dropout, self.config.model.history_sample_size
         rng = None
@@ -286,7 +301,53 @@ class Trainer:
             rng=rng,
             history_sample_size=sample,
         )
-        global_vectors, target = self._gather_batch(local_vectors, items.to(self.device, non_blocking=True))
+        items = items.to(self.device, non_blocking=True)
+        stats = None
+        if self.model.shard.replicated:
+            loss, value, rows, stats = self._local_loss(local_vectors, items, users)
+        else:
+            loss, value, rows = self._global_loss(local_vectors, items, users)
+        if stats is None:
+            self._check_finite(value)
+        penalty = user_l2_penalty(local_vectors, rows, optim.user_l2)  # this rank's rows
+        self.model.shard.weight.grad = None
+        self.replicas.zero_grad()
+        (loss if penalty is None else loss + penalty).backward()
+        touched = self.step_loss.last_rows  # candidate losses: only the rows the step read (sparse update)
+        if self.model.shard.replicated and self.world_size > 1:
+            # Sums the catalog's and the tower's replicated gradients (and the folded loss sum and row count).
+            summed = self.replicas.reduce(touched, stats)
+            scale = 1.0
+            if stats is not None:  # the shares were taken of the nominal batch: rescale to the real one
+                total_loss, total_rows = summed.tolist()
+                value, scale, rows = total_loss / max(total_rows, 1), rows / max(total_rows, 1), int(total_rows)
+                self._check_finite(value)
+            self.replicas.apply(scale)
+        else:
+            self.replicas.step()  # the tower's replicated tables, if any
+            if touched is not None:
+                self.item_optimizer.step_rows(touched.ids, touched.grad)
+            else:
+                self.item_optimizer.step_dense(self.model.shard.weight.grad)
+        self.step_loss.after_step()
+        self.state.step += 1
+        self.state.first_loss = value if self.state.first_loss is None else self.state.first_loss
+        self.state.last_loss = value
+        return value, rows
+
+    def _check_finite(self, value: float) -> None:
+        if not math.isfinite(value):
+            last = self.checkpointer.last
+            where = f"the last good checkpoint is {last}" if last else "no checkpoint yet"
+            raise FloatingPointError(
+                f"loss is {value} at step {self.state.step + 1} (epoch {self.stream.epoch}); {where}. "
+                "Lower optim.item_lr / optim.user_lr or check the data; the run stopped before updating."
+            )
+
+    def _global_loss(self, local_vectors, items, users) -> tuple[torch.Tensor, float, int]:
+        """Sharded catalog: the loss of the all-gathered global batch against this rank's rows, the same value
+        on every rank; ``(loss, value, rows of the global batch)``."""
+        global_vectors, target = self._gather_batch(local_vectors, items)
         with replicated_inputs():  # the target and the batch are all-gathered: the same on every rank
             loss = self.step_loss(
                 global_vectors,
@@ -299,27 +360,42 @@ class Trainer:
             )
         if self.config.debug.nan_at_step == self.state.step + 1:
             loss = loss * float("nan")
-        value = float(loss.detach())
-        if not math.isfinite(value):
-            last = self.checkpointer.last
-            where = f"the last good checkpoint is {last}" if last else "no checkpoint yet"
-            raise FloatingPointError(
-                f"loss is {value} at step {self.state.step + 1} (epoch {self.stream.epoch}); {where}. "
-                "Lower optim.item_lr / optim.user_lr or check the data; the run stopped before updating."
+        return loss, float(loss.detach()), int(target.numel())
+
+    def _local_loss(self, local_vectors, items, users):
+        """Replicated catalog: this rank's rows against the whole catalog, no collective in the loss.
+
+        Returns ``(share, value, rows, stats)``: ``share`` is this rank's share of the global batch's mean loss
+        (the shares of all ranks add up to the global loss, so their gradients add up to its gradient),
+        ``value`` the global mean and ``rows`` the global batch's rows. The loss sum and row count cross ranks
+        once so that every rank sees the same value (and the same NaN): folded into the gradient all-reduce
+        after backward when nothing is updated inside backward (``stats`` float32[2] is then this rank's
+        ``[sum, rows]``, ``share`` is taken of the nominal batch and ``value`` is None until the sum arrives),
+        else in a small all-reduce before backward (``stats`` None)."""
+        rows = items.numel()
+        if rows:
+            positives = None if self.user_positives is None else self.user_positives[users].to(self.device)
+            mean = self.step_loss(
+                local_vectors,
+                items,
+                self.model.shard.weight,
+                group=None,
+                chunk_size=self.config.train.chunk_size,
+                step=self.state.step,
+                positives=positives,
             )
-        penalty = user_l2_penalty(local_vectors, int(target.numel()), optim.user_l2)  # this rank's rows
-        self.model.shard.weight.grad = None
-        (loss if penalty is None else loss + penalty).backward()
-        touched = self.step_loss.last_rows  # candidate losses: only the rows the step read (sparse update)
-        if touched is not None:
-            self.item_optimizer.step_rows(touched.ids, touched.grad)
-        else:
-            self.item_optimizer.step_dense(self.model.shard.weight.grad)
-        self.step_loss.after_step()
-        self.state.step += 1
-        self.state.first_loss = value if self.state.first_loss is None else self.state.first_loss
-        self.state.last_loss = value
-        return value, int(target.numel())
+            local_sum = mean * rows
+        else:  # an empty last batch: still part of the step's collectives (and of a sharded tower's backward)
+            local_sum = local_vectors.sum() * 0.0
+        if self.config.debug.nan_at_step == self.state.step + 1:
+            local_sum = local_sum * float("nan")
+        totals = torch.stack([local_sum.detach().float(), torch.tensor(float(rows), device=self.device)])
+        if self.replicas.folds_loss:
+            nominal = self.config.train.batch_size
+            return local_sum / nominal, None, nominal, totals
+        total_loss, total_rows = all_reduce_no_grad(totals.double(), self.group).tolist()
+        total_rows = max(int(total_rows), 1)
+        return local_sum / total_rows, total_loss / total_rows, total_rows, None
 
     def _gather_batch(self, local_vectors: torch.Tensor, items: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The global batch's user vectors float[B', d] and positives int64[B'] in one all-gather (each rank's

@@ -4,6 +4,7 @@ checkpoint on any number of workers: the checkpoint reshards through DCP)."""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +42,9 @@ def load_trained_model(config: Config, checkpoint: str | None = None) -> tuple[M
         raise FileNotFoundError(f"no complete checkpoint in {Path(config.run_dir) / 'checkpoints'}")
     device = worker_device(config.train.device)
     init_control_group()
+    # Evaluation and export read each table by the rows a rank owns: the sharded layout holds exactly those
+    # (a checkpoint loads into any layout), without a replica of every table on every worker.
+    config = dataclasses.replace(config, model=dataclasses.replace(config.model, layout="sharded"))
     model = build_model(config, group, device=device)
     parts = {"tower": TowerState(model.tower), "catalog": CatalogWeights(model.shard)}
     checkpointer = Checkpointer(config.run_dir, parts, every=None, keep=1, identity=model_identity(config, model))

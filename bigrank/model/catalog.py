@@ -1,20 +1,30 @@
-"""The item-parallel ("vocab-parallel") catalog: each rank owns a contiguous range of item rows.
+"""The item catalog of one rank: the rows of the item embedding matrix it holds, sharded or replicated.
 
-Full-catalog losses score the all-gathered user vectors of the global batch against the local rows only
-(``CatalogShard.scores``) and exchange per-row statistics (see ``bigrank.losses``). Evaluation ranks the whole
-catalog with ``distributed_topk``: each rank's top-K values and ids are gathered, never the B x n scores.
+Two layouts (``bigrank.model.layout`` decides which, per run):
+
+* **sharded** (item-parallel, "vocab-parallel"): each rank holds a contiguous row range; full-catalog losses
+  score the all-gathered user vectors of the global batch against the local rows only and exchange per-row
+  statistics (see ``bigrank.losses``);
+* **replicated**: every rank holds every row, scores its own batch rows against the whole catalog with no
+  collective in the loss, and the trainer all-reduces the catalog's gradient.
+
+Whatever the layout, each rank *owns* the rows ``shard_range(n, rank, W)`` (:meth:`CatalogShard.owned`): the
+rows it checkpoints, exports and ranks in evaluation, so checkpoints, exports and evaluation do not depend on
+the layout. Evaluation ranks the whole catalog with ``distributed_topk``: each rank's top-K values and ids are
+gathered, never the B x n scores.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from bigrank.distributed.collectives import all_gather_no_grad, group_rank, group_size, is_distributed
-from bigrank.losses.scores import score_matrix
 
-__all__ = ["CatalogShard", "distributed_topk", "shard_range"]
+__all__ = ["CatalogShard", "CatalogView", "distributed_topk", "gather_owned_rows", "owned_range", "shard_range"]
 
 
 def shard_range(num_items: int, rank: int, world_size: int) -> tuple[int, int]:
@@ -27,18 +37,61 @@ def shard_range(num_items: int, rank: int, world_size: int) -> tuple[int, int]:
     return start, start + base + (1 if rank < extra else 0)
 
 
+def owned_range(num_rows: int, group: dist.ProcessGroup | None) -> tuple[int, int]:
+    """The rows ``[start, stop)`` of a ``num_rows`` table this rank owns in ``group`` (``shard_range``)."""
+    return shard_range(num_rows, group_rank(group), group_size(group))
+
+
+@torch.no_grad()
+def gather_owned_rows(tensor: torch.Tensor, group: dist.ProcessGroup | None) -> None:
+    """Make a replicated row-aligned ``tensor`` (``[num_rows, ...]``, every row held) whole on every rank from the
+    rows each rank owns (``owned_range``), e.g. after a checkpoint load wrote only those; collective."""
+    if not is_distributed(group):
+        return
+    world, rows = group_size(group), tensor.shape[0]
+    ranges = [shard_range(rows, r, world) for r in range(world)]
+    widest = max(stop - start for start, stop in ranges)
+    start, stop = ranges[group_rank(group)]
+    mine = tensor.new_zeros((widest, *tensor.shape[1:]))
+    mine[: stop - start] = tensor[start:stop]
+    gathered = all_gather_no_grad(mine, group, [widest] * world).view(world, widest, *tensor.shape[1:])
+    for r, (first, last) in enumerate(ranges):
+        tensor[first:last] = gathered[r, : last - first]
+
+
+@dataclass
+class CatalogView:
+    """Rows ``[start, stop)`` of the ``[num_items, dim]`` item matrix: ``weight`` float[stop - start, dim] (a
+    view of the live parameter's data)."""
+
+    start: int
+    stop: int
+    num_items: int
+    dim: int
+    weight: torch.Tensor
+
+    @property
+    def num_local(self) -> int:
+        return self.stop - self.start
+
+
 class CatalogShard(nn.Module):
-    """This rank's rows ``[start, stop)`` of the item embedding matrix ``[num_items, dim]``.
+    """The rows of the item embedding matrix ``[num_items, dim]`` that this rank holds.
 
     Args:
         num_items: size of the full catalog n.
         dim: embedding dimension d.
-        group: process group the catalog is split over (None: one process owns everything).
+        group: process group the catalog belongs to (None: one process owns everything).
+        replicated: hold every row (``[0, n)``) rather than the owned range; the loss then runs without a
+            group (:attr:`loss_group` is None) and the trainer all-reduces the gradient.
         init_std: items are initialised N(0, init_std^2) from ``seed``, row by row in global order, so the
-            full matrix is the same whatever the number of ranks.
-        bounds: explicit ``(start, stop)`` for uneven splits; the default is ``shard_range``.
+            full matrix is the same whatever the number of ranks and the layout.
+        bounds: explicit owned ``(start, stop)`` for uneven splits; the default is ``shard_range``.
         device: where the rows live (this worker's device, ``bigrank.devices.worker_device``); they are drawn
             on the CPU (the same values on every device) and copied there once.
+
+    ``start``/``stop``/``weight`` are the rows held (what the loss scores, at column offset ``start``);
+    :meth:`owned` the rows owned (what checkpoints, exports and evaluation read).
     """
 
     def __init__(
@@ -47,6 +100,7 @@ class CatalogShard(nn.Module):
         dim: int,
         group: dist.ProcessGroup | None = None,
         *,
+        replicated: bool = False,
         init_std: float = 0.1,
         seed: int = 0,
         bounds: tuple[int, int] | None = None,
@@ -58,15 +112,17 @@ class CatalogShard(nn.Module):
             raise ValueError(f"num_items and dim must be >= 1, got num_items={num_items}, dim={dim}")
         self.num_items, self.dim, self.group = int(num_items), int(dim), group
         self.rank, self.world_size = group_rank(group), group_size(group)
+        self.replicated = bool(replicated)
         start, stop = bounds if bounds is not None else shard_range(num_items, self.rank, self.world_size)
         if not 0 <= start <= stop <= num_items:
             raise ValueError(f"shard bounds [{start}, {stop}) must lie inside [0, {num_items})")
-        self.start, self.stop = int(start), int(stop)
+        self.owned_start, self.owned_stop = int(start), int(stop)
+        self.start, self.stop = (0, self.num_items) if self.replicated else (self.owned_start, self.owned_stop)
         self.weight = nn.Parameter(self._initial_rows(init_std, seed, dtype).to(device))
 
     def _initial_rows(self, init_std: float, seed: int, dtype: torch.dtype) -> torch.Tensor:
-        # Generate the rows of this shard only, in fixed blocks of the global matrix, so that any split of the
-        # catalog yields the same full matrix without materialising it on every rank.
+        # Generate the held rows only, in fixed blocks of the global matrix, so that any split of the catalog
+        # yields the same full matrix without materialising it on every rank.
         block = 65_536
         rows = []
         for first in range(self.start // block * block, self.stop, block):
@@ -79,25 +135,38 @@ class CatalogShard(nn.Module):
 
     @property
     def num_local(self) -> int:
+        """Rows held."""
         return self.stop - self.start
 
-    def scores(self, user_vectors: torch.Tensor, chunk_size: int | str | None = None, dtype: torch.dtype | None = None):
-        """Scores of the (all-gathered) user vectors ``[B, d]`` against the local rows.
+    @property
+    def loss_group(self) -> dist.ProcessGroup | None:
+        """The group a loss over these rows spans: the catalog's group when sharded, none when replicated."""
+        return None if self.replicated else self.group
 
-        Returns ``[B, n_local]`` (columns ``[start, stop)`` of the full matrix), or with ``chunk_size`` (items,
-        or ``"auto"``) a ``ChunkedScores`` that full-catalog losses read a chunk of items at a time, so that the
-        ``B x n_local`` matrix never exists at once (scores are recomputed in backward); see ``score_matrix``.
-        ``dtype``: the score dtype (``Precision.score_dtype``: bf16 GEMMs for ``train.precision=bf16``).
-        """
-        if user_vectors.dim() != 2 or user_vectors.shape[1] != self.dim:
-            raise ValueError(f"user_vectors must have shape [B, {self.dim}], got {tuple(user_vectors.shape)}")
-        if user_vectors.device != self.weight.device:
-            raise ValueError(f"user_vectors are on {user_vectors.device}, the catalog rows on {self.weight.device}")
-        return score_matrix(user_vectors, self.weight, chunk_size, dtype)
+    def owned_rows(self, tensor: torch.Tensor) -> torch.Tensor:
+        """The owned rows of a row-aligned tensor of the held rows (the weight, an optimizer's accumulator):
+        a view, ``[owned_stop - owned_start, ...]``."""
+        return tensor[self.owned_start - self.start : self.owned_stop - self.start]
+
+    def owned(self) -> CatalogView:
+        """The rows this rank owns ``[owned_start, owned_stop)`` (all it holds when sharded)."""
+        return CatalogView(
+            self.owned_start, self.owned_stop, self.num_items, self.dim, self.owned_rows(self.weight.data)
+        )
+
+    def fill_from_owned(self, tensor: torch.Tensor) -> None:
+        """Replicated catalog: make every rank's copy of the row-aligned ``tensor`` (held rows) whole from the
+        rows each rank owns (after a checkpoint load wrote only those); collective. Sharded: nothing to do."""
+        if not self.replicated:
+            return
+        if (self.owned_start, self.owned_stop) != owned_range(self.num_items, self.group):
+            raise ValueError("fill_from_owned needs the default shard_range split of the owned rows")
+        gather_owned_rows(tensor, self.group)
 
     def extra_repr(self) -> str:
+        layout = "replicated" if self.replicated else "sharded"
         rows = f"[{self.start}, {self.stop})"
-        return f"num_items={self.num_items}, dim={self.dim}, rows={rows}, world_size={self.world_size}"
+        return f"num_items={self.num_items}, dim={self.dim}, rows={rows}, {layout}, world_size={self.world_size}"
 
 
 @torch.no_grad()

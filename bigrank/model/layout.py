@@ -1,0 +1,234 @@
+"""Which tables a worker holds whole (*replicated*) and which it row-shards, decided once per run by cost.
+
+Three tables can each take either layout: the item ``catalog``, the ``user_table`` and the ``history_table``
+of the user tower.
+
+* **sharded**: each worker holds ``~n/W`` rows. The catalog scores the all-gathered user vectors of the global
+  batch against its rows and the loss exchanges per-row statistics; the tower's tables are torchrec row-wise
+  shards (ids and pooled rows travel by all-to-all). Bytes per step grow with the batch, never with the table.
+* **replicated**: each worker holds every row and computes its own batch rows alone (the catalog's loss runs
+  with no group; the tower's tables are torchrec ``DATA_PARALLEL``); the gradients of all replicated tables are
+  summed in one all-reduce per step. Bytes per step grow with the table, the number of collectives does not.
+
+The cost of one step under each assignment is predicted from the run's shapes and this machine's measured
+constants (:func:`measure_link`):
+
+    seconds = collectives * latency + bytes / bandwidth + updated elements * update_seconds
+
+``bytes`` is what one worker sends: ring collectives move ``(W - 1) / W`` of the gathered payload
+(all-gather, reduce-scatter, all-to-all) and ``2 (W - 1) / W`` of an all-reduced one (Thakur, Rabenseifner &
+Gropp 2005, "Optimization of collective communication operations in MPICH"). Compute that is the same in both
+layouts (the score GEMMs: ``B x n/W`` sharded, ``B/W x n`` replicated) is left out; the dense optimizer
+pass over a replicated table is not (every worker updates every row). ``auto`` takes the cheapest of all
+assignments; :func:`format_layout_plan` prints them all, so a user sees why.
+"""
+
+from __future__ import annotations
+
+import itertools
+import statistics
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from bigrank.distributed.collectives import group_size, is_distributed
+
+__all__ = [
+    "LAYOUTS",
+    "TABLES",
+    "Link",
+    "StepShape",
+    "choose_layouts",
+    "format_layout_plan",
+    "measure_link",
+    "predict_step",
+]
+
+LAYOUTS = ("replicated", "sharded")
+TABLES = ("catalog", "user_table", "history_table")
+FLOAT_BYTES = 4
+ID_BYTES = 8
+# Collectives of one step that do not depend on the table sizes. Sharded catalog: the all-gather of the user
+# vectors and targets, its backward reduce-scatter, and the loss's per-row statistics (full-catalog losses:
+# the positive's score, the merged top-k and support sums, the second pass of rankmax/sparsemax; sampled
+# softmax: the log-sum-exp terms). Row-wise sharded tower: torchrec's all-to-alls of the lengths and ids and of
+# the pooled rows, and the pooled rows' gradients in backward. Replicated catalog: the step's loss and row count
+# (before backward, so every worker stops on the same NaN) and the gradient all-reduce.
+SHARDED_CATALOG_COLLECTIVES = 2
+LOSS_COLLECTIVES = {"full": 3, "sampled": 2}
+SHARDED_TOWER_COLLECTIVES = 4
+REPLICATED_COLLECTIVES = 2
+ROW_STATISTICS = 4  # float64 values per row in the loss's exchanges (top-k of 1-2, support sum and size)
+
+
+@dataclass(frozen=True)
+class Link:
+    """This machine's measured constants (:func:`measure_link`)."""
+
+    latency_s: float  # one small all-reduce (8 bytes), median
+    bandwidth_bytes_s: float  # bytes one worker sends per second in a 4 MiB all-reduce
+    update_s_per_element: float  # a dense row-wise Adagrad step, per float updated
+
+    def describe(self) -> str:
+        bandwidth = "∞" if self.bandwidth_bytes_s == float("inf") else f"{self.bandwidth_bytes_s / 1e9:.2f} GB/s"
+        return (
+            f"collective latency {self.latency_s * 1e6:.0f} µs, bandwidth {bandwidth}, dense update "
+            f"{self.update_s_per_element * 1e9:.2f} ns/element"
+        )
+
+
+@dataclass(frozen=True)
+class StepShape:
+    """What one training step moves: the run's sizes (from the config and the dataset manifest)."""
+
+    world_size: int
+    batch_size: int  # global batch B
+    dim: int
+    num_items: int
+    num_users: int
+    history: bool = False
+    mean_history: float = 0.0  # mean number of train items per user (history bag length)
+    full_catalog: bool = True  # every item scored (else: sampled candidates)
+    num_negatives: int = 0  # sampled candidates per step
+
+
+@dataclass
+class TableCost:
+    """Predicted cost of one table's layout in one step, per worker."""
+
+    collectives: int = 0
+    bytes: float = 0.0
+    update_elements: float = 0.0
+    notes: list[str] = field(default_factory=list)
+
+    def seconds(self, link: Link) -> float:
+        return (
+            self.collectives * link.latency_s
+            + self.bytes / link.bandwidth_bytes_s
+            + self.update_elements * link.update_s_per_element
+        )
+
+
+def _ring(world: int) -> tuple[float, float]:
+    """Fractions of the payload one worker sends in a ring all-gather and a ring all-reduce."""
+    return (world - 1) / world, 2 * (world - 1) / world
+
+
+def predict_step(shape: StepShape, layout: dict[str, str]) -> TableCost:
+    """Collectives, bytes sent and elements updated by one worker in one step under ``layout`` ({table: layout};
+    ``history_table`` only when the tower has one)."""
+    world, batch, dim = shape.world_size, shape.batch_size, shape.dim
+    gather, reduce = _ring(world)
+    local = batch / world
+    cost = TableCost()
+    kind = "full" if shape.full_catalog else "sampled"
+    if layout["catalog"] == "sharded":
+        cost.collectives += SHARDED_CATALOG_COLLECTIVES + LOSS_COLLECTIVES[kind]
+        cost.bytes += gather * batch * (2 * dim * FLOAT_BYTES + ID_BYTES)  # vectors + targets, then their grads
+        cost.bytes += LOSS_COLLECTIVES[kind] * gather * batch * ROW_STATISTICS * 8
+        cost.update_elements += shape.num_items / world * dim if shape.full_catalog else 0
+    else:
+        cost.collectives += REPLICATED_COLLECTIVES
+        if shape.full_catalog:
+            cost.bytes += reduce * shape.num_items * dim * FLOAT_BYTES
+            cost.update_elements += shape.num_items * dim
+        else:  # the touched rows (each worker's positives and negatives) are all-gathered
+            cost.bytes += gather * world * (local + shape.num_negatives) * (dim + 1) * FLOAT_BYTES
+    tower = [("user_table", shape.num_users, 1.0)]
+    if shape.history:
+        tower.append(("history_table", shape.num_items, max(shape.mean_history, 1.0)))
+    if any(layout[table] == "sharded" for table, _, _ in tower):
+        cost.collectives += SHARDED_TOWER_COLLECTIVES
+    for table, rows, ids_per_user in tower:
+        if layout[table] == "sharded":
+            cost.bytes += gather * local * (ids_per_user * ID_BYTES + 2 * dim * FLOAT_BYTES)
+        else:
+            cost.bytes += reduce * rows * dim * FLOAT_BYTES
+            cost.update_elements += rows * dim
+            if layout["catalog"] == "sharded":
+                cost.collectives += 0 if table != tower[0][0] and layout[tower[0][0]] == "replicated" else 1
+    if world == 1:
+        cost.collectives, cost.bytes = 0, 0.0
+    return cost
+
+
+def _assignments(shape: StepShape) -> list[dict[str, str]]:
+    tables = TABLES if shape.history else TABLES[:2]
+    return [dict(zip(tables, choice, strict=True)) for choice in itertools.product(LAYOUTS, repeat=len(tables))]
+
+
+def choose_layouts(shape: StepShape, requested: dict[str, str], link: Link) -> dict[str, str]:
+    """The layout of each table: ``requested`` ({table: "auto" | "replicated" | "sharded"}) where it is not
+    ``auto``, else the assignment of least predicted seconds among those that keep the requested tables fixed.
+    One worker: everything ``sharded`` (one shard is the whole table: today's path, no data-parallel kernels)."""
+    tables = TABLES if shape.history else TABLES[:2]
+    for table in tables:
+        if requested.get(table, "auto") not in ("auto", *LAYOUTS):
+            raise ValueError(f"layout of {table} must be auto, replicated or sharded, got {requested[table]!r}")
+    if shape.world_size == 1:
+        return dict.fromkeys(tables, "sharded")
+    fits = [a for a in _assignments(shape) if all(requested.get(t, "auto") in ("auto", a[t]) for t in tables)]
+    return min(fits, key=lambda a: (predict_step(shape, a).seconds(link), list(a.values()).count("replicated")))
+
+
+def format_layout_plan(shape: StepShape, requested: dict[str, str], chosen: dict[str, str], link: Link) -> str:
+    """The plan's layout section: the measured constants, every assignment's predicted cost, the chosen one."""
+    lines = [
+        f"layout ({shape.world_size} workers, global batch {shape.batch_size}, d {shape.dim}, "
+        f"{shape.num_items:,} items, {shape.num_users:,} users, "
+        f"{'full catalog' if shape.full_catalog else f'{shape.num_negatives:,} sampled negatives'})",
+        f"  measured: {link.describe()}",
+        "  requested: " + ", ".join(f"{t} {requested.get(t, 'auto')}" for t in chosen),
+        f"  {'assignment':<52}{'collectives':>12}{'MB sent':>10}{'M updated':>11}{'predicted ms':>14}",
+    ]
+    for assignment in _assignments(shape):
+        cost = predict_step(shape, assignment)
+        mark = "  <- chosen" if assignment == chosen else ""
+        name = ", ".join(f"{t} {v[:4]}" for t, v in assignment.items())
+        lines.append(
+            f"  {name:<52}{cost.collectives:>12}{cost.bytes / 1e6:>10.2f}{cost.update_elements / 1e6:>11.2f}"
+            f"{cost.seconds(link) * 1e3:>14.2f}{mark}"
+        )
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------------- measurement
+def _timed(fn, repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - started)
+    return statistics.median(times)
+
+
+@torch.no_grad()
+def measure_link(group: dist.ProcessGroup | None, device: torch.device | str = "cpu") -> Link:
+    """This machine's collective latency and bandwidth over ``group`` and its dense-update speed (collective;
+    ~0.1 s). Every figure is the maximum over the workers, so every worker decides the same layouts."""
+    device = torch.device(device)
+    rows, dim = 16_384, 64  # a 4 MiB table
+    weight, grad = torch.randn(rows, dim, device=device), torch.randn(rows, dim, device=device)
+    accumulator = torch.zeros(rows, device=device)
+
+    def update() -> None:  # what a dense row-wise Adagrad step does to every row (bigrank.train.item_optim)
+        accumulator.add_(grad.square().mean(dim=1))
+        weight.addcdiv_(grad, accumulator.sqrt().add_(1e-8).unsqueeze(1), value=-1e-3)
+        grad.mul_(1.0)  # the gradient buffer is written once a step too
+
+    update()
+    update_s = _timed(update, 5) / (rows * dim)
+    latency, bandwidth = 0.0, float("inf")
+    if is_distributed(group):
+        small, large = torch.zeros(1, dtype=torch.float64, device=device), torch.zeros(1 << 20, device=device)
+        dist.all_reduce(small, group=group)
+        latency = _timed(lambda: dist.all_reduce(small, group=group), 20)
+        seconds = max(_timed(lambda: dist.all_reduce(large, group=group), 5) - latency, 1e-9)
+        bandwidth = _ring(group_size(group))[1] * large.numel() * FLOAT_BYTES / seconds
+    figures = torch.tensor([latency, 1.0 / bandwidth, update_s], dtype=torch.float64, device=device)
+    if is_distributed(group):
+        dist.all_reduce(figures, op=dist.ReduceOp.MAX, group=group)
+    latency, inverse_bandwidth, update_s = figures.tolist()
+    return Link(latency, 1.0 / inverse_bandwidth if inverse_bandwidth else float("inf"), update_s)
