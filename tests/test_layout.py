@@ -61,7 +61,8 @@ def test_the_plan_lists_every_assignment_and_marks_the_chosen_one():
     shape = _shape(history=True, mean_history=40.0)
     chosen = choose_layouts(shape, ALL, LINK)
     text = format_layout_plan(shape, ALL, chosen, LINK)
-    assert text.count("<- chosen") == 1 and len([line for line in text.splitlines() if line.startswith("  catalog ")]) == 8
+    rows = [line for line in text.splitlines() if line.startswith("  catalog ")]
+    assert text.count("<- chosen") == 1 and len(rows) == 8
     assert "collective latency 175 µs" in text
 
 
@@ -84,8 +85,13 @@ def _config(root, run_dir, layout, workers=2, **sections):
         "workers": workers,
         "model": {"dim": 8, "history": True, "layout": layout},
         "loss": {"name": "rankmax"},
-        "optim": {"user_optimizer": "rowwise_adagrad", "user_lr": 0.1, "item_lr": 0.1, "item_optimizer": "adagrad",
-                  "user_l2": 0.01},  # fmt: skip
+        "optim": {
+            "user_optimizer": "rowwise_adagrad",
+            "user_lr": 0.1,
+            "item_lr": 0.1,
+            "item_optimizer": "adagrad",
+            "user_l2": 0.01,
+        },  # fmt: skip
         "train": {"batch_size": 120, "epochs": 2, "max_steps": 8, "log_every": 1, "progress": False},
         "eval": {"every_epochs": None, "at_end": False, "ks": [10], "splits": ["valid"]},
     }
