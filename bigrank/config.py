@@ -46,6 +46,11 @@ __all__ = [
 ]
 
 
+# The tables whose layout ``model.layout`` sets, and the layouts (bigrank.model.layout decides "auto").
+LAYOUT_TABLES = ("catalog", "user_table", "history_table")
+LAYOUTS = ("replicated", "sharded")
+
+
 def _choices(*values: str, doc: str = "") -> dict:
     return {"choices": values, "doc": doc}
 
@@ -383,9 +388,7 @@ def validate(config: Config) -> Config:
 def requested_layouts(model: ModelConfig) -> dict[str, str]:
     """``model.layout`` as ``{table: "auto" | "replicated" | "sharded"}`` for each table the model has (the
     history table only with ``model.history``); raises ConfigError naming the key of a bad value."""
-    from bigrank.model.layout import LAYOUTS, TABLES
-
-    tables = TABLES if model.history else tuple(t for t in TABLES if t != "history_table")
+    tables = LAYOUT_TABLES if model.history else tuple(t for t in LAYOUT_TABLES if t != "history_table")
     choices = ("auto", *LAYOUTS)
     layout = model.layout
     if isinstance(layout, str):

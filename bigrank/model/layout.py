@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from bigrank.config import LAYOUT_TABLES, LAYOUTS
 from bigrank.distributed.collectives import group_size, is_distributed
 
 __all__ = [
@@ -46,8 +47,7 @@ __all__ = [
     "predict_step",
 ]
 
-LAYOUTS = ("replicated", "sharded")
-TABLES = ("catalog", "user_table", "history_table")
+TABLES = LAYOUT_TABLES
 FLOAT_BYTES = 4
 ID_BYTES = 8
 # Collectives of one step that do not depend on the table sizes. Sharded catalog: the all-gather of the user
