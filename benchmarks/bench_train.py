@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -48,19 +49,31 @@ ROOT = Path(__file__).resolve().parents[1]
 FULL_CATALOG = {"rankmax": rankmax_loss, "softmax": softmax_loss, "sparsemax": sparsemax_loss}
 
 
-def bigrank_examples_per_s(config_path: str, data: str, steps: int, log_every: int, workers: int) -> float:
+def chosen_layout(run_dir) -> str:
+    """The layout a run used, from its plan.txt ("catalog repl, user_table shar" …; "one shard" for 1 worker)."""
+    for line in (Path(run_dir) / "plan.txt").read_text().splitlines():
+        if line.rstrip().endswith("<- chosen"):
+            return " ".join(line.split()[:-6]).replace(",", "")  # the assignment, without the cost columns
+    return "one shard"
+
+
+def bigrank_examples_per_s(
+    config_path: str, data: str, steps: int, log_every: int, workers: int, layout: str = "auto"
+) -> tuple[float, str]:
+    """``(examples/s without the first logging window, the layout the run used)``."""
     with tempfile.TemporaryDirectory() as run_dir:
         command = [
             sys.executable, "-m", "bigrank.cli", "train", config_path, "--launcher", "local",
             "--set", f"workers={workers}", "--set", f"data.root={data}", "--set", f"run_dir={run_dir}",
-            "--set", f"train.max_steps={steps}",
+            "--set", f"train.max_steps={steps}", "--set", f"model.layout={layout}",
             "--set", f"train.log_every={log_every}", "--set", "eval.every_epochs=0", "--set", "eval.at_end=false",
             "--set", "train.progress=false", "--set", f"train.checkpoint_every={steps}",
         ]  # fmt: skip
         subprocess.run(command, check=True, cwd=ROOT, stdout=subprocess.DEVNULL)
         records = [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+        chosen = chosen_layout(run_dir)
     rates = [r["examples_per_s"] for r in records if r.get("type") == "train"][1:]  # drop the warm-up window
-    return float(np.median(rates))
+    return float(np.median(rates)), chosen
 
 
 def plain_examples_per_s(config, data: str, steps: int) -> float:
@@ -209,8 +222,11 @@ def _peak_rss_gb(pid: int) -> float | None:
     return None
 
 
-def bigrank_ml1b(data, loss_name, batch, negatives, dim, steps, precision="fp32") -> tuple[float, list[float]]:
-    """bigrank train with 2 local workers: (examples/s without the first logging window, peak RSS per worker GB)."""
+def bigrank_ml1b(
+    data, loss_name, batch, negatives, dim, steps, precision="fp32", layout="auto"
+) -> tuple[float, list[float], str]:
+    """bigrank train with 2 local workers: (examples/s without the first logging window, peak RSS per worker GB,
+    the layout the run used)."""
     import threading
 
     import yaml
@@ -224,7 +240,7 @@ def bigrank_ml1b(data, loss_name, batch, negatives, dim, steps, precision="fp32"
             "data": {"root": data},
             "run_dir": run_dir,
             "workers": 2,
-            "model": {"dim": dim},
+            "model": {"dim": dim, "layout": layout},
             "loss": loss,
             "optim": {"user_optimizer": "rowwise_adagrad", "item_optimizer": "rowwise_adagrad"},
             "train": {"batch_size": batch, "max_steps": steps, "log_every": log_every, "progress": False,
@@ -251,9 +267,10 @@ def bigrank_ml1b(data, loss_name, batch, negatives, dim, steps, precision="fp32"
             raise RuntimeError(f"bigrank train failed for {loss_name} (exit {process.returncode})")
         watcher.join()
         records = [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+        chosen = chosen_layout(run_dir)
     rates = [r["examples_per_s"] for r in records if r.get("type") == "train"][1:]
     workers = sorted(peaks.values(), reverse=True)[:2]  # the two workers are the largest processes
-    return float(np.median(rates)), workers
+    return float(np.median(rates)), workers, chosen
 
 
 def run_ml1b(args) -> None:
@@ -267,24 +284,29 @@ def run_ml1b(args) -> None:
         columns = num_items if loss_name not in SAMPLED_LOSSES else args.negatives
         floor = gemm_floor_seconds(args.batch, columns, args.dim)
         plain = plain_ml1b_seconds_per_step(data, loss_name, args.batch, args.negatives, args.dim, min(steps, 12))
-        ours, peaks = bigrank_ml1b(data, loss_name, args.batch, args.negatives, args.dim, steps)
-        bf16 = None
-        if args.bf16:
-            bf16 = bigrank_ml1b(data, loss_name, args.batch, args.negatives, args.dim, steps, "bf16")[0]
-        rows.append((loss_name, args.batch / floor, args.batch / plain, ours, peaks, bf16))
-        rates = f"floor {args.batch / floor:,.0f}, plain {args.batch / plain:,.0f}, bigrank {ours:,.0f}"
-        rates += f", bigrank bf16 {bf16:,.0f}" if bf16 else ""
-        print(f"  {loss_name}: {rates} examples/s", flush=True)
+        for layout in args.layouts.split(","):
+            ours, peaks, chosen = bigrank_ml1b(
+                data, loss_name, args.batch, args.negatives, args.dim, steps, layout=layout
+            )
+            bf16 = None
+            if args.bf16:
+                bf16 = bigrank_ml1b(data, loss_name, args.batch, args.negatives, args.dim, steps, "bf16", layout)[0]
+            label = f"{layout} ({chosen})" if layout == "auto" else layout
+            rows.append((loss_name, label, args.batch / floor, args.batch / plain, ours, peaks, bf16))
+            rates = f"floor {args.batch / floor:,.0f}, plain {args.batch / plain:,.0f}, bigrank {ours:,.0f}"
+            rates += f", bigrank bf16 {bf16:,.0f}" if bf16 else ""
+            print(f"  {loss_name}, layout {label}: {rates} examples/s", flush=True)
     print(f"\nML-1B ({data}): {num_items:,} items, d={args.dim}, global batch {args.batch}, "
           f"{args.negatives:,} sampled negatives, {steps} bigrank steps; machine load shared: ratios only")  # fmt: skip
-    header = (f"{'loss':<20}{'GEMM floor ex/s':>16}{'plain ex/s':>12}{'bigrank ex/s':>14}{'vs plain':>10}"
-              f"{'floor/bigrank':>15}{'peak RSS GB/worker':>20}{'epoch h':>9}")  # fmt: skip
+    print(f"machine load (1/5/15 min): {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
+    header = (f"{'loss':<20}{'layout':<46}{'GEMM floor ex/s':>16}{'plain ex/s':>12}{'bigrank ex/s':>14}"
+              f"{'vs plain':>10}{'floor/bigrank':>15}{'peak RSS GB/worker':>20}{'epoch h':>9}")  # fmt: skip
     print(header + (f"{'bf16 ex/s':>11}{'bf16 vs plain':>15}" if args.bf16 else ""))
-    for loss_name, floor, plain, ours, peaks, bf16 in rows:
+    for loss_name, label, floor, plain, ours, peaks, bf16 in rows:
         epoch = f"{train_rows / ours / 3600:9.1f}" if train_rows else f"{'?':>9}"
         rss = "/".join(f"{p:.2f}" for p in peaks) or "?"
         extra = f"{bf16:>11,.0f}{bf16 / plain:>15.2f}" if bf16 else ""
-        print(f"{loss_name:<20}{floor:>16,.0f}{plain:>12,.0f}{ours:>14,.0f}{ours / plain:>10.2f}"
+        print(f"{loss_name:<20}{label:<46}{floor:>16,.0f}{plain:>12,.0f}{ours:>14,.0f}{ours / plain:>10.2f}"
               f"{floor / ours:>15.2f}{rss:>20}{epoch}{extra}")  # fmt: skip
 
 
@@ -298,6 +320,11 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=4096, help="ML-1B mode: global batch")
     parser.add_argument("--dim", type=int, default=64, help="ML-1B mode: embedding dimension")
     parser.add_argument("--bf16", action="store_true", help="ML-1B mode: also run bigrank with train.precision=bf16")
+    parser.add_argument(
+        "--layouts",
+        default="auto,replicated,sharded",
+        help="model.layout values to run bigrank with on several workers, comma-separated (auto: the cost model)",
+    )
     args = parser.parse_args()
     torch.set_num_threads(2)
     if args.loss is not None:
@@ -311,16 +338,19 @@ def main() -> None:
     if not (Path(data) / "manifest.json").exists():
         subprocess.run([sys.executable, "-m", "bigrank.cli", "generate", "--preset", "demo", "--out", data], check=True)
     plain = plain_examples_per_s(config, data, args.steps)
-    # The config's worker count, and one worker: at demo size (1,500 items) splitting the catalog over 2
-    # processes on 2 cores costs more in per-step collectives than it saves.
-    counts = sorted({config.workers, 1}, reverse=True)
-    ours = {n: bigrank_examples_per_s(args.config, data, args.steps, max(args.steps // 10, 1), n) for n in counts}
+    # The config's worker count in each layout (auto: the cost model's choice), and one worker.
+    runs = [(config.workers, layout) for layout in args.layouts.split(",")] if config.workers > 1 else []
+    runs.append((1, "auto"))
+    log_every = max(args.steps // 10, 1)
+    ours = {run: bigrank_examples_per_s(args.config, data, args.steps, log_every, *run) for run in runs}
     print(f"{config.loss.name} loss, d={config.model.dim}, global batch {config.train.batch_size}, {args.steps} steps")
-    print(f"{'trainer':<48}{'examples/s':>12}{'ratio':>8}")
-    print(f"{'plain PyTorch loop (1 process, nn.Embedding)':<48}{plain:>12,.0f}{1.0:>8.2f}")
-    for workers, rate in ours.items():
-        label = f"bigrank ({workers} worker{'s' * (workers > 1)}, torchrec + catalog shard)"
-        print(f"{label:<48}{rate:>12,.0f}{rate / plain:>8.2f}")
+    print(f"machine load (1/5/15 min): {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
+    print(f"{'trainer':<84}{'examples/s':>12}{'ratio':>8}")
+    print(f"{'plain PyTorch loop (1 process, nn.Embedding)':<84}{plain:>12,.0f}{1.0:>8.2f}")
+    for (workers, layout), (rate, chosen) in ours.items():
+        label = f"bigrank, {workers} worker{'s' * (workers > 1)}, layout {layout}"
+        label += f" ({chosen})" if workers > 1 and layout == "auto" else ""
+        print(f"{label:<84}{rate:>12,.0f}{rate / plain:>8.2f}")
 
 
 if __name__ == "__main__":

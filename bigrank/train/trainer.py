@@ -41,6 +41,7 @@ from bigrank.data.stream import ParquetStream
 from bigrank.devices import setup_precision, worker_device
 from bigrank.distributed.collectives import all_gather_replicated, all_gather_rows_with_ids, all_reduce_no_grad
 from bigrank.distributed.groups import init_control_group
+from bigrank.memory import keep_freed_memory
 from bigrank.losses.scores import replicated_inputs
 from bigrank.train.checkpoint import Checkpointer, latest_checkpoint, remove_partial_checkpoints
 from bigrank.train.evaluate import write_eval_json
@@ -141,6 +142,7 @@ class Trainer:
         from bigrank.model.sharding import format_plan, silence_torchrec_step_warnings, write_plan
 
         self.config = config = as_config(config)
+        keep_freed_memory()  # every step frees and re-allocates the same buffers (bigrank.memory)
         self.group, self.rank, self.world_size = require_process_group()
         silence_torchrec_step_warnings()
         train_cfg = config.train

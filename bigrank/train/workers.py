@@ -35,6 +35,9 @@ def load_trained_model(config: Config, checkpoint: str | None = None) -> tuple[M
     (collective). Returns ``(model, trainer.json of the checkpoint, its path)``."""
     from bigrank.model.sharding import silence_torchrec_step_warnings
 
+    from bigrank.memory import keep_freed_memory
+
+    keep_freed_memory()  # evaluation batches free and re-allocate the same score blocks (bigrank.memory)
     group, _, _ = require_process_group()
     silence_torchrec_step_warnings()
     path = Path(checkpoint) if checkpoint else latest_checkpoint(config.run_dir)
