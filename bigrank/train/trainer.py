@@ -41,8 +41,8 @@ from bigrank.data.stream import ParquetStream
 from bigrank.devices import setup_precision, worker_device
 from bigrank.distributed.collectives import all_gather_replicated, all_gather_rows_with_ids, all_reduce_no_grad
 from bigrank.distributed.groups import init_control_group
-from bigrank.memory import keep_freed_memory
 from bigrank.losses.scores import replicated_inputs
+from bigrank.memory import keep_freed_memory
 from bigrank.train.checkpoint import Checkpointer, latest_checkpoint, remove_partial_checkpoints
 from bigrank.train.evaluate import write_eval_json
 from bigrank.train.evaluator import Evaluator

@@ -33,9 +33,8 @@ def train_worker(config: Config | dict) -> dict[str, Any]:
 def load_trained_model(config: Config, checkpoint: str | None = None) -> tuple[Model, dict, Path]:
     """The model of a checkpoint (default: the run's newest) on this process group, any worker count
     (collective). Returns ``(model, trainer.json of the checkpoint, its path)``."""
-    from bigrank.model.sharding import silence_torchrec_step_warnings
-
     from bigrank.memory import keep_freed_memory
+    from bigrank.model.sharding import silence_torchrec_step_warnings
 
     keep_freed_memory()  # evaluation batches free and re-allocate the same score blocks (bigrank.memory)
     group, _, _ = require_process_group()
