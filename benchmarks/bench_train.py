@@ -85,7 +85,17 @@ def plain_examples_per_s(config, data: str, steps: int) -> float:
     generator = torch.Generator().manual_seed(0)
     user_table = torch.nn.Embedding(manifest["num_users"], dim)
     item_matrix = torch.nn.Parameter(torch.randn(manifest["num_items"], dim, generator=generator) * 0.1)
-    optimizer = torch.optim.Adagrad([*user_table.parameters(), item_matrix], lr=config.optim.item_lr)
+    parameters = [*user_table.parameters(), item_matrix]
+    history = None
+    if config.model.history:  # the same history tower: the mean of the user's train items' rows
+        order_by_user = torch.argsort(users, stable=True)
+        bag_items = items[order_by_user]
+        counts = torch.bincount(users, minlength=manifest["num_users"])
+        starts = torch.cumsum(counts, 0) - counts
+        history_table = torch.nn.EmbeddingBag(manifest["num_items"], dim, mode="mean")
+        parameters += list(history_table.parameters())
+        history = (history_table, bag_items, starts, counts)
+    optimizer = torch.optim.Adagrad(parameters, lr=config.optim.item_lr)
     loss_fn = FULL_CATALOG[config.loss.name]
     # per-row k (k_fraction) needs the users' train counts: the trainer's job, not the plain loop's
     params = {k: v for k, v in dict(config.loss.params or {}).items() if k != "k_fraction"}
@@ -95,7 +105,16 @@ def plain_examples_per_s(config, data: str, steps: int) -> float:
         if step == steps // 10:  # warm-up steps are not timed
             started = time.perf_counter()
         rows = order[(step * batch) % users.numel() :][:batch]
-        scores = user_table(users[rows]) @ item_matrix.T
+        vectors = user_table(users[rows])
+        if history is not None:
+            history_table, bag_items, starts, counts = history
+            lengths = counts[users[rows]]
+            offsets = torch.cumsum(lengths, 0) - lengths
+            # every bag's positions in bag_items: its user's start plus 0 … length - 1
+            within = torch.arange(int(lengths.sum())) - torch.repeat_interleave(offsets, lengths)
+            bags = bag_items[torch.repeat_interleave(starts[users[rows]], lengths) + within]
+            vectors = vectors + history_table(bags, offsets)
+        scores = vectors @ item_matrix.T
         loss = loss_fn(scores, items[rows], **params)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
@@ -321,6 +340,9 @@ def main() -> None:
     parser.add_argument("--dim", type=int, default=64, help="ML-1B mode: embedding dimension")
     parser.add_argument("--bf16", action="store_true", help="ML-1B mode: also run bigrank with train.precision=bf16")
     parser.add_argument(
+        "--workers", type=int, default=None, help="workers of the multi-worker runs (default: config's)"
+    )
+    parser.add_argument(
         "--layouts",
         default="auto,replicated,sharded",
         help="model.layout values to run bigrank with on several workers, comma-separated (auto: the cost model)",
@@ -339,7 +361,8 @@ def main() -> None:
         subprocess.run([sys.executable, "-m", "bigrank.cli", "generate", "--preset", "demo", "--out", data], check=True)
     plain = plain_examples_per_s(config, data, args.steps)
     # The config's worker count in each layout (auto: the cost model's choice), and one worker.
-    runs = [(config.workers, layout) for layout in args.layouts.split(",")] if config.workers > 1 else []
+    workers = args.workers or config.workers
+    runs = [(workers, layout) for layout in args.layouts.split(",")] if workers > 1 else []
     runs.append((1, "auto"))
     log_every = max(args.steps // 10, 1)
     ours = {run: bigrank_examples_per_s(args.config, data, args.steps, log_every, *run) for run in runs}

@@ -51,13 +51,14 @@ TABLES = LAYOUT_TABLES
 FLOAT_BYTES = 4
 ID_BYTES = 8
 # Collectives of one step that do not depend on the table sizes. Sharded catalog: the all-gather of the user
-# vectors and targets, its backward reduce-scatter, and the loss's per-row statistics (full-catalog losses:
-# the positive's score, the merged top-k and support sums, the second pass of rankmax/sparsemax; sampled
-# softmax: the log-sum-exp terms). Row-wise sharded tower: torchrec's all-to-alls of the lengths and ids and of
+# vectors and targets (with its size exchange), its backward, and the loss's per-row statistics (full-catalog
+# losses: the positive's score, the merged top-k and support sums, the second pass of rankmax/sparsemax;
+# sampled softmax: the positives' scores and the log-sum-exp terms) — 6 to 7 counted on gloo
+# (benchmarks/bench_scaling.py). Row-wise sharded tower: torchrec's all-to-alls of the lengths and ids and of
 # the pooled rows, and the pooled rows' gradients in backward. Replicated catalog: the step's loss and row count
 # (before backward, so every worker stops on the same NaN) and the gradient all-reduce.
-SHARDED_CATALOG_COLLECTIVES = 2
-LOSS_COLLECTIVES = {"full": 3, "sampled": 2}
+SHARDED_CATALOG_COLLECTIVES = 3
+LOSS_COLLECTIVES = {"full": 3, "sampled": 3}
 SHARDED_TOWER_COLLECTIVES = 4
 REPLICATED_COLLECTIVES = 2
 ROW_STATISTICS = 4  # float64 values per row in the loss's exchanges (top-k of 1-2, support sum and size)
