@@ -191,3 +191,17 @@ def test_the_cli_parser_and_a_config_load_without_torch(tmp_path):
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
     assert out.stdout.strip() == "[]", out.stdout + out.stderr
+
+
+def test_distributed_imports_nothing_above_it():
+    """``bigrank.distributed`` holds collectives and process groups: the losses, the model and the trainer build
+    on it, never the other way round (the catalog lives in ``bigrank.model``)."""
+    graph = import_graph()
+    above = ("bigrank.losses", "bigrank.model", "bigrank.train", "bigrank.launch", "bigrank.export")
+    upward = {
+        module: sorted(target for target in targets if target.startswith(above))
+        for module, targets in graph.items()
+        if module.startswith("bigrank.distributed")
+    }
+    assert not any(upward.values()), upward
+    assert any(module.startswith("bigrank.distributed.") for module in upward)  # the package was seen
