@@ -13,6 +13,7 @@ and checked there (types and values), with errors naming the dotted key (``loss.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import functools
 import json
@@ -35,11 +36,13 @@ __all__ = [
     "ConfigError",
     "add_override_argument",
     "apply_overrides",
+    "check",
     "config_from_dict",
     "dump_config",
     "load_config",
     "parse_override",
     "requested_layouts",
+    "resolve",
     "resume_changes",
     "save_config",
     "validate",
@@ -61,6 +64,9 @@ class DataConfig:
     shuffle_buffer: int = 1 << 20  # rows shuffled together by the stream
     prefetch: int = 4  # > 0: a background thread reads the next shuffle window ahead (0: read inline)
 
+    def check(self) -> None:
+        _check(self.shuffle_buffer >= 1, "data.shuffle_buffer", "must be >= 1")
+
 
 @dataclass
 class ModelConfig:
@@ -79,6 +85,29 @@ class ModelConfig:
     # One value for every table, or a mapping {table: value} (tables left out: auto).
     layout: str | dict[str, str] = "auto"
 
+    def check(self) -> None:
+        _check(self.dim >= 4 and self.dim % 4 == 0, "model.dim", f"must be a positive multiple of 4, got {self.dim}")
+        _check(self.init_std is None or self.init_std > 0, "model.init_std", "must be > 0 or null")
+        _check(self.item_init_std > 0, "model.item_init_std", "must be > 0")
+        _check(
+            0 <= self.history_dropout < 1,
+            "model.history_dropout",
+            f"must lie in [0, 1), got {self.history_dropout}",
+        )
+        _check(
+            self.history_sample_size is None or self.history_sample_size >= 1,
+            "model.history_sample_size",
+            f"must be >= 1 or null, got {self.history_sample_size}",
+        )
+        requested_layouts(self)  # raises ConfigError naming the key
+        for key, value, unset in (
+            ("history_dropout", self.history_dropout, 0),
+            ("history_sample_size", self.history_sample_size, None),
+        ):
+            _check(
+                self.history or value == unset, f"model.{key}", "needs model.history: true (a history bag to sample)"
+            )
+
 
 @dataclass
 class WarmupConfig:
@@ -89,6 +118,16 @@ class WarmupConfig:
     temp_start: float = 0.5
     temp_end: float = 0.01
     temp_decay_steps: int = 10_000
+
+    def check(self, main_loss: str) -> None:
+        _check(self.loss in CANDIDATE_LOSSES, "loss.warmup.loss", f"must be one of {', '.join(CANDIDATE_LOSSES)}")
+        _check(main_loss in CANDIDATE_LOSSES, "loss.warmup", "needs a candidate main loss")
+        parse_params(self.loss, self.params, "loss.warmup.params")  # raises naming the parameter
+        for name in ("steps", "blend_steps"):
+            _check(getattr(self, name) >= 0, f"loss.warmup.{name}", "must be >= 0")
+        _check(self.temp_decay_steps >= 1, "loss.warmup.temp_decay_steps", "must be >= 1")
+        _check(self.temp_start > 0, "loss.warmup.temp_start", "must be > 0")
+        _check(self.temp_end > 0, "loss.warmup.temp_end", "must be > 0")
 
 
 @dataclass
@@ -102,6 +141,16 @@ class LossConfig:
     num_negatives: int = 1024  # sampled negatives per step over the whole catalog (split over ranks)
     beta: float = 0.75  # popularity sampler exponent: q ∝ (count + 1)^beta
     warmup: WarmupConfig | None = None
+
+    def check(self) -> None:
+        parse_params(self.name, self.params, "loss.params")  # raises naming the parameter
+        if self.name in FULL_CATALOG_LOSSES:
+            _check(self.candidates in (None, "catalog"), "loss.candidates", f"must be catalog for {self.name!r}")
+            _check(self.warmup is None, "loss.warmup", f"is for candidate losses, not {self.name!r}")
+        _check(self.num_negatives >= 1, "loss.num_negatives", "must be >= 1")
+        _check(self.beta >= 0, "loss.beta", "must be >= 0")
+        if self.warmup is not None:
+            self.warmup.check(self.name)
 
 
 @dataclass
@@ -121,6 +170,14 @@ class OptimConfig:
     lr_warmup_steps: int = 0
     lr_decay: str = field(default="none", metadata=_choices("none", "linear", "cosine"))
     lr_final_ratio: float = 0.0  # lr of the last step / base lr, with lr_decay linear or cosine
+
+    def check(self) -> None:
+        _check(self.user_lr > 0, "optim.user_lr", f"must be > 0, got {self.user_lr}")
+        _check(self.item_lr > 0, "optim.item_lr", f"must be > 0, got {self.item_lr}")
+        _check(self.weight_decay >= 0, "optim.weight_decay", "must be >= 0")
+        _check(self.user_l2 >= 0, "optim.user_l2", "must be >= 0")
+        _check(self.lr_warmup_steps >= 0, "optim.lr_warmup_steps", "must be >= 0")
+        _check(0 <= self.lr_final_ratio <= 1, "optim.lr_final_ratio", "must be in [0, 1]")
 
 
 @dataclass
@@ -145,6 +202,26 @@ class TrainConfig:
     # auto = refuse, naming the changes; force = go on with the new settings (they become the run's config).
     resume: str = field(default="auto", metadata=_choices("auto", "force"))
 
+    def check(self) -> None:
+        _check(self.batch_size >= 1, "train.batch_size", "must be >= 1")
+        _check(self.epochs >= 1, "train.epochs", "must be >= 1")
+        _check(self.max_steps is None or self.max_steps >= 1, "train.max_steps", "must be >= 1 or null")
+        _check(self.log_every >= 1, "train.log_every", "must be >= 1")
+        _check(self.checkpoint_every is None or self.checkpoint_every >= 1, "train.checkpoint_every", "must be >= 1")
+        _check(self.keep_checkpoints >= 1, "train.keep_checkpoints", "must be >= 1")
+        _check(
+            self.chunk_size is None
+            or self.chunk_size == "auto"
+            or (isinstance(self.chunk_size, int) and self.chunk_size >= 1),
+            "train.chunk_size",
+            'must be >= 1, "auto" or null',
+        )
+        _check(
+            not (self.device == "cpu" and self.precision == "tf32"),
+            "train.precision",
+            "tf32 is a CUDA tensor-core mode: use fp32 or bf16 with train.device=cpu",
+        )
+
 
 @dataclass
 class EvalConfig:
@@ -154,6 +231,20 @@ class EvalConfig:
     sample_users: int | None = None  # evaluate a random sample of users (null: all users)
     batch_size: int = 256  # users scored at once per rank
     at_end: bool = True  # evaluate every split after training and write eval.json
+
+    def check(self) -> None:
+        _check(self.every_epochs is None or self.every_epochs >= 0, "eval.every_epochs", "must be >= 0 or null")
+        _check(
+            bool(self.ks) and all(k >= 1 for k in self.ks),
+            "eval.ks",
+            f"must be a non-empty list of K >= 1, got {self.ks}",
+        )
+        _check(bool(self.splits), "eval.splits", "must name at least one split")
+        for i, split in enumerate(self.splits):
+            # The train items are excluded from the rankings, so only the held-out splits can be evaluated.
+            _check(split in ("valid", "test"), f"eval.splits[{i}]", f"must be valid or test, got {split!r}")
+        _check(self.sample_users is None or self.sample_users >= 1, "eval.sample_users", "must be >= 1 or null")
+        _check(self.batch_size >= 1, "eval.batch_size", "must be >= 1")
 
 
 @dataclass
@@ -167,12 +258,22 @@ class RayConfig:
     min_workers: int | None = None
     storage_path: str | None = None
 
+    def check(self) -> None:
+        _check(self.cpus_per_worker > 0, "ray.cpus_per_worker", "must be > 0")
+        _check(self.gpus_per_worker >= 0, "ray.gpus_per_worker", "must be >= 0")
+        _check(self.max_failures >= -1, "ray.max_failures", "must be >= -1 (-1: unlimited)")
+
 
 @dataclass
 class DebugConfig:
     fail_at_step: int | None = None  # rank `fail_rank` exits (os._exit) when starting this step, once per run dir
     fail_rank: int = 1
     nan_at_step: int | None = None  # the loss of this step is made NaN (tests of the NaN guard)
+
+    def check(self) -> None:
+        _check(self.fail_at_step is None or self.fail_at_step >= 1, "debug.fail_at_step", "must be >= 1 or null")
+        _check(0 <= self.fail_rank, "debug.fail_rank", "must be >= 0")
+        _check(self.nan_at_step is None or self.nan_at_step >= 1, "debug.nan_at_step", "must be >= 1 or null")
 
 
 @dataclass
@@ -272,99 +373,29 @@ def _check(condition: bool, key: str, message: str) -> None:
         raise ConfigError(f"{key} {message}")
 
 
-def validate(config: Config) -> Config:
-    """Cross-field and range checks; raises ConfigError naming the key. Returns ``config``."""
+def check(config: Config) -> Config:
+    """Every check of ``config`` — each section's own (``Section.check``) and those across sections; raises
+    ConfigError naming the key. Changes nothing; returns ``config``."""
     _check(bool(config.data.root), "data.root", "must be set (a dataset directory)")
     _check(bool(config.run_dir), "run_dir", "must be set (where checkpoints and metrics go)")
     _check(config.workers >= 1, "workers", f"must be >= 1, got {config.workers}")
-    _check(config.data.shuffle_buffer >= 1, "data.shuffle_buffer", "must be >= 1")
-    model = config.model
-    _check(model.dim >= 4 and model.dim % 4 == 0, "model.dim", f"must be a positive multiple of 4, got {model.dim}")
-    _check(model.init_std is None or model.init_std > 0, "model.init_std", "must be > 0 or null")
-    _check(model.item_init_std > 0, "model.item_init_std", "must be > 0")
+    config.data.check()
+    config.model.check()
+    config.loss.check()
+    config.optim.check()
+    config.train.check()
     _check(
-        0 <= model.history_dropout < 1,
-        "model.history_dropout",
-        f"must lie in [0, 1), got {model.history_dropout}",
-    )
-    _check(
-        model.history_sample_size is None or model.history_sample_size >= 1,
-        "model.history_sample_size",
-        f"must be >= 1 or null, got {model.history_sample_size}",
-    )
-    requested_layouts(model)  # raises ConfigError naming the key
-    for key, value, unset in (
-        ("history_dropout", model.history_dropout, 0),
-        ("history_sample_size", model.history_sample_size, None),
-    ):
-        _check(model.history or value == unset, f"model.{key}", "needs model.history: true (a history bag to sample)")
-    loss = config.loss
-    config.loss.params = parse_params(loss.name, loss.params, "loss.params")
-    if loss.name in FULL_CATALOG_LOSSES:
-        _check(loss.candidates in (None, "catalog"), "loss.candidates", f"must be catalog for {loss.name!r}")
-        _check(loss.warmup is None, "loss.warmup", f"is for candidate losses, not {loss.name!r}")
-    if loss.candidates is None:  # resolved: sampled softmax samples, the other losses see the whole catalog
-        loss.candidates = "sampled" if loss.name == "sampled_softmax" else "catalog"
-    _check(loss.num_negatives >= 1, "loss.num_negatives", "must be >= 1")
-    _check(loss.beta >= 0, "loss.beta", "must be >= 0")
-    if loss.warmup is not None:
-        warm = loss.warmup
-        _check(warm.loss in CANDIDATE_LOSSES, "loss.warmup.loss", f"must be one of {', '.join(CANDIDATE_LOSSES)}")
-        _check(loss.name in CANDIDATE_LOSSES, "loss.warmup", "needs a candidate main loss")
-        warm.params = parse_params(warm.loss, warm.params, "loss.warmup.params")
-        for name in ("steps", "blend_steps"):
-            _check(getattr(warm, name) >= 0, f"loss.warmup.{name}", "must be >= 0")
-        _check(warm.temp_decay_steps >= 1, "loss.warmup.temp_decay_steps", "must be >= 1")
-        _check(warm.temp_start > 0, "loss.warmup.temp_start", "must be > 0")
-        _check(warm.temp_end > 0, "loss.warmup.temp_end", "must be > 0")
-    optim = config.optim
-    _check(optim.user_lr > 0, "optim.user_lr", f"must be > 0, got {optim.user_lr}")
-    _check(optim.item_lr > 0, "optim.item_lr", f"must be > 0, got {optim.item_lr}")
-    _check(optim.weight_decay >= 0, "optim.weight_decay", "must be >= 0")
-    _check(optim.user_l2 >= 0, "optim.user_l2", "must be >= 0")
-    _check(optim.lr_warmup_steps >= 0, "optim.lr_warmup_steps", "must be >= 0")
-    _check(0 <= optim.lr_final_ratio <= 1, "optim.lr_final_ratio", "must be in [0, 1]")
-    train = config.train
-    _check(train.batch_size >= 1, "train.batch_size", "must be >= 1")
-    _check(
-        train.batch_size % config.workers == 0,
+        config.train.batch_size % config.workers == 0,
         "train.batch_size",
-        f"({train.batch_size}) is the global batch: it must be divisible by workers ({config.workers})",
-    )
-    _check(train.epochs >= 1, "train.epochs", "must be >= 1")
-    _check(train.max_steps is None or train.max_steps >= 1, "train.max_steps", "must be >= 1 or null")
-    _check(train.log_every >= 1, "train.log_every", "must be >= 1")
-    _check(train.checkpoint_every is None or train.checkpoint_every >= 1, "train.checkpoint_every", "must be >= 1")
-    _check(train.keep_checkpoints >= 1, "train.keep_checkpoints", "must be >= 1")
-    _check(
-        train.chunk_size is None
-        or train.chunk_size == "auto"
-        or (isinstance(train.chunk_size, int) and train.chunk_size >= 1),
-        "train.chunk_size",
-        'must be >= 1, "auto" or null',
+        f"({config.train.batch_size}) is the global batch: it must be divisible by workers ({config.workers})",
     )
     _check(
-        not (train.device == "cpu" and optim.user_optimizer == "adam"),
+        not (config.train.device == "cpu" and config.optim.user_optimizer == "adam"),
         "optim.user_optimizer",
         "adam runs in fbgemm's fused CUDA kernels only: use sgd, adagrad or rowwise_adagrad with train.device=cpu",
     )
-    _check(
-        not (train.device == "cpu" and train.precision == "tf32"),
-        "train.precision",
-        "tf32 is a CUDA tensor-core mode: use fp32 or bf16 with train.device=cpu",
-    )
-    ev = config.eval
-    _check(ev.every_epochs is None or ev.every_epochs >= 0, "eval.every_epochs", "must be >= 0 or null")
-    _check(bool(ev.ks) and all(k >= 1 for k in ev.ks), "eval.ks", f"must be a non-empty list of K >= 1, got {ev.ks}")
-    _check(bool(ev.splits), "eval.splits", "must name at least one split")
-    for i, split in enumerate(ev.splits):
-        # The train items are excluded from the rankings, so only the held-out splits can be evaluated.
-        _check(split in ("valid", "test"), f"eval.splits[{i}]", f"must be valid or test, got {split!r}")
-    _check(ev.sample_users is None or ev.sample_users >= 1, "eval.sample_users", "must be >= 1 or null")
-    _check(ev.batch_size >= 1, "eval.batch_size", "must be >= 1")
-    _check(config.ray.cpus_per_worker > 0, "ray.cpus_per_worker", "must be > 0")
-    _check(config.ray.gpus_per_worker >= 0, "ray.gpus_per_worker", "must be >= 0")
-    _check(config.ray.max_failures >= -1, "ray.max_failures", "must be >= -1 (-1: unlimited)")
+    config.eval.check()
+    config.ray.check()
     min_workers = config.ray.min_workers
     _check(
         min_workers is None or 1 <= min_workers <= config.workers,
@@ -374,15 +405,38 @@ def validate(config: Config) -> Config:
     if min_workers is not None:  # an elastic restart may run on any count in [min_workers, workers]
         for count in range(min_workers, config.workers):
             _check(
-                train.batch_size % count == 0,
+                config.train.batch_size % count == 0,
                 "ray.min_workers",
-                f"({min_workers}) allows {count} workers, which do not divide train.batch_size ({train.batch_size})",
+                f"({min_workers}) allows {count} workers, which do not divide train.batch_size "
+                f"({config.train.batch_size})",
             )
-    debug = config.debug
-    _check(debug.fail_at_step is None or debug.fail_at_step >= 1, "debug.fail_at_step", "must be >= 1 or null")
-    _check(0 <= debug.fail_rank, "debug.fail_rank", "must be >= 0")
-    _check(debug.nan_at_step is None or debug.nan_at_step >= 1, "debug.nan_at_step", "must be >= 1 or null")
+    config.debug.check()
     return config
+
+
+def resolve(config: Config, base_dir: str | os.PathLike | None = None) -> Config:
+    """A checked ``config`` with every derived value filled in, as a new Config (``config`` is left as given):
+    loss parameters merged over their defaults, ``loss.candidates`` decided, paths made absolute against
+    ``base_dir`` (default: the current directory). This resolved config is what the rest of the code reads and
+    what a run saves."""
+    resolved = copy.deepcopy(config)
+    loss = resolved.loss
+    loss.params = parse_params(loss.name, loss.params, "loss.params")
+    if loss.candidates is None:  # sampled softmax samples, the other losses see the whole catalog
+        loss.candidates = "sampled" if loss.name == "sampled_softmax" else "catalog"
+    if loss.warmup is not None:
+        loss.warmup.params = parse_params(loss.warmup.loss, loss.warmup.params, "loss.warmup.params")
+    base = Path(base_dir) if base_dir is not None else Path.cwd()
+    resolved.data.root = _absolute(resolved.data.root, base)
+    resolved.run_dir = _absolute(resolved.run_dir, base)
+    if resolved.ray.storage_path:
+        resolved.ray.storage_path = _absolute(resolved.ray.storage_path, base)
+    return resolved
+
+
+def validate(config: Config) -> Config:
+    """:func:`check` then :func:`resolve` (paths against the current directory): the resolved config."""
+    return resolve(check(config))
 
 
 def requested_layouts(model: ModelConfig) -> dict[str, str]:
@@ -511,13 +565,7 @@ def config_from_dict(raw: dict, *, base_dir: str | os.PathLike | None = None) ->
     (default: the current directory)."""
     if not isinstance(raw, dict):
         raise ConfigError(f"a config must be a mapping of sections, got {type(raw).__name__}")
-    config = validate(_build(Config, raw, ""))
-    base = Path(base_dir) if base_dir is not None else Path.cwd()
-    config.data.root = _absolute(config.data.root, base)
-    config.run_dir = _absolute(config.run_dir, base)
-    if config.ray.storage_path:
-        config.ray.storage_path = _absolute(config.ray.storage_path, base)
-    return config
+    return resolve(check(_build(Config, raw, "")), base_dir)
 
 
 def load_config(path: str | os.PathLike, overrides: list[str] | tuple[str, ...] = ()) -> Config:

@@ -145,3 +145,20 @@ def test_shipped_configs_load(name):
 @pytest.mark.parametrize("value, expected", [("auto", "auto"), ("4096", 4096), ("null", None)])
 def test_chunk_size_takes_items_auto_or_null(tmp_path, value, expected):
     assert load_config(_write(tmp_path, _minimal()), [f"train.chunk_size={value}"]).train.chunk_size == expected
+
+
+def test_check_changes_nothing_and_resolve_fills_a_new_config(tmp_path):
+    """The checks of each section only read; ``resolve`` returns the config the code reads (loss parameters
+    merged over their defaults, candidates decided, absolute paths) and leaves the user's config as given."""
+    from bigrank.config import _build, check, resolve
+
+    raw = {"data": {"root": "data/x"}, "run_dir": "runs/x", "loss": {"name": "rankmax", "params": {"k": 3}}}
+    given = _build(Config, raw, "")
+    before = given.to_dict()
+    assert check(given) is given and given.to_dict() == before
+    resolved = resolve(given, tmp_path)
+    assert given.to_dict() == before  # untouched: a user's value and a resolved one never mix
+    assert resolved.loss.params == {"k": 3, "margin": 1.0, "k_fraction": 0.0}
+    assert resolved.loss.candidates == "catalog" and given.loss.candidates is None
+    assert resolved.data.root == str(tmp_path / "data" / "x")
+    assert resolve(resolved, tmp_path).to_dict() == resolved.to_dict()  # resolving twice changes nothing
