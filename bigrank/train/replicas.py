@@ -54,15 +54,11 @@ class ReplicaSync:
         self._summed: list[torch.Tensor] = []
         self._rows = None
         self._catalog_dense = False
-        self._touched_rows = self.max_touched_rows > 0 and not full_catalog
+        self._sampled = not full_catalog  # touched rows, all-gathered, instead of a dense catalog gradient
         # A row-wise sharded tower table is updated inside backward (fbgemm's fused optimizer).
         self._fused_tower = any(
             model.layout.get(table) == "sharded" for table in ("user_table", "history_table") if table in model.layout
         )
-
-    @property
-    def active(self) -> bool:
-        return self.catalog is not None or bool(self.tower_optimizers)
 
     def set_user_lr(self, lr: float) -> None:
         for optimizer in self.tower_optimizers.values():
@@ -77,7 +73,7 @@ class ReplicaSync:
         """Whether the step's loss sum and row count can travel in the gradient all-reduce: the catalog is
         replicated under a full-catalog loss (a dense buffer exists) and no tower table is updated inside
         backward (a fused, row-wise sharded table would need the global row count before backward)."""
-        return self.catalog is not None and not self._touched_rows and not self._fused_tower
+        return self.catalog is not None and not self._sampled and not self._fused_tower
 
     @torch.no_grad()
     def reduce(self, touched=None, stats: torch.Tensor | None = None) -> torch.Tensor | None:
