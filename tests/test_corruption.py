@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import zlib
 from pathlib import Path
 
 import numpy as np
@@ -82,7 +83,7 @@ def test_every_written_file_is_recorded_with_size_and_crc32(tmp_path):
     for name, entry in recorded["files"].items():
         data = (tmp_path / name).read_bytes()
         assert entry["bytes"] == len(data)
-        assert entry["crc32"] == f"{__import__('zlib').crc32(data):08x}"
+        assert entry["crc32"] == f"{zlib.crc32(data):08x}"
 
 
 def test_silent_flip_in_a_train_part_is_named_with_its_row_group_when_streamed(tmp_path):

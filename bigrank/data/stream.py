@@ -619,9 +619,13 @@ def _drain(source) -> None:
 
 
 def iter_row_groups(root: str | Path, split: str, columns: Sequence[str] = ("user_id", "item_id")):
-    """Yield every row group of ``split`` in file order as a dict of numpy arrays (bounded memory)."""
+    """Yield every row group of ``split`` in file order as a dict of numpy arrays (bounded memory).
+
+    The split's files are checked first (``validate_dataset``: sizes and footers, a missing or truncated file
+    named before any row is read) and every page is verified as it is read (CorruptFileError naming the file
+    and row group)."""
     root = Path(root)
-    manifest = layout.load_manifest(root)
+    manifest = layout.validate_dataset(root, [split])
     info = layout.split_info(manifest, split)
     for name in info["files"]:
         path = root / name
