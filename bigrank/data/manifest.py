@@ -341,16 +341,15 @@ def validate_dataset(root: str | Path, splits: Iterable[str] | None = None, deep
             raise ValueError(f"manifest of {root}: split {split!r} lists inconsistent file entries")
         if sum(info["file_rows"]) != info["rows"]:
             raise ValueError(f"manifest of {root}: split {split!r} row count differs from its files' sum")
-        for name in info["files"]:
-            validate_file(root, manifest, split, name, deep)
+        for index in range(len(info["files"])):
+            validate_file(root, manifest, split, index, deep)
     return manifest
 
 
-def validate_file(root: Path, manifest: Mapping, split: str, name: str, deep: bool = False) -> None:
-    """``validate_dataset``'s checks of one file ``name`` (relative to ``root``) of ``split``."""
+def validate_file(root: Path, manifest: Mapping, split: str, index: int, deep: bool = False) -> None:
+    """``validate_dataset``'s checks of file ``index`` of ``split`` (its manifest entry) under ``root``."""
     info = manifest["splits"][split]
-    index = info["files"].index(name)
-    path = root / name
+    path = root / info["files"][index]
     if not path.is_file():
         raise FileNotFoundError(f"dataset file listed in the manifest is missing: {path}")
     expected_bytes = info.get("file_bytes", [None] * len(info["files"]))[index]
@@ -422,10 +421,10 @@ def verify_dataset(root: str | Path) -> integrity.Report:
     )
     for split, info in manifest["splits"].items():
         sizes = info.get("file_bytes") or [None] * len(info["files"])
-        for name, size in zip(info["files"], sizes, strict=True):
+        for index, (name, size) in enumerate(zip(info["files"], sizes, strict=True)):
             if report.check(name, {} if size is None else {"bytes": size}) is None:
                 try:
-                    validate_file(root, manifest, split, name, deep=True)
+                    validate_file(root, manifest, split, index, deep=True)
                 except (OSError, ValueError) as error:
                     report.problems.append((name, str(error)))
     return report
