@@ -2,6 +2,7 @@
 
     .venv/bin/python -m benchmarks.bench_data [--workdir DIR] [--blocks 32] [--keep]
     .venv/bin/python -m benchmarks.bench_data --stream-root data/ml1b --max-rows 6000000   # stream section only
+    .venv/bin/python -m benchmarks.bench_data --checksums /tmp/demo /tmp/ml20m               # integrity section only
 
 1. ``ml20m`` preset: seconds, ratings/s, peak RSS (each generation runs in its own child process so its
    peak RSS is its own).
@@ -13,6 +14,12 @@
    state) and as zero-copy numpy views (the raw read), on the ml20m train split (or ``--stream-root``). The
    passes run interleaved for ``--repeats`` rounds after a warm-up round; medians of rows per wall second
    and per process CPU second (load-robust on a shared machine). Target: stream >= 0.5x the int64 scan.
+4. Integrity costs (``--checksums ROOT…``, datasets written with page checksums): the train split read with and
+   without Parquet page-checksum verification, by a bare row-group scan and by the ``ParquetStream`` (the
+   training input path; verification off by swapping ``bigrank.integrity.open_parquet`` for the benchmark
+   only), interleaved rounds, medians; the CRC-32 of every file (what ``bigrank verify`` and the manifest
+   write pay); a part written with and without page checksums. Target (issue 27): <= 5% slower reads. The
+   machine's load (``uptime``) is printed with the table: compare ratios, not absolute rates.
 
 All figures come from one run on the same machine; compare the ratios, not the absolute numbers.
 """
@@ -21,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -184,6 +192,164 @@ def print_stream_table(root: Path, batch_size: int, max_rows: int | None = None,
     )
 
 
+def _read_scan(root: Path, verify: bool, max_rows: int | None) -> int:
+    """Rows of the train split read row group by row group (user_id, item_id; zero-copy numpy views), pages
+    verified or not; stops after ``max_rows`` (None: all)."""
+    import pyarrow.parquet as pq
+
+    from bigrank.data import manifest as layout
+
+    rows = 0
+    for name in layout.load_manifest(root)["splits"]["train"]["files"]:
+        handle = pq.ParquetFile(root / name, page_checksum_verification=verify)
+        for group in range(handle.num_row_groups):
+            table = handle.read_row_group(group, columns=["user_id", "item_id"])
+            rows += len(table.column("user_id").to_numpy())
+            if max_rows is not None and rows >= max_rows:
+                return rows
+    return rows
+
+
+def _read_stream(root: Path, verify: bool, batch_size: int, max_rows: int | None) -> int:
+    """Rows of a shuffled epoch of the train split through ``ParquetStream`` (rank 0 of 1; stops after
+    ``max_rows``), pages verified or not: the stream opens its files with ``bigrank.integrity.open_parquet``,
+    swapped here for a plain open for the unverified passes."""
+    import pyarrow.parquet as pq
+
+    from bigrank import integrity
+    from bigrank.data.stream import ParquetStream
+
+    verified = integrity.open_parquet
+    if not verify:
+        integrity.open_parquet = lambda path: pq.ParquetFile(path, page_checksum_verification=False)
+    try:
+        rows = 0
+        for batch in ParquetStream(root, "train", batch_size, validate=False):
+            rows += len(batch["user_id"])
+            if max_rows is not None and rows >= max_rows:
+                break
+        return rows
+    finally:
+        integrity.open_parquet = verified
+
+
+def _write_part(table, path: Path, checksums: bool) -> int:
+    import pyarrow.parquet as pq
+
+    from bigrank.data import manifest as layout
+
+    pq.write_table(
+        table,
+        path,
+        row_group_size=layout.ROW_GROUP_SIZE,
+        compression=layout.COMPRESSION,
+        write_page_checksum=checksums,
+    )
+    return table.num_rows
+
+
+def checksum_costs(
+    root: Path, batch_size: int, repeats: int, max_rows: int | None = None, min_seconds: float = 0.5
+) -> dict:
+    """Per pass kind (bare scan, stream, write of the largest train part), with and without page checksums:
+    rows per wall second and per process CPU second, interleaved for ``repeats`` rounds after a warm-up round,
+    each pass repeated for at least ``min_seconds``. Returns ``{(kind, "wall"|"cpu"): (unverified median,
+    verified median, median of the per-round ratios)}``, the CPU seconds per row of each pass (medians), and
+    ``"crc"``: (files, bytes, seconds) of the CRC-32 of every file of the dataset."""
+    import statistics
+
+    import pyarrow.parquet as pq
+
+    from bigrank import integrity
+    from bigrank.data import manifest as layout
+
+    manifest = layout.load_manifest(root)
+    parts = manifest["splits"]["train"]["files"]
+    largest = max(parts, key=lambda name: (root / name).stat().st_size)
+    table = pq.read_table(root / largest)
+    scratch = Path(tempfile.mkdtemp(prefix="bench_checksums_"))
+    passes = {
+        ("scan", True): lambda: _read_scan(root, True, max_rows),
+        ("scan", False): lambda: _read_scan(root, False, max_rows),
+        ("stream", True): lambda: _read_stream(root, True, batch_size, max_rows),
+        ("stream", False): lambda: _read_stream(root, False, batch_size, max_rows),
+        ("write", True): lambda: _write_part(table, scratch / "on.parquet", True),
+        ("write", False): lambda: _write_part(table, scratch / "off.parquet", False),
+    }
+    wall = {key: [] for key in passes}
+    cpu = {key: [] for key in passes}
+    rows_read = 0
+    try:
+        for round_index in range(repeats + 1):
+            for key, run in passes.items():
+                started, started_cpu = time.perf_counter(), time.process_time()
+                rows = run()
+                if key == ("scan", True):
+                    rows_read = rows
+                while time.perf_counter() - started < min_seconds:  # small datasets: enough work to time
+                    rows += run()
+                if round_index:  # round 0 warms up (page cache, allocator)
+                    wall[key].append(rows / (time.perf_counter() - started))
+                    cpu[key].append(rows / (time.process_time() - started_cpu))
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    names = list((manifest.get("integrity") or {}).get("files") or parts)
+    started = time.perf_counter()
+    integrity.describe_files(root, names)
+    crc_seconds = time.perf_counter() - started
+    total_bytes = sum((root / name).stat().st_size for name in names)
+    result = {"rows": rows_read, "part_rows": table.num_rows}
+    for kind in ("scan", "stream", "write"):
+        for label, rates in (("wall", wall), ("cpu", cpu)):
+            on, off = statistics.median(rates[kind, True]), statistics.median(rates[kind, False])
+            ratios = [a / b for a, b in zip(rates[kind, True], rates[kind, False], strict=True)]
+            result[kind, label] = (off, on, statistics.median(ratios))
+    # The verification's own CPU per row (verified minus unverified bare scan, paired by round) against the CPU
+    # per row of the verified stream: what verification adds to the training input path, robust to the noise
+    # of the stream's threads on a loaded machine.
+    extra = [1 / a - 1 / b for a, b in zip(cpu["scan", True], cpu["scan", False], strict=True)]
+    result["share of stream CPU"] = statistics.median(extra) * statistics.median(cpu["stream", True])
+    result["crc"] = (len(names), total_bytes, crc_seconds)
+    return result
+
+
+def print_checksum_table(roots: list[Path], batch_size: int, repeats: int, max_rows: int | None = None) -> None:
+    cap = f", at most {max_rows:,} rows a read pass" if max_rows else ""
+    print(f"\n## Integrity costs (median of {repeats} interleaved rounds{cap}; rows/s, higher is better)")
+    print(f"uptime before: {_uptime()}")
+    header = f"{'dataset':<14}{'pass':<44}{'per':<11}{'unverified':>14}{'verified':>14}{'verified/unverified':>21}"
+    print(header)
+    notes = []
+    for root in roots:
+        result = checksum_costs(root, batch_size, repeats, max_rows)
+        labels = {
+            "scan": f"read train ({result['rows']:,} rows), bare scan",
+            "stream": "read train, ParquetStream (shuffled)",
+            "write": f"write a part ({result['part_rows']:,} rows)",
+        }
+        for kind, label in labels.items():
+            for per, unit in (("wall", "rows/s"), ("cpu", "rows/CPU-s")):
+                off, on, ratio = result[kind, per]
+                print(f"{root.name:<14}{label:<44}{unit:<11}{off:>14,.0f}{on:>14,.0f}{ratio:>21.3f}")
+        files, size, seconds = result["crc"]
+        notes.append(
+            f"{root.name}: page verification's CPU (bare scan, verified - unverified) = "
+            f"{100 * result['share of stream CPU']:.1f}% of the verified stream's CPU per row; "
+            f"crc32 of {files} files, {size / 1e6:,.1f} MB in {seconds:.2f}s "
+            f"({size / 1e9 / seconds:.2f} GB/s, {min(8, os.cpu_count() or 1)} threads)"
+        )
+    print("\n".join(notes))
+    print(f"uptime after: {_uptime()}")
+    print("target (issue 27): reads with page-checksum verification <= 5% slower (verified/unverified >= 0.95)")
+
+
+def _uptime() -> str:
+    """The machine's load as ``uptime`` prints it."""
+    done = subprocess.run(["uptime"], capture_output=True, text=True, check=False)
+    load = os.getloadavg()
+    return done.stdout.strip() or f"load average: {load[0]:.2f}, {load[1]:.2f}, {load[2]:.2f}"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--workdir", default=None, help="scratch directory (default: a temporary one)")
@@ -193,9 +359,21 @@ def main() -> None:
     parser.add_argument(
         "--stream-root", default=None, help="only the stream section, on this existing dataset (no generation)"
     )
-    parser.add_argument("--max-rows", type=int, default=None, help="stream section: rows read per pass (default all)")
+    parser.add_argument(
+        "--max-rows", type=int, default=None, help="stream and integrity sections: rows read per pass (default all)"
+    )
     parser.add_argument("--repeats", type=int, default=5, help="stream section: interleaved timed rounds")
+    parser.add_argument(
+        "--checksums",
+        nargs="+",
+        metavar="ROOT",
+        default=None,
+        help="only the integrity-cost section, on these datasets",
+    )
     args = parser.parse_args()
+    if args.checksums:
+        print_checksum_table([Path(root) for root in args.checksums], args.batch_size, args.repeats, args.max_rows)
+        return
     if args.stream_root:
         print_stream_table(Path(args.stream_root), args.batch_size, args.max_rows, args.repeats)
         return

@@ -25,6 +25,7 @@ COMMAND_MODULES = [
     "bigrank.export.commands",
     "bigrank.launch.commands",
     "bigrank.launch.tune",
+    "bigrank.verify",
 ]
 
 

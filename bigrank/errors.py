@@ -6,7 +6,7 @@ error: it carries a SIGTERM up to the command, which exits with status 143 as a 
 
 from __future__ import annotations
 
-__all__ = ["CommandError", "ConfigError", "Terminated"]
+__all__ = ["CommandError", "ConfigError", "CorruptFileError", "Terminated"]
 
 
 class CommandError(Exception):
@@ -15,6 +15,16 @@ class CommandError(Exception):
 
 class ConfigError(ValueError):
     """A configuration problem; the message names the dotted key (``loss.params.k``)."""
+
+
+class CorruptFileError(ValueError):
+    """A file bigrank wrote no longer holds the bytes it wrote (``bigrank.integrity``): the message names the
+    file, the row group where known, and what to do; ``path`` and ``row_group`` (or None) say the same."""
+
+    def __init__(self, message: str, path=None, row_group: int | None = None):
+        super().__init__(message)
+        self.path = path
+        self.row_group = row_group
 
 
 class Terminated(BaseException):

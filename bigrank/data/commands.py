@@ -167,4 +167,12 @@ def format_manifest(manifest: dict, root) -> str:
     lines.append(f"{'total':<12} {total:>15,} ratings")
     if manifest.get("truth"):
         lines.append(f"truth        {manifest['truth']} (true user/item factors)")
+    recorded = manifest.get("integrity")
+    if recorded:
+        lines.append(
+            f"checksums    {recorded['checksum']} of {len(recorded['files'])} files (`bigrank verify {root}`), "
+            "Parquet page checksums"
+        )
+    else:
+        lines.append("checksums    none recorded (an older dataset): `bigrank verify` checks sizes and decoding only")
     return "\n".join(lines)

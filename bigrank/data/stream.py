@@ -45,8 +45,9 @@ are handed over, never single batches, so no per-batch thread hand-off). Each ba
 window and converted to int64 on the caller's thread: a fresh tensor per column that the caller owns.
 
 Files are checked against the manifest when the stream is built (``validate_dataset``): a missing,
-truncated or corrupt file is an error naming it, raised before training starts; a row group that fails to
-decode later raises ValueError naming the file and row group.
+truncated or corrupt file is an error naming it, raised before training starts. Pages are read with their
+checksums verified (``bigrank.integrity``): a row group with a flipped byte or that fails to decode raises
+``CorruptFileError`` (a ValueError) naming the file and row group when it is read, never wrong ids.
 """
 
 from __future__ import annotations
@@ -59,6 +60,7 @@ from pathlib import Path
 
 import numpy as np
 
+from bigrank import integrity
 from bigrank.data import manifest as layout
 
 DEFAULT_SHUFFLE_BUFFER = 1 << 20
@@ -281,17 +283,18 @@ class ParquetStream:
         file_index = int(self._group_file[group])
         path = self._files[file_index]
         index = int(self._group_index[group])
-        try:
-            handle = self._handles.get(file_index)
-            if handle is None:
-                import pyarrow.parquet as pq
-
-                if len(self._handles) >= 8:
-                    self._handles.clear()
-                handle = self._handles[file_index] = pq.ParquetFile(path)
-            table = handle.read_row_group(index, columns=list(self.columns))
-        except Exception as error:
-            raise ValueError(f"cannot read row group {index} of dataset file {path}: {error}") from error
+        handle = self._handles.get(file_index)
+        if handle is None:
+            if len(self._handles) >= 8:
+                self._handles.clear()
+            try:
+                handle = self._handles[file_index] = integrity.open_parquet(path)
+            except Exception as error:  # replaced since the stream was built
+                raise ValueError(
+                    f"cannot open dataset file {path}: {error}. {layout.repair_advice(self.root)}"
+                ) from error
+        # Pages are verified against their checksums: a damaged one raises CorruptFileError naming file and group.
+        table = layout.read_row_group(handle, path, index, self.columns, self.root)
         if table.num_rows != int(self._group_rows[group]):
             raise ValueError(
                 f"row group {index} of {path} holds {table.num_rows} rows, the manifest records "
@@ -616,23 +619,25 @@ def _drain(source) -> None:
 
 
 def iter_row_groups(root: str | Path, split: str, columns: Sequence[str] = ("user_id", "item_id")):
-    """Yield every row group of ``split`` in file order as a dict of numpy arrays (bounded memory)."""
-    import pyarrow.parquet as pq
+    """Yield every row group of ``split`` in file order as a dict of numpy arrays (bounded memory).
 
+    The split's files are checked first (``validate_dataset``: sizes and footers, a missing or truncated file
+    named before any row is read) and every page is verified as it is read (CorruptFileError naming the file
+    and row group)."""
     root = Path(root)
-    manifest = layout.load_manifest(root)
+    manifest = layout.validate_dataset(root, [split])
     info = layout.split_info(manifest, split)
     for name in info["files"]:
         path = root / name
         try:
-            parquet = pq.ParquetFile(path)
-            for group in range(parquet.num_row_groups):
-                table = parquet.read_row_group(group, columns=list(columns))
-                yield {c: table.column(c).to_numpy() for c in columns}
+            parquet = integrity.open_parquet(path)
         except FileNotFoundError as error:
             raise FileNotFoundError(f"dataset file is missing: {path}") from error
         except Exception as error:
-            raise ValueError(f"cannot read dataset file {path}: {error}") from error
+            raise ValueError(f"cannot read dataset file {path}: {error}. {layout.repair_advice(root)}") from error
+        for group in range(parquet.num_row_groups):
+            table = layout.read_row_group(parquet, path, group, columns, root)  # pages verified
+            yield {c: table.column(c).to_numpy() for c in columns}
 
 
 def read_user_items(root: str | Path, split: str, num_users: int | None = None) -> tuple[np.ndarray, np.ndarray]:

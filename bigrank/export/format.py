@@ -14,6 +14,11 @@ Layout of an export ``DIR`` (see ``bigrank.export.writer`` for how it is written
     DIR/<table>_float16/…, DIR/<table>_int8/…  optional quantised copies (int8 adds ``scale: float32``)
     DIR/seen/part-rNNNNN.parquet               per-user seen items (``bigrank.export.seen``), CSR-like
     DIR/items/index-<name>.faiss               optional FAISS indexes (``bigrank.export.index``)
+
+Integrity (``bigrank.integrity``): the manifest records every part's and index's byte size and sha256; Parquet
+parts carry page checksums, verified whenever they are read. ``load_export`` checks sizes always and the
+sha256 checksums by default (servers; ``--no-verify`` skips them), raising on the first damaged file;
+``verify_export`` (``bigrank verify DIR``) checks them all and reports every damaged file.
 """
 
 from __future__ import annotations
@@ -23,6 +28,8 @@ import json
 from pathlib import Path
 
 import numpy as np
+
+from bigrank import integrity
 
 EXPORT_KIND = "bigrank-embeddings"
 EXPORT_FORMAT_VERSION = 1
@@ -75,12 +82,17 @@ def sha256_file(path: str | Path, block_bytes: int = 1 << 22) -> str:
     return digest.hexdigest()
 
 
-def load_export(export_dir: str | Path, verify: bool = True) -> dict:
-    """Read ``<export_dir>/manifest.json`` and check the files it lists; returns the manifest.
+def repair_advice(export_dir: str | Path, verify_hint: bool = True) -> str:
+    """What to do about a damaged export file (ends every corruption error of an export); ``verify_hint``: also
+    name the command that lists every damaged file."""
+    advice = f"The export is damaged: run `bigrank export` again into {export_dir} (or restore it from a copy)"
+    return advice + (f"; `bigrank verify {export_dir}` lists every damaged file." if verify_hint else ".")
 
-    Always checks that every part and index file exists and has the recorded byte size; ``verify=True``
-    also checks each file's sha256 and each part's Parquet row count. Raises FileNotFoundError for a missing
-    directory, manifest or file and ValueError naming the file for a truncated, modified or corrupt one.
+
+def read_export_manifest(export_dir: str | Path) -> dict:
+    """``<export_dir>/manifest.json``, checked to be a bigrank export of this format (no file is checked).
+
+    Raises FileNotFoundError for a missing directory or manifest, ValueError for another kind or version.
     """
     export_dir = Path(export_dir)
     if not export_dir.is_dir():
@@ -98,14 +110,56 @@ def load_export(export_dir: str | Path, verify: bool = True) -> dict:
         raise ValueError(f"{path} is not the manifest of a bigrank embeddings export")
     if manifest.get("format_version") != EXPORT_FORMAT_VERSION:
         raise ValueError(f"{path} has format_version {manifest.get('format_version')}; this bigrank reads 1")
+    return manifest
+
+
+def file_problems(export_dir: str | Path, manifest: dict, verify: bool):
+    """Yield ``(relative path, error)`` for every part and index file of ``manifest`` that is damaged.
+
+    ``error`` is the FileNotFoundError (missing) or ValueError (size, sha256 or row count differs) that names
+    the file. Sizes are checked always; ``verify=True`` also each file's sha256 and each part's row count.
+    """
+    export_dir = Path(export_dir)
     for name, table in manifest["tables"].items():
         for part in table["parts"]:
-            _check_file(export_dir / part["file"], part, verify, f"part of table {name!r}")
-            if verify:
-                _check_rows(export_dir / part["file"], part["rows"])
+            try:
+                _check_file(export_dir / part["file"], part, verify, f"part of table {name!r}")
+                if verify:
+                    _check_rows(export_dir / part["file"], part["rows"])
+            except (OSError, ValueError) as error:
+                yield part["file"], error
     for name, entry in manifest.get("indexes", {}).items():
-        _check_file(export_dir / entry["file"], entry, verify, f"{name} index")
+        try:
+            _check_file(export_dir / entry["file"], entry, verify, f"{name} index")
+        except (OSError, ValueError) as error:
+            yield entry["file"], error
+
+
+def load_export(export_dir: str | Path, verify: bool = True) -> dict:
+    """Read ``<export_dir>/manifest.json`` and check the files it lists; returns the manifest.
+
+    Always checks that every part and index file exists and has the recorded byte size; ``verify=True``
+    also checks each file's sha256 and each part's Parquet row count. Raises FileNotFoundError for a missing
+    directory, manifest or file and ValueError naming the file for a truncated, modified or corrupt one (the
+    first found, with what to do; ``verify_export`` lists them all).
+    """
+    manifest = read_export_manifest(export_dir)
+    for _, error in file_problems(export_dir, manifest, verify):
+        raise type(error)(f"{error}. {repair_advice(export_dir)}") from error
     return manifest
+
+
+def verify_export(export_dir: str | Path) -> integrity.Report:
+    """Check every file of the export at ``export_dir`` (sizes, sha256, row counts) and report each damaged one
+    by name (``bigrank verify``); raises only for a missing or unreadable manifest."""
+    manifest = read_export_manifest(export_dir)
+    report = integrity.Report("export", Path(export_dir), repair_advice(export_dir, verify_hint=False))
+    entries = [p for table in manifest["tables"].values() for p in table["parts"]]
+    entries += list(manifest.get("indexes", {}).values())
+    report.files = len(entries)
+    report.bytes = sum(int(entry["bytes"]) for entry in entries)
+    report.problems = [(name, str(error)) for name, error in file_problems(export_dir, manifest, verify=True)]
+    return report
 
 
 def _check_file(path: Path, entry: dict, verify: bool, what: str) -> None:
@@ -122,14 +176,26 @@ def _check_file(path: Path, entry: dict, verify: bool, what: str) -> None:
 
 
 def _check_rows(path: Path, rows: int) -> None:
-    import pyarrow.parquet as pq
-
     try:
-        found = pq.ParquetFile(path).metadata.num_rows
+        found = integrity.open_parquet(path).metadata.num_rows
     except Exception as error:  # pyarrow raises ArrowInvalid / OSError for a bad footer
         raise ValueError(f"export file is corrupt (unreadable Parquet footer): {path}: {error}") from error
     if found != rows:
         raise ValueError(f"export file {path} holds {found} rows, the manifest records {rows}")
+
+
+def read_export_parquet(export_dir: str | Path, relative: str, handle=None, row_group: int | None = None):
+    """The Parquet part ``relative`` of an export as a ``pyarrow.Table`` (``row_group``: only that row group of
+    ``handle``, its ``integrity.open_parquet``), every page verified against its checksum. A damaged part raises
+    CorruptFileError naming it, the row group, and what to do."""
+    path = Path(export_dir) / relative
+    try:
+        if row_group is None:
+            return integrity.read_parquet(path)
+        return handle.read_row_group(row_group)
+    except Exception as error:  # pyarrow raises OSError / ArrowInvalid for a bad page
+        advice = repair_advice(export_dir)
+        raise integrity.damaged_parquet("export file", path, error, advice, row_group=row_group) from error
 
 
 def read_table(export_dir: str | Path, manifest: dict, name: str) -> dict[str, np.ndarray]:
@@ -139,7 +205,6 @@ def read_table(export_dir: str | Path, manifest: dict, name: str) -> dict[str, n
     "title": object[n]?, "scale": float32[n]?}`` (optional keys when the parts have those columns).
     """
     import pyarrow as pa
-    import pyarrow.parquet as pq
 
     if name not in manifest["tables"]:
         raise ValueError(f"the export has no table {name!r}; it has {sorted(manifest['tables'])}")
@@ -147,11 +212,7 @@ def read_table(export_dir: str | Path, manifest: dict, name: str) -> dict[str, n
     parts = sorted(entry["parts"], key=lambda p: p["row_start"])
     pieces = []
     for part in parts:
-        path = Path(export_dir) / part["file"]
-        try:
-            pieces.append(pq.read_table(path))
-        except Exception as error:
-            raise ValueError(f"export file is corrupt (cannot decode): {path}: {error}") from error
+        pieces.append(read_export_parquet(export_dir, part["file"]))
     table = pa.concat_tables(pieces)
     ids = table.column(entry["id_column"]).to_numpy()
     if not np.array_equal(ids, np.arange(entry["rows"])):

@@ -28,8 +28,9 @@ from pathlib import Path
 
 import numpy as np
 
+from bigrank import integrity
 from bigrank.data import manifest as layout
-from bigrank.export.format import SEEN_TABLE, part_file, sha256_file
+from bigrank.export.format import SEEN_TABLE, part_file, read_export_parquet, sha256_file
 
 SPLIT_BITS = {"train": 1, "valid": 2, "test": 4}
 SEEN_ROW_GROUP_USERS = 512
@@ -70,11 +71,9 @@ class SeenItems:
             self._preload()
 
     def _preload(self) -> None:
-        import pyarrow.parquet as pq
-
         users, items = [np.empty(0, np.int32)], [np.empty(0, np.int32)]
         for path in self.files:
-            table = pq.read_table(path, columns=["user_id", "item_id"])
+            table = self._read(path, columns=["user_id", "item_id"])
             users.append(table.column("user_id").to_numpy())
             items.append(table.column("item_id").to_numpy())
         users, items = np.concatenate(users), np.concatenate(items)
@@ -88,13 +87,18 @@ class SeenItems:
             raise ValueError(f"user id {user_id} is outside [0, {self.num_users}) of the dataset {self.root}")
         if self._indptr is not None:
             return np.unique(self._items[self._indptr[user_id] : self._indptr[user_id + 1]])
-        import pyarrow.parquet as pq
-
         found = [np.empty(0, np.int32)]
         for path in self.files:
-            table = pq.read_table(path, columns=["item_id"], filters=[("user_id", "==", int(user_id))])
+            table = self._read(path, columns=["item_id"], filters=[("user_id", "==", int(user_id))])
             found.append(table.column("item_id").to_numpy())
         return np.unique(np.concatenate(found))
+
+    def _read(self, path: Path, **options):
+        """``read_table`` of one dataset file with its pages verified; CorruptFileError naming a damaged one."""
+        try:
+            return integrity.read_parquet(path, **options)
+        except Exception as error:  # pyarrow raises OSError / ArrowInvalid for a bad page
+            raise integrity.damaged_parquet("dataset file", path, error, layout.repair_advice(self.root)) from error
 
 
 def _csr_block(users: np.ndarray, items: np.ndarray, bits: np.ndarray, start: int, stop: int, num_items: int):
@@ -144,14 +148,13 @@ def _write_block(writer, start: int, indptr: np.ndarray, items: np.ndarray, bits
     writer.write_table(table, row_group_size=group_users)
 
 
-def _scan_ratings(files: Sequence[tuple[Path, int]], start: int, stop: int):
-    """Yield ``(users, items, bits)`` of users in ``[start, stop)`` per row group of the dataset ``files``."""
-    import pyarrow.parquet as pq
-
+def _scan_ratings(root: Path, files: Sequence[tuple[Path, int]], start: int, stop: int):
+    """Yield ``(users, items, bits)`` of users in ``[start, stop)`` per row group of the dataset ``files``
+    (parts of the dataset at ``root``; pages verified)."""
     for path, bit in files:
-        handle = pq.ParquetFile(path)
+        handle = integrity.open_parquet(path)
         for group in range(handle.metadata.num_row_groups):
-            table = handle.read_row_group(group, columns=["user_id", "item_id"])
+            table = layout.read_row_group(handle, path, group, ("user_id", "item_id"), root)
             users = table.column("user_id").to_numpy()
             keep = (users >= start) & (users < stop)
             if keep.any():
@@ -204,13 +207,18 @@ def write_seen_part(
         # Items ascend within a user: delta encoding + zstd stores them in ~2 bytes each instead of ~3.6.
         encoding = {"user_id": "DELTA_BINARY_PACKED", "items.list.element": "DELTA_BINARY_PACKED"}
         with pq.ParquetWriter(
-            tmp, schema, compression="zstd", use_dictionary=["splits.list.element"], column_encoding=encoding
+            tmp,
+            schema,
+            compression="zstd",
+            use_dictionary=["splits.list.element"],
+            column_encoding=encoding,
+            **integrity.PARQUET_WRITE_OPTIONS,
         ) as writer:
             if spill is not None:
-                _spill(files, bounds, spill)
+                _spill(root, files, bounds, spill)
             for b in range(blocks):
                 lo, hi = int(bounds[b]), int(bounds[b + 1])
-                ratings = _read_spill(spill, b) if spill is not None else _concat(_scan_ratings(files, lo, hi))
+                ratings = _read_spill(spill, b) if spill is not None else _concat(_scan_ratings(root, files, lo, hi))
                 indptr, items, bits = _csr_block(*ratings, lo, hi, num_items)
                 _write_block(writer, lo, indptr, items, bits, group_users)
                 nnz += len(items)
@@ -238,11 +246,11 @@ def _concat(chunks) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     return tuple(np.concatenate([empty[j], *(c[j] for c in chunks)]) for j in range(3))
 
 
-def _spill(files, bounds: np.ndarray, spill: Path) -> None:
+def _spill(root: Path, files, bounds: np.ndarray, spill: Path) -> None:
     """Append each rating of users ``[bounds[0], bounds[-1])`` to the raw files of its user block."""
     handles = {}
     try:
-        for users, items, bits in _scan_ratings(files, int(bounds[0]), int(bounds[-1])):
+        for users, items, bits in _scan_ratings(root, files, int(bounds[0]), int(bounds[-1])):
             block = np.searchsorted(bounds, users, side="right") - 1
             order = np.argsort(block, kind="stable")  # one pass groups the row group's ratings by block
             counts = np.bincount(block, minlength=len(bounds) - 1)
@@ -310,17 +318,16 @@ class SeenItemsFile:
     def _read_rows(self, key):
         """CSR arrays ``(first_user, indptr, items, bits)`` of one row group ``key = (part, group)`` or all."""
         import pyarrow as pa
-        import pyarrow.parquet as pq
 
         if key is None:
-            tables = [pq.read_table(self.root / p["file"]) for p in self.parts if p["rows"]]
+            tables = [read_export_parquet(self.root, p["file"]) for p in self.parts if p["rows"]]
             table = pa.concat_tables(tables) if tables else None
             first = 0
         else:
             part, group = key
             if part not in self._files:
-                self._files[part] = pq.ParquetFile(self.root / self.parts[part]["file"])
-            table = self._files[part].read_row_group(group)
+                self._files[part] = integrity.open_parquet(self.root / self.parts[part]["file"])
+            table = read_export_parquet(self.root, self.parts[part]["file"], self._files[part], group)
             first = int(self.parts[part]["row_start"]) + group * int(self.parts[part]["row_group_users"])
         if table is None or table.num_rows == 0:
             return first, np.zeros(1, np.int64), np.empty(0, np.int32), np.empty(0, np.int8)

@@ -24,6 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
+from bigrank import integrity
 from bigrank.data import manifest as layout
 from bigrank.export.format import (
     EXPORT_FORMAT_VERSION,
@@ -79,7 +80,14 @@ def write_part(path: Path, columns: Mapping[str, object]) -> dict:
     tmp = layout.temporary_path(path)
     # Embeddings are incompressible, all-distinct floats: compression and dictionary encoding cost time
     # (dictionary encoding doubled the write time of a 200K x 64 part) and save nothing.
-    pq.write_table(table, tmp, row_group_size=ROW_GROUP_ROWS, compression="none", use_dictionary=False)
+    pq.write_table(
+        table,
+        tmp,
+        row_group_size=ROW_GROUP_ROWS,
+        compression="none",
+        use_dictionary=False,
+        **integrity.PARQUET_WRITE_OPTIONS,  # a CRC-32 per page, verified by every reader
+    )
     checksum = sha256_file(tmp)
     size = tmp.stat().st_size
     os.replace(tmp, path)
@@ -114,13 +122,15 @@ def read_id_mapping(dataset_root: str | Path | None, table: str) -> dict[str, np
     """
     if dataset_root is None:
         return None
-    import pyarrow.parquet as pq
-
     path = Path(dataset_root) / f"{table}.parquet"
     if not path.is_file():
         return None
     id_column = TABLE_ID_COLUMNS[table]
-    data = pq.read_table(path)
+    try:
+        data = integrity.read_parquet(path)
+    except Exception as error:  # pyarrow raises OSError / ArrowInvalid for a bad page
+        advice = layout.repair_advice(dataset_root)
+        raise integrity.damaged_parquet("dataset file", path, error, advice) from error
     if id_column not in data.column_names or "original_id" not in data.column_names:
         raise ValueError(f"{path} lacks the columns {id_column!r} and 'original_id'")
     dense = data.column(id_column).to_numpy()

@@ -16,11 +16,17 @@ resumes on W' workers, and evaluate/export load the same files on any worker cou
 
     RUN_DIR/checkpoints/step-00000120/
         *.distcp, .metadata     the DCP files (each rank writes its own shards)
-        trainer.json            step, epoch, world size, the model identity, last loss; written last
+        trainer.json            step, epoch, world size, the model identity, last loss, and the byte size and
+                                CRC-32 of every DCP file (``files``); written last
 
 The directory is written as ``step-….partial`` and renamed by rank 0 after every rank has finished, so a
 crash mid-save leaves no half checkpoint under the final name (a checkpoint is complete iff ``trainer.json``
 exists); ``keep`` complete checkpoints are kept.
+
+Integrity (``bigrank.integrity``): loading checks every DCP file's size against ``trainer.json`` (a few
+``stat`` calls) and names a truncated or missing one, with the advice to delete that checkpoint and resume from
+the previous one; ``bigrank verify`` checks the CRC-32 checksums too (``verify_checkpoint``). Checkpoints
+written before sizes were recorded load unchecked.
 """
 
 from __future__ import annotations
@@ -36,6 +42,7 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 
+from bigrank import integrity
 from bigrank.atomic import write_atomic
 
 __all__ = [
@@ -49,6 +56,7 @@ __all__ = [
     "remove_partial_checkpoints",
     "row_sharded",
     "save_parts",
+    "verify_checkpoint",
 ]
 
 CHECKPOINTS = "checkpoints"
@@ -110,6 +118,53 @@ def read_trainer_state(path: str | os.PathLike) -> dict[str, Any]:
     if not file.is_file():
         raise FileNotFoundError(f"{path} is not a complete checkpoint (no {TRAINER_FILE})")
     return json.loads(file.read_text())
+
+
+# ------------------------------------------------------------------------------------------------ integrity
+def describe_checkpoint_files(path: str | os.PathLike) -> dict[str, dict]:
+    """``{relative name: {bytes, crc32}}`` of the DCP files in the checkpoint directory ``path`` (all but
+    ``trainer.json``). CRC-32 at ~0.6-1 GB/s a core, in parallel threads, on rank 0 while the others wait at the
+    save's last barrier: a small part of a save, which has just written the same bytes."""
+    path = Path(path)
+    names = sorted(
+        str(file.relative_to(path)) for file in path.rglob("*") if file.is_file() and file.name != TRAINER_FILE
+    )
+    return integrity.describe_files(path, names)
+
+
+def repair_advice(path: str | os.PathLike) -> str:
+    """What to do about a damaged checkpoint ``path``: delete it so that the run resumes from the one before."""
+    path = Path(path)
+    older = [c for c in list_checkpoints(path.parent.parent) if c.name < path.name]  # step-NNNNNNNN sort by step
+    then = f"resumes from the previous checkpoint {older[-1].name}" if older else "starts over (no earlier checkpoint)"
+    return f"The checkpoint is damaged: delete the directory {path} and run the same command again; it then {then}."
+
+
+def check_checkpoint_sizes(path: str | os.PathLike, meta: Mapping[str, Any]) -> None:
+    """Check that every DCP file ``trainer.json`` lists (``meta["files"]``) exists with its recorded size.
+
+    ValueError naming the first damaged file and what to do (``repair_advice``); nothing to check for a
+    checkpoint written before sizes were recorded. Every rank sees the same files, so every rank raises alike
+    before the collective load (none is left waiting in it)."""
+    path = Path(path)
+    for name, entry in (meta.get("files") or {}).items():
+        problem = integrity.check_file(path / name, entry, checksum=False)
+        if problem is not None:
+            raise ValueError(f"checkpoint file {path / name} is {problem}. {repair_advice(path)}")
+
+
+def verify_checkpoint(path: str | os.PathLike) -> integrity.Report:
+    """Check every DCP file of the checkpoint ``path`` against the sizes and CRC-32 checksums in its
+    ``trainer.json`` and report each damaged one by name (``bigrank verify``)."""
+    path = Path(path)
+    meta = read_trainer_state(path)
+    report = integrity.Report("checkpoint", path, repair_advice(path))
+    files = meta.get("files")
+    if files is None:
+        report.notes.append("trainer.json records no file sizes or checksums (written by an older bigrank)")
+    for name, entry in (files or {}).items():
+        report.check(name, entry)
+    return report
 
 
 # ---------------------------------------------------------------------------------------- sharded state
@@ -226,7 +281,8 @@ class Checkpointer:
         save_parts(partial, self._all_parts())
         self._barrier()
         if self.rank == 0:
-            state = dict(meta, step=int(step), world_size=self.world_size, model=self.identity)
+            files = describe_checkpoint_files(partial)  # every rank's files are complete: after the barrier
+            state = dict(meta, step=int(step), world_size=self.world_size, model=self.identity, files=files)
             write_atomic(partial / TRAINER_FILE, lambda tmp: tmp.write_text(json.dumps(state, indent=2) + "\n"))
             if final.exists():  # an incomplete directory under the final name (a crash after a rename)
                 shutil.rmtree(final)
@@ -243,9 +299,11 @@ class Checkpointer:
     def load(self, path: str | os.PathLike, parts: Mapping[str, Stateful] | None = None) -> dict[str, Any]:
         """Load checkpoint ``path`` into ``parts`` (default: every registered part; collective) and return its
         ``trainer.json``. Per-rank parts are restored only on the ranks the checkpoint has (a run resumed on
-        more workers starts the new ranks' RNG from the seed). Raises ValueError for another model's checkpoint."""
+        more workers starts the new ranks' RNG from the seed). Raises ValueError for another model's checkpoint,
+        and for a DCP file missing or of another size than recorded (``check_checkpoint_sizes``)."""
         path = Path(path)
         meta = read_trainer_state(path)
+        check_checkpoint_sizes(path, meta)
         saved = meta.get("model")
         if saved is not None and saved != self.identity:
             changed = sorted(key for key in self.identity if saved.get(key) != self.identity[key])

@@ -1,0 +1,266 @@
+"""Corruption named early (``bigrank.integrity``), on real files: a flipped byte in a dataset part, an export part or
+a checkpoint file is an error or a report naming the file, never wrong data used in silence.
+
+The flips are chosen to be the dangerous kind: ``silent_flip`` changes one byte of a row group's data so that the
+file still decodes without page-checksum verification, to other in-range ids (what trained silently before).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import zlib
+from pathlib import Path
+
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+from bigrank.cli import main
+from bigrank.data import manifest as layout
+from bigrank.data.stream import ParquetStream
+from bigrank.errors import CorruptFileError
+from bigrank.export.format import load_export
+from bigrank.export.recommend import Recommender
+from bigrank.export.writer import export_embeddings
+from bigrank.train.checkpoint import Checkpointer, checkpoint_path, latest_checkpoint
+from tests.conftest import bigrank, tiny_run_yaml
+
+NUM_USERS, NUM_ITEMS = 500, 300
+GROUP_ROWS = 2_000  # several row groups a part, so that the error can name one
+
+
+def make_dataset(root: Path, rows: int = 12_000) -> dict:
+    """A random dataset of ``rows`` ratings (80/10/10), row groups of ``GROUP_ROWS`` rows, written by bigrank."""
+    rng = np.random.default_rng(7)
+    users = rng.integers(0, NUM_USERS, rows, dtype=np.int32)
+    items = rng.integers(0, NUM_ITEMS, rows, dtype=np.int32)
+    labels = layout.random_split_labels(rng, rows)
+    files = {}
+    for label, split in enumerate(layout.SPLITS):
+        mask = labels == label
+        columns = {"user_id": users[mask], "item_id": items[mask]}
+        files[split] = layout.write_split_parts(root, split, columns, rows_per_file=5_000, row_group_size=GROUP_ROWS)
+    return layout.write_manifest(
+        root, num_users=NUM_USERS, num_items=NUM_ITEMS, split_files=files, seed=0, source="test", generator={}
+    )
+
+
+def silent_flip(path: Path, row_group: int, column: int = 0, limit: int | None = None) -> int:
+    """Flip one byte in the data of column ``column`` of ``row_group`` such that the file still reads without
+    page-checksum verification, to other values within ``[0, limit)`` (``limit``: None, any values); the file
+    is left modified. Returns the offset. Fails the test when no such byte exists (the test would prove nothing).
+    """
+    original = path.read_bytes()
+    reference = pq.ParquetFile(path).read_row_group(row_group)
+    chunk = pq.ParquetFile(path).metadata.row_group(row_group).column(column)
+    start = chunk.dictionary_page_offset or chunk.data_page_offset
+    end = start + chunk.total_compressed_size
+    for offset in range(end - 1, start + 40, -5):  # from the end of the chunk: page payload, not its header
+        data = bytearray(original)
+        data[offset] ^= 0x04
+        path.write_bytes(bytes(data))
+        try:
+            table = pq.ParquetFile(path, page_checksum_verification=False).read_row_group(row_group)
+        except Exception:  # noqa: BLE001 - this flip breaks decoding: not the silent kind
+            continue
+        values = table.column(column).to_numpy()
+        in_range = limit is None or (values.min() >= 0 and values.max() < limit)
+        if not table.equals(reference) and in_range:
+            return offset
+    path.write_bytes(original)
+    pytest.fail(f"no byte of row group {row_group} of {path} flips silently")
+
+
+# --------------------------------------------------------------------------------------------------- datasets
+def test_every_written_file_is_recorded_with_size_and_crc32(tmp_path):
+    manifest = make_dataset(tmp_path)
+    recorded = manifest["integrity"]
+    assert recorded["checksum"] == "crc32" and recorded["page_checksums"] is True
+    parts = [name for split in manifest["splits"].values() for name in split["files"]]
+    assert sorted(recorded["files"]) == sorted(parts)
+    for name, entry in recorded["files"].items():
+        data = (tmp_path / name).read_bytes()
+        assert entry["bytes"] == len(data)
+        assert entry["crc32"] == f"{zlib.crc32(data):08x}"
+
+
+def test_silent_flip_in_a_train_part_is_named_with_its_row_group_when_streamed(tmp_path):
+    make_dataset(tmp_path)
+    victim = tmp_path / "train/part-00000.parquet"
+    silent_flip(victim, row_group=1, limit=NUM_USERS)
+    stream = ParquetStream(tmp_path, "train", 500, shuffle=False)  # sizes and footers are intact
+    with pytest.raises(
+        CorruptFileError, match=r"train/part-00000\.parquet is corrupt: .* row group 1 fails its checksum"
+    ) as caught:
+        for _ in stream:
+            pass
+    assert caught.value.row_group == 1 and "bigrank verify" in str(caught.value)
+    # the deep check (every row group decoded, ids in range) names it too: it reads with verification
+    with pytest.raises(CorruptFileError, match="part-00000"):
+        layout.validate_dataset(tmp_path, deep=True)
+
+
+def test_truncated_part_is_named_by_the_size_check_at_stream_start(tmp_path):
+    manifest = make_dataset(tmp_path)
+    victim = tmp_path / manifest["splits"]["train"]["files"][1]
+    victim.write_bytes(victim.read_bytes()[:-10])  # the footer goes too, but the size check comes first
+    with pytest.raises(ValueError, match=r"truncated or was modified: .*part-00001\.parquet has \d+ bytes"):
+        ParquetStream(tmp_path, "train", 100)
+
+
+def test_verify_reports_every_damaged_file_and_exits_1(tmp_path, capsys):
+    manifest = make_dataset(tmp_path)
+    assert main(["verify", str(tmp_path)]) == 0
+    assert f"OK  dataset {tmp_path}: {len(manifest['integrity']['files'])} files" in capsys.readouterr().out
+
+    silent_flip(tmp_path / "valid/part-00000.parquet", row_group=0, column=1)
+    footer_flip = tmp_path / "test/part-00000.parquet"
+    data = bytearray(footer_flip.read_bytes())
+    data[-20] ^= 0x01  # inside the footer: no page checksum covers it, the file checksum does
+    footer_flip.write_bytes(bytes(data))
+    truncated = tmp_path / "train/part-00001.parquet"
+    truncated.write_bytes(truncated.read_bytes()[:100])
+    assert main(["verify", str(tmp_path)]) == 1
+    out = capsys.readouterr().out
+    damaged = [line for line in out.splitlines() if line.startswith("  DAMAGED")]
+    assert len(damaged) == 3, out
+    assert "valid/part-00000.parquet: corrupt: crc32" in out and "test/part-00000.parquet: corrupt: crc32" in out
+    assert "train/part-00001.parquet: truncated or modified: 100 bytes" in out
+    assert "FAILED" in out and "re-generate" in out
+
+
+def test_verify_from_a_fresh_process_and_a_path_that_is_nothing(tmp_path):
+    make_dataset(tmp_path / "data")
+    (tmp_path / "data/train/part-00000.parquet").unlink()
+    done = bigrank("verify", tmp_path / "data", check=False)
+    assert done.returncode == 1 and "train/part-00000.parquet: missing" in done.stdout
+    (tmp_path / "empty").mkdir()
+    done = bigrank("verify", tmp_path / "empty", check=False)
+    assert done.returncode == 2 and "is not a bigrank dataset" in done.stderr
+
+
+def test_a_dataset_without_checksums_still_loads_and_verifies_what_it_can(tmp_path, capsys):
+    """A dataset as bigrank wrote it before checksums: parts without page checksums, no ``integrity`` entry."""
+    rng = np.random.default_rng(3)
+    files = {}
+    for split in layout.SPLITS:
+        name = layout.part_name(split, 0)
+        (tmp_path / split).mkdir()
+        table = layout.arrow_table(
+            {"user_id": rng.integers(0, NUM_USERS, 3000), "item_id": rng.integers(0, NUM_ITEMS, 3000)}
+        )
+        pq.write_table(table, tmp_path / name, row_group_size=1000, compression="zstd")  # no page checksums
+        files[split] = [name]
+    manifest = layout.write_manifest(
+        tmp_path, num_users=NUM_USERS, num_items=NUM_ITEMS, split_files=files, seed=0, source="old", generator={}
+    )
+    del manifest["integrity"]
+    (tmp_path / layout.MANIFEST_NAME).write_text(json.dumps(manifest))
+
+    assert sum(len(batch["user_id"]) for batch in ParquetStream(tmp_path, "train", 256)) == 3000
+    assert main(["data-info", str(tmp_path), "--check"]) == 0
+    assert "none recorded" in capsys.readouterr().out
+    assert main(["verify", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "records no checksums" in out and f"OK  dataset {tmp_path}: 3 files" in out
+    victim = tmp_path / "train/part-00000.parquet"
+    victim.write_bytes(victim.read_bytes()[:-1])
+    assert main(["verify", str(tmp_path)]) == 1  # sizes are still checked
+    assert "train/part-00000.parquet: truncated" in capsys.readouterr().out
+
+
+def test_training_stops_before_its_first_step_on_a_flipped_byte(tiny_dataset, tmp_path):
+    data = tmp_path / "data"
+    shutil.copytree(tiny_dataset, data)
+    manifest = layout.load_manifest(data)
+    victim = data / manifest["splits"]["train"]["files"][0]
+    silent_flip(victim, row_group=0, limit=manifest["num_users"])
+    config = tmp_path / "run.yaml"
+    train = "{batch_size: 64, epochs: 1, log_every: 1, progress: false}"
+    config.write_text(tiny_run_yaml(data, tmp_path / "run", train=train, eval="{every_epochs: null, at_end: false}"))
+    done = bigrank("train", config, "--launcher", "local", check=False, timeout=300)
+    output = done.stdout + done.stderr
+    assert done.returncode != 0, output
+    assert f"{victim} is corrupt" in output and "row group 0" in output, output
+    metrics = tmp_path / "run" / "metrics.jsonl"
+    records = [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.is_file() else []
+    assert not [r for r in records if r.get("type") == "train"], records  # no step trained on the damaged data
+    assert latest_checkpoint(tmp_path / "run") is None
+
+
+# ---------------------------------------------------------------------------------------------------- exports
+def _export(out: Path) -> None:
+    gen = torch.Generator().manual_seed(0)
+    items, users = torch.randn(NUM_ITEMS, 8, generator=gen), torch.randn(NUM_USERS, 8, generator=gen)
+    export_embeddings(
+        out,
+        rank=0,
+        world_size=1,
+        group=None,
+        item_rows=(0, NUM_ITEMS, items),
+        user_rows=(0, NUM_USERS, users),
+        model_info={"loss": "softmax", "dim": 8},
+    )
+
+
+def test_export_with_a_flipped_byte_is_named_by_verify_and_by_its_page_checksums(tmp_path, capsys):
+    out = tmp_path / "export"
+    _export(out)
+    assert main(["verify", str(out)]) == 0
+    assert f"OK  export {out}" in capsys.readouterr().out
+    part = out / "items/part-r00000.parquet"
+    silent_flip(part, row_group=0, column=1)  # an embedding value: decodes to another float
+    assert main(["verify", str(out)]) == 1
+    out_text = capsys.readouterr().out
+    assert "DAMAGED  items/part-r00000.parquet" in out_text and "sha256" in out_text
+    with pytest.raises(ValueError, match=r"items/part-r00000\.parquet does not match its sha256"):
+        load_export(out)
+    # without the sha256 pass (sizes only), reading the part verifies its pages
+    with pytest.raises(CorruptFileError, match=r"export file .*items/part-r00000\.parquet is corrupt: .*row group 0"):
+        Recommender(out, verify=False)
+
+
+# ------------------------------------------------------------------------------------------------ checkpoints
+class _Weights:
+    """A stateful part of one tensor (the ``Stateful`` protocol a Checkpointer saves)."""
+
+    def __init__(self, value: float):
+        self.weight = torch.full((64, 16), value)
+
+    def state_dict(self):
+        return {"weight": self.weight}
+
+    def load_state_dict(self, state):
+        self.weight.copy_(state["weight"])
+
+
+def test_checkpoint_files_are_recorded_and_a_truncated_one_is_named_at_load(tmp_path, capsys):
+    weights = _Weights(1.0)
+    checkpointer = Checkpointer(tmp_path, {"weights": weights}, every=None, keep=3, identity={"dim": 16})
+    checkpointer.save(1, {})
+    weights.weight.fill_(2.0)
+    latest = checkpointer.save(2, {})
+    files = json.loads((latest / "trainer.json").read_text())["files"]
+    assert ".metadata" in files and any(name.endswith(".distcp") for name in files)
+    assert all(entry["bytes"] == (latest / name).stat().st_size for name, entry in files.items())
+    assert main(["verify", str(tmp_path)]) == 0  # a run directory: all its checkpoints
+    assert capsys.readouterr().out.count("OK  checkpoint") == 2
+
+    shard = next(latest / name for name in files if name.endswith(".distcp"))
+    data = shard.read_bytes()
+    shard.write_bytes(data[:-8])
+    with pytest.raises(
+        ValueError, match=rf"{shard.name} is truncated or modified.*delete the directory {latest}.*step-00000001"
+    ):
+        checkpointer.load(latest)
+
+    flipped = bytearray(data)
+    flipped[len(data) // 2] ^= 0x01  # same size: only the checksum tells
+    shard.write_bytes(bytes(flipped))
+    checkpointer.load(latest)  # the size check passes; the full check is verify's
+    assert main(["verify", str(tmp_path)]) == 1
+    out = capsys.readouterr().out
+    assert f"DAMAGED  {shard.name}: corrupt: crc32" in out and "OK  checkpoint" in out  # step 1 is fine
+    assert main(["verify", str(checkpoint_path(tmp_path, 1))]) == 0
