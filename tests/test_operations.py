@@ -41,9 +41,14 @@ def run_config(tiny_dataset, tmp_path) -> tuple[Path, Path]:
 
 def _start(config: Path, log: Path, *overrides: str) -> subprocess.Popen:
     """``bigrank train CONFIG --launcher local`` in a new session (its own process group), output to ``log``."""
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep))
     sets = [arg for override in overrides for arg in ("--set", override)]
-    command = [sys.executable, "-m", "bigrank.cli", "train", str(config), "--launcher", "local", *sets]
+    return _start_command(log, "train", str(config), "--launcher", "local", *sets)
+
+
+def _start_command(log: Path, *args: str) -> subprocess.Popen:
+    """``bigrank ARGS…`` in a new session (its own process group), output to ``log``."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep))
+    command = [sys.executable, "-m", "bigrank.cli", *args]
     with open(log, "w") as out:
         return subprocess.Popen(
             command, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=REPO, start_new_session=True
@@ -138,6 +143,29 @@ def test_sigterm_stops_every_worker_and_the_same_command_resumes(run_config, tmp
     assert latest_checkpoint(run_dir).name == "step-00000120"
     kept = sorted((run_dir / "checkpoints").iterdir())  # keep_checkpoints (2) complete ones, nothing else
     assert len(kept) == 2 and all((path / "trainer.json").is_file() for path in kept), kept
+
+
+@pytest.mark.parametrize("command", ["evaluate", "export"])
+def test_sigterm_stops_evaluate_and_export_with_every_worker(run_config, tmp_path, command):
+    """SIGTERM while `bigrank evaluate` / `bigrank export` start their 2 workers: exit 143, nothing left."""
+    config, run_dir = run_config
+    bigrank("train", config, "--launcher", "local", "--set", "train.max_steps=10")
+    extra = ["--out", str(tmp_path / "export")] if command == "export" else []
+    log = tmp_path / f"{command}.log"
+    proc = _start_command(log, command, str(run_dir), "--workers", "2", *extra)
+    try:
+        deadline = time.monotonic() + 60
+        while len(_group(proc.pid)) < 3:  # the command and its 2 workers (+ the resource tracker)
+            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()
+            time.sleep(0.02)
+        proc.send_signal(signal.SIGTERM)
+        sent = time.monotonic()
+        assert proc.wait(timeout=15) == 143, log.read_text()
+        assert f"bigrank {command}: stopped by SIGTERM" in log.read_text(), log.read_text()
+        left = _gone_within(proc.pid, 10.0 - (time.monotonic() - sent))
+        assert not left, f"processes of bigrank {command} still alive 10 s after SIGTERM: {left}"
+    finally:
+        _kill_group(proc.pid)
 
 
 def test_workers_end_when_the_command_is_killed(run_config, tmp_path):
