@@ -29,7 +29,6 @@ step over the whole catalog (bigrank splits them over the workers).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import subprocess
 import sys
@@ -44,6 +43,7 @@ import torch
 from bigrank.config import load_config
 from bigrank.data.manifest import load_manifest
 from bigrank.losses import rankmax_loss, softmax_loss, sparsemax_loss
+from bigrank.records import PLAN_TEXT, TrainRecord, read_metrics
 
 ROOT = Path(__file__).resolve().parents[1]
 FULL_CATALOG = {"rankmax": rankmax_loss, "softmax": softmax_loss, "sparsemax": sparsemax_loss}
@@ -51,7 +51,7 @@ FULL_CATALOG = {"rankmax": rankmax_loss, "softmax": softmax_loss, "sparsemax": s
 
 def chosen_layout(run_dir) -> str:
     """The layout a run used, from its plan.txt ("catalog repl, user_table shar" …; "one shard" for 1 worker)."""
-    for line in (Path(run_dir) / "plan.txt").read_text().splitlines():
+    for line in (Path(run_dir) / PLAN_TEXT).read_text().splitlines():
         if line.rstrip().endswith("<- chosen"):
             return " ".join(line.split()[:-6]).replace(",", "")  # the assignment, without the cost columns
     return "one shard"
@@ -70,9 +70,9 @@ def bigrank_examples_per_s(
             "--set", "train.progress=false", "--set", f"train.checkpoint_every={steps}",
         ]  # fmt: skip
         subprocess.run(command, check=True, cwd=ROOT, stdout=subprocess.DEVNULL)
-        records = [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+        records = read_metrics(run_dir)
         chosen = chosen_layout(run_dir)
-    rates = [r["examples_per_s"] for r in records if r.get("type") == "train"][1:]  # drop the warm-up window
+    rates = [r.examples_per_s for r in records if isinstance(r, TrainRecord)][1:]  # drop the warm-up window
     return float(np.median(rates)), chosen
 
 
@@ -285,9 +285,9 @@ def bigrank_ml1b(
         if process.wait() != 0:
             raise RuntimeError(f"bigrank train failed for {loss_name} (exit {process.returncode})")
         watcher.join()
-        records = [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+        records = read_metrics(run_dir)
         chosen = chosen_layout(run_dir)
-    rates = [r["examples_per_s"] for r in records if r.get("type") == "train"][1:]
+    rates = [r.examples_per_s for r in records if isinstance(r, TrainRecord)][1:]
     workers = sorted(peaks.values(), reverse=True)[:2]  # the two workers are the largest processes
     return float(np.median(rates)), workers, chosen
 

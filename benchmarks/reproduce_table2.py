@@ -45,6 +45,8 @@ from pathlib import Path
 
 import numpy as np
 
+from bigrank.records import EVAL, read_eval_json
+
 
 @dataclass(frozen=True)
 class Dataset:
@@ -147,12 +149,12 @@ def tune(dataset: Dataset, loss: str, data: Path, work: Path, budget: float | No
 
 
 def train(config: Path, data: Path, run_dir: Path, epochs: int | None) -> dict:
-    if not (run_dir / "eval.json").exists():
+    if not (run_dir / EVAL).exists():
         overrides = ["--set", f"data.root={data}", "--set", f"run_dir={run_dir}", "--set", "train.progress=false"]
         if epochs:
             overrides += ["--set", f"train.epochs={epochs}"]
         bigrank("train", str(config), "--launcher", "local", *overrides)
-    return json.loads((run_dir / "eval.json").read_text())["test"]
+    return read_eval_json(run_dir)["test"]
 
 
 def per_user_test_metrics(datasets: dict[int, Path], rows: dict[str, list[dict]], runs: dict[str, list[Path]]):

@@ -197,6 +197,11 @@ def test_ids_outside_the_manifest_are_an_error(tmp_path):
     name = manifest["splits"]["train"]["files"][0]
     bad_pair = {"user_id": np.array([0], np.int32), "item_id": np.array([99], np.int32)}
     layout.write_parquet_atomic(tmp_path / name, bad_pair)
+    # A well-formed file whose ids the manifest does not allow (written, then described, by a buggy tool):
+    # the manifest records the new file, so only the id check can catch it.
+    split_files = {split: manifest["splits"][split]["files"] for split in layout.SPLITS}
+    layout.write_manifest(tmp_path, num_users=NUM_USERS, num_items=NUM_ITEMS, split_files=split_files, seed=0,
+                          source="test", generator={"test": "tiny"})  # fmt: skip
     user_table, item_table = tables()
     with pytest.raises(ValueError, match=r"item_id values outside \[0, 37\)"):
         evaluate_model(embedding_fn(user_table, None, []), make_shard(item_table, None), tmp_path, "valid", KS)

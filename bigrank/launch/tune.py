@@ -368,26 +368,24 @@ class _Training(threading.Thread):
             self.error = error
 
 
-def _read_records(path: Path) -> list[dict]:
-    if not path.is_file():
-        return []
-    records = []
-    for line in path.read_text().splitlines():
-        try:
-            records.append(json.loads(line))
-        except json.JSONDecodeError:
-            break  # a line being written
-    return records
+def _read_records(run_dir: Path) -> list:
+    """The run's records so far (``bigrank.records``; a line being written is skipped), none before the first."""
+    from bigrank.records import METRICS, read_metrics
+
+    return read_metrics(run_dir) if (run_dir / METRICS).is_file() else []
 
 
-def completed_evaluations(records: list[dict], split: str = "valid") -> list[dict]:
-    """The ``split`` evaluations of a run's ``metrics.jsonl`` records that training has moved past (a train
-    record follows them): the periodic ones. The evaluations at the end of a run are read from eval.json."""
+def completed_evaluations(records: list, split: str = "valid") -> list:
+    """The ``split`` evaluations (``EvalRecord``) of a run's ``metrics.jsonl`` records that training has moved
+    past (a train record follows them): the periodic ones. The evaluations at the end of a run are read from
+    eval.json."""
+    from bigrank.records import EvalRecord, TrainRecord
+
     done, pending = [], []
     for record in records:
-        if record.get("type") == "eval" and record.get("split") == split:
+        if isinstance(record, EvalRecord) and record.split == split:
             pending.append(record)
-        elif record.get("type") == "train":
+        elif isinstance(record, TrainRecord):
             done += pending
             pending = []
     return done
@@ -439,22 +437,23 @@ def bigrank_trial(params: dict) -> None:
     threads = max(1, int(config.ray.cpus_per_worker))
     training = _Training(config, threads, run_dir / "train.log")
     training.start()
-    metrics_path = run_dir / "metrics.jsonl"
     while True:
         finished = not training.is_alive()
-        for record in completed_evaluations(_read_records(metrics_path)):
-            if record["step"] > reported:
-                metrics = {"epoch": float(record["epoch"]), "step": int(record["step"])}
-                metrics.update(_metrics_of(record, "valid"))
-                _report(metrics, int(record["step"]), context["metric"])
-                reported = int(record["step"])
+        for record in completed_evaluations(_read_records(run_dir)):
+            if record.step > reported:
+                metrics = {"epoch": record.epoch, "step": record.step}
+                metrics.update(_metrics_of(record.metrics, "valid"))
+                _report(metrics, record.step, context["metric"])
+                reported = record.step
         if finished:
             break
         time.sleep(_POLL_SECONDS)
     training.join()
     if training.error is not None:
         raise training.error
-    final = json.loads((run_dir / "eval.json").read_text())
+    from bigrank.records import read_eval_json
+
+    final = read_eval_json(run_dir)
     step = int(final["valid"]["step"])
     if step > reported:
         metrics = {"epoch": float(final["valid"]["epoch"]), "step": step, "finished": 1}

@@ -30,7 +30,6 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from bigrank.atomic import write_json_atomic
 from bigrank.data import manifest as layout
 from bigrank.data.stream import iter_row_groups
 from bigrank.distributed.collectives import group_size
@@ -48,7 +47,9 @@ __all__ = [
     "write_eval_json",
 ]
 
-EVAL_NAME = "eval.json"
+from bigrank.records import EVAL as EVAL_NAME  # noqa: E402 - re-exported
+from bigrank.records import write_eval_json  # noqa: E402 - re-exported
+
 DEFAULT_KS = (10, 100, 1000)
 MAX_SCORE_ELEMENTS = 1 << 25  # 128 MiB of float32 scores per batch and rank
 
@@ -321,40 +322,6 @@ def _exclude_in_place(scores: torch.Tensor, indptr, items, first: int, last: int
         rows = np.repeat(np.arange(last - first, dtype=np.int64), np.diff(indptr[first : last + 1]))
         columns = items[lo:hi] - offset
         scores[torch.from_numpy(rows).to(scores.device), torch.from_numpy(columns).to(scores.device)] = float("-inf")
-
-
-def write_eval_json(run_dir: str | Path, results_by_split: Mapping[str, Mapping]) -> Path:
-    """Write ``RUN_DIR/eval.json`` atomically (temp file + ``os.replace``) with one section per split.
-
-    ``results_by_split`` maps a split name (``"valid"``, ``"test"``) to its ``evaluate_model`` result (extra keys
-    such as ``epoch``/``step`` are kept). Sections already in the file for other splits are kept, so valid and
-    test may be written at different times; NaN values are written as ``null``. Returns the path.
-    """
-    import json
-
-    run_dir = Path(run_dir)
-    if not run_dir.is_dir():
-        raise FileNotFoundError(f"run directory does not exist: {run_dir}")
-    path = run_dir / EVAL_NAME
-    sections = {}
-    if path.is_file():
-        try:
-            sections = json.loads(path.read_text())
-        except json.JSONDecodeError as error:
-            raise ValueError(f"{path} is not valid JSON: {error}") from error
-        if not isinstance(sections, dict):
-            raise ValueError(f"{path} does not hold a JSON object")
-    for split, result in results_by_split.items():
-        sections[split] = {key: _json_value(value) for key, value in result.items()}
-    return write_json_atomic(path, sections)
-
-
-def _json_value(value):
-    if isinstance(value, (np.floating, np.integer)):
-        value = value.item()
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    return value
 
 
 def format_eval_table(results_by_split: Mapping[str, Mapping]) -> str:

@@ -5,22 +5,14 @@ training loss, then one panel per evaluation metric found in the runs (``ap@K``,
 one line per run (and per split: valid solid, test dashed). Runs are labelled ``<run dir name> (<loss name>)``,
 the loss name read from ``RUN_DIR/config.yaml`` (``loss: {name: ...}``) when present.
 
-The records read, one JSON object per line of ``RUN_DIR/metrics.jsonl``:
-
-* training: ``{"type": "train", "step": int, "epoch": float, "loss": float, ...}`` — ``epoch`` is the number of
-  epochs done, fractional (``step / steps_per_epoch``); other keys (``examples_per_s``, ``lr``...) are ignored.
-* evaluation: ``{"type": "eval", "step": int, "epoch": float, "split": "valid" | "test", "accuracy": float,
-  "recall@100": float, "ap@10": float, ...}`` — every key ``accuracy`` or ``<name>@<K>`` with a number is plotted.
-
-``"kind"`` is accepted in place of ``"type"``; a record without either counts as training when it has a
-``loss``. Other types are ignored. When a step appears twice (a run resumed from a checkpoint redid it), the
-later line wins. An unparsable *last* line (a write cut short) is skipped; any other bad line is an error naming
-the file and line.
+The records are those of ``RUN_DIR/metrics.jsonl`` (``bigrank.records``: their schema, and what a bad or cut-
+short line does): the training loss against ``epoch`` (epochs done, fractional), and every evaluation metric
+(``accuracy``, ``<name>@<K>``). When a step appears twice (a run resumed from a checkpoint redid it), the later
+line wins.
 """
 
 from __future__ import annotations
 
-import json
 import math
 import os
 from collections.abc import Sequence
@@ -28,7 +20,9 @@ from pathlib import Path
 
 import yaml
 
-METRICS_NAME = "metrics.jsonl"
+from bigrank.records import METRICS as METRICS_NAME
+from bigrank.records import TrainRecord, read_metrics
+
 CONFIG_NAME = "config.yaml"
 SPLIT_STYLES = {"valid": "-", "test": "--"}
 
@@ -62,33 +56,13 @@ def read_run(run_dir: str | Path) -> dict:
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
         raise FileNotFoundError(f"run directory does not exist: {run_dir}")
-    path = run_dir / METRICS_NAME
-    if not path.is_file():
-        raise FileNotFoundError(f"no {METRICS_NAME} in {run_dir}: not a bigrank run directory, or nothing logged yet")
     train: dict[int, dict] = {}
     evals: dict[tuple[str, int], dict] = {}
-    lines = path.read_text().splitlines()
-    for number, line in enumerate(lines, start=1):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as error:
-            if number == len(lines):  # the last write was cut short (the run was killed): keep the rest
-                break
-            raise ValueError(f"{path}, line {number}: not valid JSON: {error}") from error
-        if not isinstance(record, dict):
-            raise ValueError(f"{path}, line {number}: expected a JSON object, got {type(record).__name__}")
-        kind = record.get("type", record.get("kind", "train" if "loss" in record else None))
-        if kind not in ("train", "eval"):
-            continue
-        for key in ("step", "epoch") + (("loss",) if kind == "train" else ("split",)):
-            if key not in record:
-                raise ValueError(f"{path}, line {number}: a {kind} record needs {key!r}; it has {sorted(record)}")
-        if kind == "train":
-            train[int(record["step"])] = record
+    for record in read_metrics(run_dir):  # later lines win: a resumed run redid those steps
+        if isinstance(record, TrainRecord):
+            train[record.step] = record.to_json()
         else:
-            evals[(str(record["split"]), int(record["step"]))] = record
+            evals[(record.split, record.step)] = record.to_json()
     return {
         "name": run_dir.resolve().name,
         "label": run_label(run_dir),

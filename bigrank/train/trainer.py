@@ -23,7 +23,6 @@ launcher, Ray Train).
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import sys
@@ -43,8 +42,17 @@ from bigrank.distributed.collectives import all_gather_replicated, all_gather_ro
 from bigrank.distributed.groups import init_control_group
 from bigrank.losses.scores import replicated_inputs
 from bigrank.memory import keep_freed_memory
+from bigrank.records import (
+    EVAL,
+    PLAN_JSON,
+    PLAN_TEXT,
+    EvalRecord,
+    TrainRecord,
+    append_record,
+    truncate_metrics,
+    write_eval_json,
+)
 from bigrank.train.checkpoint import Checkpointer, latest_checkpoint, remove_partial_checkpoints
-from bigrank.train.evaluate import write_eval_json
 from bigrank.train.evaluator import Evaluator
 from bigrank.train.item_optim import RowOptimizer
 from bigrank.train.losses import StepLoss
@@ -75,19 +83,16 @@ def require_process_group():
 
 # ------------------------------------------------------------------------------------------- run records
 class RunLog:
-    """Rank 0's records: ``metrics.jsonl`` (one JSON object per line) and TensorBoard events."""
+    """Rank 0's records: ``metrics.jsonl`` (``bigrank.records``) and TensorBoard events."""
 
     def __init__(self, run_dir: Path, enabled: bool, resume_step: int):
         self.enabled = enabled
-        self.path = run_dir / "metrics.jsonl"
+        self.run_dir = run_dir
         self.writer = None
         if not enabled:
             return
-        if self.path.exists():  # a resumed run: drop what was logged after the checkpoint it resumes from
-            # (and a line cut short by a kill mid-write: _step_of is None for it)
-            steps = [(line, _step_of(line)) for line in self.path.read_text().splitlines()]
-            kept = [line for line, step in steps if step is not None and step <= resume_step]
-            write_text_atomic(self.path, "".join(line + "\n" for line in kept))
+        # A resumed run: drop what was logged after the checkpoint it resumes from (and a line cut short).
+        truncate_metrics(run_dir, resume_step)
         try:
             from torch.utils.tensorboard import SummaryWriter
 
@@ -95,28 +100,19 @@ class RunLog:
         except ImportError:  # tensorboard is optional
             self.writer = None
 
-    def write(self, record: dict[str, Any], prefix: str) -> None:
+    def write(self, record: TrainRecord | EvalRecord, prefix: str) -> None:
         if not self.enabled:
             return
-        with open(self.path, "a") as handle:
-            handle.write(json.dumps(record) + "\n")
+        append_record(self.run_dir, record)
         if self.writer is not None:
-            for key, value in record.items():
+            for key, value in record.to_json().items():
                 if key not in ("step", "epoch", "type", "split") and isinstance(value, int | float):
-                    self.writer.add_scalar(f"{prefix}/{key}", value, record["step"])
+                    self.writer.add_scalar(f"{prefix}/{key}", value, record.step)
             self.writer.flush()
 
     def close(self) -> None:
         if self.writer is not None:
             self.writer.close()
-
-
-def _step_of(line: str) -> int | None:
-    """The step of a ``metrics.jsonl`` line; None for a line that is no JSON record (cut short by a kill)."""
-    try:
-        return int(json.loads(line).get("step", 0))
-    except (ValueError, AttributeError):
-        return None
 
 
 class _Window:
@@ -167,8 +163,8 @@ class Trainer:
             print(f"training on {self.device} ({self.world_size} workers, precision {self.precision.name})", flush=True)
             plan_text = f"{model.layout_plan}\n\n{format_plan(model.plan)}"
             print(f"sharding plan ({self.world_size} workers):\n{plan_text}", flush=True)
-            write_text_atomic(self.run_dir / "plan.txt", plan_text + "\n")
-            write_plan(model.plan, self.run_dir / "plan.json")
+            write_text_atomic(self.run_dir / PLAN_TEXT, plan_text + "\n")
+            write_plan(model.plan, self.run_dir / PLAN_JSON)
         self.local_batch = train_cfg.batch_size // self.world_size
         self.stream = ParquetStream(
             config.data.root,
@@ -467,37 +463,34 @@ class Trainer:
         )
 
     def _log_train(self, window: _Window, progress) -> None:
-        record = {
-            "type": "train",
-            "step": self.state.step,
-            "epoch": self.epochs_done(),
-            "loss": window.loss / window.steps,
-            "examples_per_s": window.steps * self.config.train.batch_size / max(window.seconds, 1e-9),
-            "lr": self.config.optim.item_lr * self.lr_factor,
-            "user_lr": self.config.optim.user_lr * self.lr_factor,
-        }
-        if self.step_loss.temperature is not None:
-            record["temperature"] = self.step_loss.temperature
+        record = TrainRecord(
+            step=self.state.step,
+            epoch=self.epochs_done(),
+            loss=window.loss / window.steps,
+            examples_per_s=window.steps * self.config.train.batch_size / max(window.seconds, 1e-9),
+            lr=self.config.optim.item_lr * self.lr_factor,
+            user_lr=self.config.optim.user_lr * self.lr_factor,
+            temperature=self.step_loss.temperature,
+        )
         self.log.write(record, "train")
-        progress.set_postfix(loss=f"{record['loss']:.4f}", ex_s=f"{record['examples_per_s']:.0f}")
+        progress.set_postfix(loss=f"{record.loss:.4f}", ex_s=f"{record.examples_per_s:.0f}")
 
     def _evaluate_during_training(self) -> None:
         split = self.config.eval.splits[0]
         results = self.evaluator.evaluate(split)
-        record = {"type": "eval", "split": split, "step": self.state.step, "epoch": self.stream.epoch, **results}
+        record = EvalRecord.from_results(split, self.state.step, self.stream.epoch, results)
         self.log.write(record, f"eval_{split}")
-        self.eval_history.append(record)
+        self.eval_history.append(record.to_json())
 
     def _final_evaluation(self, examples: int) -> dict[str, dict]:
         final: dict[str, dict] = {}
-        if not self.config.eval.at_end or not (examples or not (self.run_dir / "eval.json").exists()):
+        if not self.config.eval.at_end or not (examples or not (self.run_dir / EVAL).exists()):
             return final
         for split in self.config.eval.splits:
             results = self.evaluator.evaluate(split)
             final[split] = dict(results, step=self.state.step, epoch=self.epochs_done())
             self.log.write(
-                {"type": "eval", "split": split, "step": self.state.step, "epoch": self.epochs_done(), **results},
-                f"eval_{split}",
+                EvalRecord.from_results(split, self.state.step, self.epochs_done(), results), f"eval_{split}"
             )
         if self.rank == 0:
             write_eval_json(self.run_dir, final)
