@@ -45,6 +45,7 @@ __all__ = [
     "resolve",
     "resume_changes",
     "save_config",
+    "set_key",
     "validate",
 ]
 
@@ -543,15 +544,27 @@ def apply_overrides(raw: dict, overrides: list[str] | tuple[str, ...]) -> dict:
     """Set each ``a.b=v`` of ``overrides`` in the nested dict ``raw`` (in place; returns it)."""
     for text in overrides:
         path, value = parse_override(text)
-        node = raw
-        for depth, part in enumerate(path[:-1]):
-            child = node.get(part)
-            if child is None:
-                child = node[part] = {}
-            elif not isinstance(child, dict):
-                raise ConfigError(f"override {text!r}: {'.'.join(path[: depth + 1])} is not a section")
-            node = child
-        node[path[-1]] = value
+        try:
+            set_key(raw, ".".join(path), value)
+        except ConfigError as error:
+            raise ConfigError(f"override {text!r}: {error}") from None
+    return raw
+
+
+def set_key(raw: dict, key: str, value) -> dict:
+    """Set the dotted ``key`` of the nested dict ``raw`` to ``value``, sections created as needed (in place;
+    returns ``raw``). The one way a ``--set`` override or a search-space value reaches a raw config. Raises
+    ConfigError when a prefix of ``key`` holds a value, not a section."""
+    node = raw
+    parts = key.split(".")
+    for depth, part in enumerate(parts[:-1]):
+        child = node.get(part)
+        if child is None:
+            child = node[part] = {}
+        elif not isinstance(child, dict):
+            raise ConfigError(f"{'.'.join(parts[: depth + 1])} is not a section")
+        node = child
+    node[parts[-1]] = value
     return raw
 
 

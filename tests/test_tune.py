@@ -215,7 +215,7 @@ def test_a_search_whose_every_trial_fails_exits_non_zero_naming_the_error(ray_ru
 def test_a_trials_error_is_summarised_by_its_cause():
     from ray.exceptions import RayTaskError
 
-    from bigrank.launch.tune import _error_summary
+    from bigrank.launch.tune.results import _error_summary
     from bigrank.train.launcher import WorkerError
 
     worker = WorkerError(0, "RuntimeError", "CUDA error: oops\nCompile with TORCH_USE_CUDA_DSA", "Traceback ...")

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from bigrank.config import load_config
-from bigrank.launch.tune import Domain, SearchSpace, _get_path, base_point, load_space, search_base, validate_space
+from bigrank.launch.tune import Domain, SearchSpace, base_point, get_key, load_space, search_base, validate_space
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 SHIPPED = sorted(path.name.removesuffix(".space.yaml") for path in (CONFIGS / "tune").glob("*.space.yaml"))
@@ -37,14 +37,14 @@ def test_shipped_space_validates_against_its_config(name):
 def test_shipped_config_lies_inside_its_space_and_is_the_first_trial(name):
     space, base = _space_and_base(name)
     outside = {
-        key: (_get_path(base, key), domain.values)
+        key: (get_key(base, key), domain.values)
         for key, domain in space.params.items()
-        if not domain.contains(_get_path(base, key))
+        if not domain.contains(get_key(base, key))
     }
     assert not outside, f"configs/{name}.yaml holds values outside its space: {outside}"
     start = base_point(space, base)
     sampled = [key for key, domain in space.params.items() if domain.kind not in ("fixed", "grid")]
-    assert sampled and {key: _get_path(start, key) for key in sampled} == {key: _get_path(base, key) for key in sampled}
+    assert sampled and {key: get_key(start, key) for key in sampled} == {key: get_key(base, key) for key in sampled}
 
 
 def test_base_point_is_none_when_a_base_value_lies_outside_the_space():
