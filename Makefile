@@ -8,6 +8,12 @@ STAMP   := $(VENV)/.installed
 
 setup: $(STAMP)
 
+# torch's CPU build: PyPI's torch for Linux is the CUDA build (several GB with its nvidia-* libraries); the CPU
+# build comes from PyTorch's CPU index, unless a local wheel directory (PIP_FIND_LINKS, as on the development
+# machines) already holds it. Override with `make setup TORCH_INDEX=...` (empty: PyPI's build).
+TORCH_CPU   := torch==2.13.0+cpu
+TORCH_INDEX ?= $(if $(wildcard $(PIP_FIND_LINKS)/torch-2.13.0+cpu-*.whl),,https://download.pytorch.org/whl/cpu)
+
 # The CUDA stack (torch 2.13.0 CUDA build, fbgemm-gpu 1.8.0, torchrec 1.8.0) in its own .venv-cuda, so that
 # `make setup`/`make test` keep their CPU .venv. Checks imports and versions; a GPU is needed only to train.
 VENV_CUDA  := .venv-cuda
@@ -29,6 +35,7 @@ $(STAMP_CUDA): requirements-cuda.txt pyproject.toml
 $(STAMP): requirements.txt pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
+	$(BIN)/pip install --quiet "$(TORCH_CPU)" $(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX))
 	$(BIN)/pip install --quiet -r requirements.txt
 	$(BIN)/pip install --quiet --no-deps torchrec==1.8.0
 	$(BIN)/pip install --quiet --no-deps -e .
