@@ -144,6 +144,17 @@ def test_every_path_writes_the_brute_force_seen_items_byte_for_byte_alike(tmp_pa
             assert files[way, rank] == files["direct", rank], f"{way}, rank {rank}: the bytes depend on the path"
 
 
+def test_spill_files_reopened_past_the_open_file_limit_write_the_same_bytes(tmp_path, monkeypatch):
+    root = tmp_path / "data"
+    write_dataset(root, "repeats", "shuffled")  # every row group holds users of every bucket
+    sizes = {"block_ratings": BLOCK_RATINGS["cut buckets"], "group_users": GROUP_USERS}
+    expected = write_seen_part(tmp_path / "a", 0, root, 0, NUM_USERS, **sizes)
+    monkeypatch.setattr(seen_module, "MAX_OPEN_SPILL_FILES", 2)
+    entry = write_seen_part(tmp_path / "b", 0, root, 0, NUM_USERS, **sizes)
+    assert entry["sha256"] == expected["sha256"]
+    assert_part_equals(tmp_path / "b" / entry["file"], 0, NUM_USERS, brute_force(root))
+
+
 @pytest.mark.parametrize("order", ["user blocks", "shuffled"])
 def test_blocks_tile_the_users_in_whole_row_groups_within_the_ratings_budget(tmp_path, order):
     """``_blocks`` cuts a rank's users into blocks of whole row groups of at most ``block_ratings`` ratings (a

@@ -39,6 +39,7 @@ SEEN_ROW_GROUP_USERS = 512
 # (``_csr_block``), so 210-320 MB; ML-1B's rank of 1.1M users writes ~60 such blocks.
 BLOCK_RATINGS = 16_000_000
 SPILL_CHUNK_KEYS = 4_000_000  # keys read at once from a spill file when a bucket is cut into blocks
+MAX_OPEN_SPILL_FILES = 128  # well below the 256 open files a macOS process gets by default
 PRELOAD_MAX_RATINGS = 50_000_000
 CACHED_ROW_GROUPS = 256
 
@@ -200,7 +201,8 @@ def _spill(chunks, bucket_keys: np.ndarray, spill: Path) -> np.ndarray:
 
     ``bucket_keys``: int64[buckets + 1], bucket ``b`` holds the keys in ``[bucket_keys[b], bucket_keys[b + 1])``.
     Each chunk (a row group) is sorted first, so its keys of one bucket are one slice: cheaper than a stable
-    argsort by bucket and a gather of every key.
+    argsort by bucket and a gather of every key. At most ``MAX_OPEN_SPILL_FILES`` files are open at once (ML-1B
+    in one process: ~125 buckets); the one opened first is closed to open another, and reopened to append.
     """
     counts = np.zeros(len(bucket_keys) - 1, np.int64)
     handles = {}
@@ -210,7 +212,9 @@ def _spill(chunks, bucket_keys: np.ndarray, spill: Path) -> np.ndarray:
             cuts = np.searchsorted(keys, bucket_keys)
             for b in np.flatnonzero(np.diff(cuts)):
                 if b not in handles:
-                    handles[b] = open(spill / f"{b}.keys", "wb")  # noqa: SIM115 - closed below
+                    if len(handles) >= MAX_OPEN_SPILL_FILES:
+                        handles.pop(next(iter(handles))).close()
+                    handles[b] = open(spill / f"{b}.keys", "ab")  # noqa: SIM115 - closed below
                 handles[b].write(memoryview(keys[cuts[b] : cuts[b + 1]]))
                 counts[b] += cuts[b + 1] - cuts[b]
     finally:
