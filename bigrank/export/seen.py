@@ -375,9 +375,12 @@ def write_seen_part(
     When those hold more than ``block_ratings`` ratings, one pass spills them (one int64 key each) to bucket
     files of whole row groups of users, then each bucket is sorted and written on its own, cut further when it
     holds more than ``block_ratings``: the memory for the ratings stays at most about ``20 * block_ratings``
-    bytes whatever the dataset's size (``_csr_block``). Blocks start on row-group boundaries (``group_users`` users
-    per row group), so a reader finds user ``u`` in row group ``(u - row_start) // group_users`` of the part;
-    the file does not depend on ``block_ratings``. Returns the part's manifest entry
+    bytes whatever the dataset's size (``_csr_block``; unless one row group of users alone holds more), and
+    the spill takes 8 bytes a rating on disk beside the part, each bucket deleted once written.
+
+    Blocks start on row-group boundaries (``group_users`` users per row group), so a reader finds user ``u``
+    in row group ``(u - row_start) // group_users`` of the part; the file does not depend on
+    ``block_ratings``. Returns the part's manifest entry
     ``{file, row_start, row_stop, rows, nnz, row_group_users, bytes, sha256}``.
     """
     import pyarrow as pa
