@@ -8,8 +8,15 @@ batches and one query at a time, and recall@10 against the exact top-10. Ratios 
 ``--catalog clustered`` replaces the i.i.d. Gaussian rows (no structure: the worst case for IVF and HNSW) by a
 Gaussian mixture with log-normal norms, closer to trained embeddings.
 
+``--seen DATA_ROOT`` times the seen-items table of that dataset (``bigrank.export.seen.write_seen_part``) as
+``bigrank export`` writes it: ``--seen-ranks`` processes at once, each an even share of the users, and reports
+each rank's seconds and peak RSS (VmHWM of a process that holds only the build, not a model), with the load
+average. ``--seen-compare FILE`` first runs the same with another revision's module (``git show
+REV:bigrank/export/seen.py > FILE``) and checks that both wrote the same bytes.
+
     .venv/bin/python -m benchmarks.bench_export [--items 849000] [--dim 64] [--users 200000] [--queries 1000]
-        [--hnsw-m 16 --ef-construction 40] [--catalog random|clustered] [--skip-export]
+        [--hnsw-m 16 --ef-construction 40] [--catalog random|clustered] [--skip-export] [--skip-index]
+        [--seen DATA_ROOT [--seen-ranks 2] [--seen-compare FILE]]
 """
 
 from __future__ import annotations
@@ -21,13 +28,18 @@ import socket
 import tempfile
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
+
+if TYPE_CHECKING:
+    import torch
 
 
 def random_rows(seed: int, rows: int, dim: int, start: int = 0, stop: int | None = None) -> torch.Tensor:
     """Rows ``[start, stop)`` of a seeded random table (the same values whichever rank asks)."""
+    import torch  # imported where used: the seen-items workers must start without it
+
     values = np.random.default_rng(seed).standard_normal((rows, dim), dtype=np.float32)
     return torch.from_numpy(values[start : rows if stop is None else stop].copy())
 
@@ -37,6 +49,8 @@ def export_once(out: Path, rank: int, world_size: int, group, items: int, users:
 
     def share(rows):
         return rank * rows // world_size, (rank + 1) * rows // world_size
+
+    import torch
 
     (i0, i1), (u0, u1) = share(items), share(users)
     item_rows = random_rows(1, items, dim, i0, i1)
@@ -58,6 +72,7 @@ def export_once(out: Path, rank: int, world_size: int, group, items: int, users:
 
 
 def _rank_main(rank, world_size, port, out, items, users, dim, quantize, queue):
+    import torch
     import torch.distributed as dist
 
     torch.set_num_threads(1)
@@ -118,6 +133,95 @@ def bench_export(args, tmp: Path) -> None:
     read_table(out, manifest, "items")
     read = time.perf_counter() - started
     print(f"\nload_export (sha256 + footers of all parts): {verify:.2f} s; read the item table: {read:.2f} s")
+
+
+def _status_mb(field: str) -> float:
+    """``field`` (e.g. ``VmHWM``, the peak RSS) of this process from /proc/self/status, in MB."""
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) / 1000
+    return float("nan")
+
+
+def seen_worker() -> None:
+    """``python -c "…; seen_worker()" MODULE_FILE RANK WORLD_SIZE DATA OUT``: write one rank's part of the seen
+    table with MODULE_FILE (empty: this tree's ``bigrank.export.seen``) and print a JSON line ``{seconds,
+    peak_mb, start_mb, entry}``. A process of its own that imports no torch, so its peak RSS is the build's."""
+    import importlib.util
+    import json
+    import sys
+
+    from bigrank.data import manifest as layout
+
+    module_file, rank, world_size, data, out = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), *sys.argv[4:6]
+    if module_file:
+        spec = importlib.util.spec_from_file_location("seen_compared", module_file)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    else:
+        from bigrank.export import seen as module
+    users = int(layout.load_manifest(data)["num_users"])
+    start, stop = rank * users // world_size, (rank + 1) * users // world_size
+    before = _status_mb("VmRSS")
+    started = time.perf_counter()
+    entry = module.write_seen_part(out, rank, data, start, stop)
+    seconds = time.perf_counter() - started
+    print(json.dumps({"seconds": seconds, "peak_mb": _status_mb("VmHWM"), "start_mb": before, "entry": entry}))
+
+
+def run_seen(module_file: str | None, data: str, out: Path, world_size: int) -> tuple[float, list[dict]]:
+    """Wall seconds and the ranks' results (``seen_worker``) of writing the seen table in ``world_size``
+    processes at once."""
+    import json
+    import subprocess
+    import sys
+
+    code = "from benchmarks.bench_export import seen_worker; seen_worker()"
+    started = time.perf_counter()
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", code, module_file or "", str(rank), str(world_size), data, str(out)],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        for rank in range(world_size)
+    ]
+    outputs = [proc.communicate()[0] for proc in procs]
+    wall = time.perf_counter() - started
+    if any(proc.returncode for proc in procs):
+        raise RuntimeError(f"a seen-items worker failed: return codes {[proc.returncode for proc in procs]}")
+    return wall, [json.loads(text.strip().splitlines()[-1]) for text in outputs]
+
+
+def bench_seen(args, tmp: Path) -> None:
+    from bigrank.data import manifest as layout
+
+    manifest = layout.load_manifest(args.seen)
+    print(
+        f"\n## Seen-items table: {args.seen} ({manifest['num_ratings']:,} ratings, {manifest['num_users']:,} users), "
+        f"{args.seen_ranks} processes at once\n"
+    )
+    print("| build | load before | wall s | rank seconds | rank peak RSS MB (start) | nnz | MB written | same bytes |")
+    print("|---|---:|---:|---|---|---:|---:|---|")
+    runs = ([("compared: " + Path(args.seen_compare).name, args.seen_compare)] if args.seen_compare else []) + [
+        ("this tree", None)
+    ]
+    first_checksums = None
+    for name, module_file in runs:
+        load = os.getloadavg()[0]
+        out = tmp / f"seen-{len(runs)}-{module_file is None}"
+        wall, results = run_seen(module_file, args.seen, out, args.seen_ranks)
+        checksums = [r["entry"]["sha256"] for r in results]
+        first_checksums = first_checksums or checksums
+        seconds = " / ".join(f"{r['seconds']:.1f}" for r in results)
+        peaks = " / ".join(f"{r['peak_mb']:,.0f} ({r['start_mb']:,.0f})" for r in results)
+        nnz = sum(r["entry"]["nnz"] for r in results)
+        megabytes = sum(r["entry"]["bytes"] for r in results) / 1e6
+        same = "yes" if checksums == first_checksums else "NO"
+        print(f"| {name} | {load:.2f} | {wall:.1f} | {seconds} | {peaks} | {nnz:,} | {megabytes:,.0f} | {same} |")
+        shutil.rmtree(out, ignore_errors=True)
+    print(f"\nload average after: {os.getloadavg()[0]:.2f} ({os.cpu_count()} CPUs)")
 
 
 def clustered_rows(seed: int, rows: int, dim: int, clusters: int = 1000) -> np.ndarray:
@@ -205,6 +309,10 @@ def main() -> None:
         help="index part: i.i.d. Gaussian rows (worst case for approximate search) or a Gaussian mixture",
     )
     parser.add_argument("--skip-export", action="store_true")
+    parser.add_argument("--skip-index", action="store_true", help="skip the FAISS index part")
+    parser.add_argument("--seen", metavar="DATA_ROOT", help="also time the seen-items table of this dataset")
+    parser.add_argument("--seen-ranks", type=int, default=2, help="processes writing the seen table (default 2)")
+    parser.add_argument("--seen-compare", metavar="FILE", help="seen.py of another revision, run first")
     parser.add_argument("--tmp", default=None, help="directory for the exports (default: a temporary one)")
     args = parser.parse_args()
 
@@ -215,7 +323,10 @@ def main() -> None:
     try:
         if not args.skip_export:
             bench_export(args, tmp)
-        bench_indexes(args)
+        if args.seen:
+            bench_seen(args, tmp)
+        if not args.skip_index:
+            bench_indexes(args)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 

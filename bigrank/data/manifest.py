@@ -390,12 +390,12 @@ def _check_file_contents(root: Path, path: Path, manifest: Mapping) -> None:
             )
 
 
-def read_row_group(handle, path: Path, group: int, columns, root: str | Path):
+def read_row_group(handle, path: Path, group: int, columns, root: str | Path, **options):
     """Row group ``group`` of the dataset file ``path`` (``handle``: its ``integrity.open_parquet``), pages
     verified; a damaged page raises CorruptFileError naming the file and row group (``root``: the dataset, for
-    the advice)."""
+    the advice). ``options`` go to ``ParquetFile.read_row_group`` (``use_threads``)."""
     try:
-        return handle.read_row_group(group, columns=list(columns))
+        return handle.read_row_group(group, columns=list(columns), **options)
     except Exception as error:  # pyarrow raises OSError / ArrowInvalid for a bad page
         raise integrity.damaged_parquet("dataset file", path, error, repair_advice(root), row_group=group) from error
 

@@ -77,7 +77,7 @@ def register(subparsers) -> None:
         "--no-seen",
         dest="seen",
         action="store_false",
-        help="skip the per-user seen-items table (writing it reads the whole dataset once per rank); serving "
+        help="skip the per-user seen-items table (writing it reads each rank's users' ratings once); serving "
         "then takes the dataset with --exclude-seen DATA_ROOT (and --data for a history-tower model)",
     )
     export.set_defaults(func=run_export)
