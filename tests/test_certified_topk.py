@@ -373,3 +373,52 @@ def test_evaluation_is_the_same_with_and_without_certified_bf16(wide_dataset):
         assert output[False][2].bf16_rows == 0
         if CERTIFIES:
             assert output[True][2].bf16_rows == output[True][2].rows > 0
+
+
+# ------------------------------------------------------------------------------------------ recommend, serve
+def test_the_certified_exact_index_equals_fp32_and_faiss():
+    from bigrank.export.index import CertifiedExactIndex, build_index, search
+
+    items, queries = gaussian((20_000, 64), 110, 0.1).numpy(), gaussian((50, 64), 111).numpy()
+    certified, plain = CertifiedExactIndex(items), CertifiedExactIndex(items, certified=False)
+    scores, ids = certified.search(queries, 100)
+    want = brute_force(torch.from_numpy(queries), torch.from_numpy(items), 100)
+    assert_same((torch.from_numpy(scores), torch.from_numpy(ids)), want)
+    assert_same(tuple(map(torch.from_numpy, plain.search(queries, 100))), want)
+    # FAISS's IndexFlatIP sums in another order (last-bit differences), the same items on these data.
+    faiss_scores, faiss_ids = search(build_index(items, "exact"), queries, 100)
+    assert (faiss_ids == ids).all()
+    np.testing.assert_allclose(faiss_scores, scores, rtol=1e-5, atol=1e-6)
+    # Exclusions go into the search: the top 5 of the remaining items, fewer when fewer remain.
+    excluded = [ids[0, :3], np.array([], dtype=np.int64), np.arange(20_000)[np.arange(20_000) != 7]]
+    found = certified.search_excluding(queries[:3], [5, 5, 5], excluded)
+    mask = torch.zeros((3, 20_000), dtype=torch.bool)
+    mask[0, ids[0, :3]] = True
+    mask[2] = True
+    mask[2, 7] = False
+    _, want_ids = brute_force(torch.from_numpy(queries[:3]), torch.from_numpy(items), 5, mask)
+    assert [f[0].tolist() for f in found] == [want_ids[0].tolist(), want_ids[1].tolist(), [7]]
+
+
+@pytest.mark.parametrize("certified", [True, False])
+def test_recommend_gives_the_same_items_with_and_without_certified_bf16(tmp_path, certified):
+    from bigrank.export.index import CertifiedExactIndex
+    from bigrank.export.recommend import Recommender
+    from tests.test_export import export_single, random_tables
+
+    tables = random_tables(3)
+    export_single(tmp_path / "export", tables=tables)
+    rec = Recommender(tmp_path / "export", certified_bf16=certified)
+    assert isinstance(rec.index, CertifiedExactIndex) == (certified and cpu_bf16_gemm())
+    faiss_rec = Recommender(tmp_path / "export", certified_bf16=False)
+    for user in range(0, 150, 7):
+        skip = list(range(user, user + 5))
+        got, want = rec.recommend(user, 10, skip), faiss_rec.recommend(user, 10, skip)
+        assert [r["item_id"] for r in got] == [r["item_id"] for r in want]
+        np.testing.assert_allclose([r["score"] for r in got], [r["score"] for r in want], rtol=1e-5, atol=1e-6)
+    vectors = tables["users"][:20].numpy()
+    batch = rec.search_batch(vectors, [3] * 20, [np.array([], dtype=np.int64)] * 20)
+    want_values, want_ids = brute_force(tables["users"][:20], tables["items"], 3)
+    assert [ids.tolist() for ids, _ in batch] == want_ids.tolist()
+    if certified and cpu_bf16_gemm():  # the certified index: the fp32 brute-force bits
+        assert np.array_equal(np.stack([scores for _, scores in batch]), want_values.numpy())
