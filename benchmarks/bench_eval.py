@@ -12,7 +12,9 @@ a user's top items crowd together, the harder case for the bound). Three ranking
 * ``fp32 before``: the path evaluation had before certification: fp32 GEMM, -inf for the excluded items,
   ``distributed_topk`` (catalog.py);
 * ``fp32 exact``: ``exact_topk(certified=False)`` + ``merge_topk`` (``eval.certified_bf16: false``);
-* ``certified bf16``: ``exact_topk`` + ``merge_topk`` (the default on CPUs with bf16 units).
+* ``certified bf16``: ``exact_topk`` + ``merge_topk`` with the bf16 pass forced (by default it is tried only
+  from ``MIN_ITEMS_PER_K`` = 300 items per k on the rank, where it pays: the report says which the default
+  would take).
 
 Checks that the certified lists equal the fp32 ones bit for bit (values and ids), counts the rows where the
 old path's ids differ (only where ties at the k-th place were broken another way), and reports the share of
@@ -63,7 +65,7 @@ def _synthetic_body(kind, num_items, num_users, dim, k, excluded, batch, repeat,
 
     from bigrank.devices import use_certified_bf16
     from bigrank.distributed.catalog import distributed_topk, shard_range
-    from bigrank.model.topk import TopKCatalog, TopKStats, exact_topk, merge_topk
+    from bigrank.model.topk import MIN_ITEMS_PER_K, TopKCatalog, TopKStats, exact_topk, merge_topk
     from bigrank.train.evaluate import MAX_SCORE_ELEMENTS
 
     torch.set_num_threads(threads)
@@ -95,7 +97,9 @@ def _synthetic_body(kind, num_items, num_users, dim, k, excluded, batch, repeat,
         catalog = TopKCatalog.build(weight, certified=certified)  # the bf16 copy: once per evaluation
         out = []
         for first, last, pairs in batches:
-            top = exact_topk(users[first:last], catalog, k, exclude=pairs, certified=certified, stats=stats)
+            top = exact_topk(
+                users[first:last], catalog, k, exclude=pairs, certified=certified, min_items_per_k=0, stats=stats
+            )
             out.append(merge_topk(*top, k, offset=start, num_local=stop - start, group=group))
         return out
 
@@ -130,6 +134,7 @@ def _synthetic_body(kind, num_items, num_users, dim, k, excluded, batch, repeat,
         "before_values_equal": bool(torch.equal(values["fp32 before"], values["fp32 exact"])),
         "stats": stats,
         "certified": certified_on,
+        "default_bf16": certified_on and (stop - start) >= MIN_ITEMS_PER_K * k,
         "rows_per_batch": rows_per_batch,
         "rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
     }
@@ -213,6 +218,8 @@ def _report_synthetic(args, results) -> None:
             f"{rescored / max(certified_scores, 1):.4%} of the certified rows' scores "
             f"({rescored / max(bf16_rows - fallback, 1):,.0f} per row, k = {args.k})"
         )
+        default = "the bf16 pass" if all(r["default_bf16"] for r in results) else "fp32 (too few items per k)"
+        print(f"the default (eval.certified_bf16: true) takes {default} at this k and shard size")
     else:
         print("certified bf16: not available on this CPU (no bf16 units): fp32 only")
     print(f"certified lists == fp32 lists (values bit for bit, ids): {all(r['equal'] for r in results)}")

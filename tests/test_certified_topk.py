@@ -13,12 +13,12 @@ import pytest
 import torch
 
 from bigrank.devices import cpu_bf16_gemm
+from bigrank.model import topk as topk_module
 from bigrank.model.topk import (
     TopKCatalog,
     TopKStats,
     bf16_error_bound,
     exact_scores,
-    exact_topk,
     merge_topk,
     rescore,
     rescoring_is_exact,
@@ -27,6 +27,12 @@ from tests.distributed_utils import run_distributed
 
 # Where the bf16 path can run here (it always gives the fp32 answer; this says whether it was exercised).
 CERTIFIES = cpu_bf16_gemm() and rescoring_is_exact(64)
+
+
+def exact_topk(*args, min_items_per_k=1, **kwargs):
+    """``exact_topk`` trying the bf16 pass on catalogs of any size (by default only from 300 items per k, where
+    it pays): the tests' catalogs are small."""
+    return topk_module.exact_topk(*args, min_items_per_k=min_items_per_k, **kwargs)
 
 
 def brute_force(users, items, k, exclude=None):
@@ -269,6 +275,12 @@ def test_the_fp32_fallback_triggers_and_still_equals_fp32():
     got = exact_topk(users, TopKCatalog.build(items), 1500, stats=stats)
     assert_same(got, brute_force(users, items, 1500))
     assert stats.bf16_rows == 0 and stats.fp32_rows == users.shape[0]
+    # By default the bf16 pass is tried from 300 items per k only (20,000 / 100 = 200 here): fp32, same answer.
+    stats = TopKStats()
+    assert_same(topk_module.exact_topk(users, TopKCatalog.build(items), k, stats=stats), brute_force(users, items, k))
+    assert stats.bf16_rows == 0
+    topk_module.exact_topk(users, TopKCatalog.build(items), 50, stats=stats)
+    assert stats.bf16_rows == (users.shape[0] if CERTIFIES else 0)
 
 
 def test_float64_catalogs_are_ranked_in_float64():
@@ -332,14 +344,15 @@ def test_merge_pads_when_the_catalog_is_smaller_than_k():
 # ---------------------------------------------------------------------------------------- in evaluation
 @pytest.fixture(scope="module")
 def wide_dataset(tmp_path_factory):
-    """200 users x 4,000 items, 30 random ratings each (80/10/10): enough items for k = 100 to be certified."""
+    """200 users x 64,000 items, 30 random ratings each (80/10/10): 32,000 items per rank, enough for the bf16
+    pass at k = 100 (300 items per k, ``MIN_ITEMS_PER_K``)."""
     from bigrank.data.synthetic import SeedRatings, write_seed_dataset
 
     rng = np.random.default_rng(0)
     users = np.repeat(np.arange(200), 30).astype(np.int32)
-    items = np.concatenate([rng.choice(4000, 30, replace=False) for _ in range(200)]).astype(np.int32)
+    items = np.concatenate([rng.choice(64_000, 30, replace=False) for _ in range(200)]).astype(np.int32)
     root = tmp_path_factory.mktemp("wide")
-    write_seed_dataset(SeedRatings(users, items, 200, 4000), root, 0, "test:wide", {"preset": "wide"})
+    write_seed_dataset(SeedRatings(users, items, 200, 64_000), root, 0, "test:wide", {"preset": "wide"})
     return root
 
 
@@ -365,7 +378,7 @@ def _evaluate_body(rank, world_size, group, root, user_table, item_table):
 
 
 def test_evaluation_is_the_same_with_and_without_certified_bf16(wide_dataset):
-    user_table, item_table = gaussian((200, 32), 100), gaussian((4000, 32), 101, 0.1)
+    user_table, item_table = gaussian((200, 32), 100), gaussian((64_000, 32), 101, 0.1)
     outputs = run_distributed(_evaluate_body, 2, args=(wide_dataset, user_table, item_table))
     for output in outputs:
         assert output[True][0] == output[False][0] == outputs[0][True][0]
@@ -381,12 +394,15 @@ def test_the_certified_exact_index_equals_fp32_and_faiss():
 
     items, queries = gaussian((20_000, 64), 110, 0.1).numpy(), gaussian((50, 64), 111).numpy()
     certified, plain = CertifiedExactIndex(items), CertifiedExactIndex(items, certified=False)
-    scores, ids = certified.search(queries, 100)
-    want = brute_force(torch.from_numpy(queries), torch.from_numpy(items), 100)
+    certified.stats = TopKStats()
+    scores, ids = certified.search(queries, 50)  # 400 items per k: the bf16 pass is tried
+    want = brute_force(torch.from_numpy(queries), torch.from_numpy(items), 50)
     assert_same((torch.from_numpy(scores), torch.from_numpy(ids)), want)
-    assert_same(tuple(map(torch.from_numpy, plain.search(queries, 100))), want)
+    assert_same(tuple(map(torch.from_numpy, plain.search(queries, 50))), want)
+    if CERTIFIES:
+        assert certified.stats.bf16_rows == 50 and certified.stats.fallback_rows == 0
     # FAISS's IndexFlatIP sums in another order (last-bit differences), the same items on these data.
-    faiss_scores, faiss_ids = search(build_index(items, "exact"), queries, 100)
+    faiss_scores, faiss_ids = search(build_index(items, "exact"), queries, 50)
     assert (faiss_ids == ids).all()
     np.testing.assert_allclose(faiss_scores, scores, rtol=1e-5, atol=1e-6)
     # Exclusions go into the search: the top 5 of the remaining items, fewer when fewer remain.

@@ -15,7 +15,8 @@ on the bf16 error, could still reach the top K:
    bounds (each item's norms, the size of its bf16 score) drop most of them.
 3. The candidates are rescored in fp32 by the same GEMM kernel the fp32 path uses (:func:`rescore` =
    :func:`exact_scores` bit for bit), and their lexicographic top K (score descending, column ascending) is the
-   answer. A row whose candidates exceed ``max_candidate_fraction`` of the catalog is ranked in fp32 instead.
+   answer. A row whose candidates exceed ``max_candidate_fraction`` of the catalog is ranked in fp32 instead,
+   and so is every row when k is too large a share of n for bf16 to pay (``MIN_ITEMS_PER_K``).
 
 The error bound (Higham, *Accuracy and Stability of Numerical Algorithms*, 2nd ed., ch. 3, eq. (3.5): a dot
 product of length d summed in any order, with or without FMA, satisfies ``|fl(x^T y) - x^T y| <= g_d |x|^T |y|``,
@@ -91,6 +92,10 @@ BOUND_SAFETY = 1.0 + 2.0**-20  # covers the float64 rounding of the bound's own 
 NORM_LIMIT = 2.0**60  # |u| and max |v| of a certified row: far from overflow in bf16 and fp32
 PRODUCT_LIMIT = 2.0**100  # |u| * max |v| of a certified row
 MAX_CANDIDATE_FRACTION = 0.05  # a row with more candidates than this share of the catalog is ranked in fp32
+# bf16 pays when the GEMM time it saves (~n per row) exceeds the work on >= k candidates per row: measured here
+# (d = 64, one thread, 2026-11-25) the break-even is near k = n / 300 (n / k = 214: 0.9x of fp32, 428: 1.1x,
+# 4,280: 1.7x), so the bf16 pass is tried only from this many items per k.
+MIN_ITEMS_PER_K = 300
 CHUNK_ELEMENTS = 1 << 25  # scores of one chunk of users (64 MiB in bf16, 128 MiB in fp32)
 CANONICAL_MIN = 16  # exact_scores pads users and items to at least this many rows (one GEMM kernel for all)
 _NO_COLUMN = 2**32 - 1  # padding column: ranks after every real column (catalogs have < 2^32 - 1 items)
@@ -337,6 +342,7 @@ def exact_topk(
     exclude: tuple[torch.Tensor, torch.Tensor] | torch.Tensor | None = None,
     certified: bool = True,
     max_candidate_fraction: float = MAX_CANDIDATE_FRACTION,
+    min_items_per_k: int = MIN_ITEMS_PER_K,
     chunk_elements: int = CHUNK_ELEMENTS,
     stats: TopKStats | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -351,6 +357,8 @@ def exact_topk(
         certified: score in bf16 and rescore the certified candidates (when the catalog is certifiable, the
             device is a CPU and :func:`rescoring_is_exact`); False: fp32 only. The answer is the same.
         max_candidate_fraction: a row with more candidates than this share of n is ranked in fp32.
+        min_items_per_k: the bf16 pass is tried only when ``n >= min_items_per_k * k`` (below it the fp32 path
+            is as fast: see ``MIN_ITEMS_PER_K``); the answer does not depend on it.
         chunk_elements: users are ranked ``max(1, chunk_elements // n)`` at a time.
         stats: a :class:`TopKStats` to add this call's figures to.
 
@@ -376,6 +384,7 @@ def exact_topk(
         and catalog.certifiable
         and users.device.type == "cpu"
         and k <= max_candidate_fraction * num_items
+        and k * min_items_per_k <= num_items
         and rescoring_is_exact(catalog.dim)
     )
     max_candidates = max(k, int(max_candidate_fraction * num_items))
@@ -552,8 +561,8 @@ def _select(scores: torch.Tensor, k: int, threshold_of=None):
         has_nan = bool(nan_rows.any())
         if has_nan:
             threshold = threshold.masked_fill(nan_rows, float("-inf"))
-    # Compare in float32 against the threshold rounded down: exact for bf16 and fp32 scores, never too tight.
-    limit = threshold.float()
+    # Compare in the scores' dtype (no promoted copies) against the threshold rounded down: never too tight.
+    limit = threshold.to(scores.dtype)
     limit = torch.where(limit.double() > threshold, torch.nextafter(limit, limit.new_tensor(float("-inf"))), limit)
     limit = limit.unsqueeze(1)
     chosen = maxima >= limit
