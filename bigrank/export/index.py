@@ -124,7 +124,9 @@ class CertifiedExactIndex:
     few candidates the bf16 error bound cannot rule out; the bf16 copy of ``vectors`` (float32[n, d], kept
     as given) is made once here. Speaks ``IndexFlatIP``'s ``ntotal`` / ``d`` / ``search`` and answers queries
     with per-query exclusions directly (``search_excluding``), so they need not widen the search.
-    ``certified=False``: the same answers from fp32 scores (the reference the tests compare with).
+    ``certified=False``: the same answers from fp32 scores (the reference the tests compare with). Keeps its
+    score buffers between searches (up to ~200 MB at ML-1B size); not for concurrent searches (``Recommender``
+    serialises them with its lock).
     """
 
     def __init__(self, vectors: np.ndarray, certified: bool = True):
