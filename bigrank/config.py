@@ -232,6 +232,8 @@ class EvalConfig:
     sample_users: int | None = None  # evaluate a random sample of users (null: all users)
     batch_size: int = 256  # users scored at once per rank
     at_end: bool = True  # evaluate every split after training and write eval.json
+    # Rank in bf16 and certify the fp32 top-K (same lists as fp32, faster) on CPUs with bf16 units; fp32 elsewhere.
+    certified_bf16: bool = True
 
     def check(self) -> None:
         _check(self.every_epochs is None or self.every_epochs >= 0, "eval.every_epochs", "must be >= 0 or null")

@@ -132,6 +132,13 @@ def _index_arguments(parser) -> None:
         default="float32",
         help="search the float16 or int8 copy of the index (built with build-index --quantize)",
     )
+    parser.add_argument(
+        "--no-certified-bf16",
+        dest="certified_bf16",
+        action="store_false",
+        help="exact index: FAISS fp32 brute force instead of the certified bf16 top-K (the same items, slower; "
+        "the certified search is used only on CPUs with bf16 units)",
+    )
 
 
 def _split_ids(text: str, what: str) -> list[int]:
@@ -160,7 +167,12 @@ def run_recommend(args: argparse.Namespace) -> int:
     from bigrank.export.recommend import Recommender
 
     rec = Recommender(
-        args.export, index=args.index, quantize=args.quantize, verify=not args.no_verify, data_root=args.data
+        args.export,
+        index=args.index,
+        quantize=args.quantize,
+        verify=not args.no_verify,
+        data_root=args.data,
+        certified_bf16=args.certified_bf16,
     )
     seen = _seen(args.exclude_seen, args.seen_splits, rec)
     if seen is not None and seen.num_items != rec.num_items:
@@ -217,7 +229,12 @@ def run_serve(args: argparse.Namespace) -> int:
     from bigrank.export.serve import make_server
 
     rec = Recommender(
-        args.export, index=args.index, quantize=args.quantize, verify=not args.no_verify, data_root=args.data
+        args.export,
+        index=args.index,
+        quantize=args.quantize,
+        verify=not args.no_verify,
+        data_root=args.data,
+        certified_bf16=args.certified_bf16,
     )
     server = make_server(rec, args.host, args.port, seen=_seen(args.exclude_seen, args.seen_splits), quiet=args.quiet)
     host, port = server.server_address[:2]

@@ -84,7 +84,8 @@ class ServeSettings:
 
     ``autoscale`` is ``"MIN:MAX"`` (replicas) or None for a fixed ``replicas``. ``seen_root``: a dataset for
     ``exclude_seen`` (default: the export's seen-items table). ``search_threads``: FAISS OpenMP threads
-    per replica (0: FAISS's default).
+    per replica, and torch's for the certified exact index (0: their defaults). ``certified_bf16``: the exact
+    index searched by the certified bf16 top-K where the CPU has bf16 units (``Recommender``).
     """
 
     export: str
@@ -100,6 +101,7 @@ class ServeSettings:
     replica_cpus: float = 1.0
     search_threads: int = 0
     verify: bool = True
+    certified_bf16: bool = True
     data_root: str | None = None
     seen_root: str | None = None
     seen_splits: list[str] = field(default_factory=lambda: ["train", "valid", "test"])
@@ -140,12 +142,17 @@ class RecommendDeployment:
             import faiss
 
             faiss.omp_set_num_threads(self.settings.search_threads)
+            if self.settings.index == "exact" and self.settings.certified_bf16:
+                import torch  # the certified exact index searches with torch's threads
+
+                torch.set_num_threads(self.settings.search_threads)
         self.rec = Recommender(
             self.settings.export,
             index=self.settings.index,
             quantize=self.settings.quantize,
             verify=self.settings.verify,
             data_root=self.settings.data_root,
+            certified_bf16=self.settings.certified_bf16,
         )
         splits = tuple(self.settings.seen_splits)
         if self.settings.seen_root is not None:
@@ -292,6 +299,7 @@ def run_ray_serve(args) -> int:
         max_queued_requests=args.max_queued_requests,
         replica_cpus=args.replica_cpus,
         verify=not args.no_verify,
+        certified_bf16=getattr(args, "certified_bf16", True),
         data_root=args.data,
         seen_root=args.exclude_seen,
         seen_splits=[s.strip() for s in args.seen_splits.split(",") if s.strip()],

@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 
 from bigrank.export.format import load_export, parse_index_name, read_table
-from bigrank.export.index import build_index, read_index, search, set_search_params
+from bigrank.export.index import CertifiedExactIndex, build_index, read_index, search, set_search_params
 from bigrank.export.seen import SeenItems, SeenItemsFile
 
 __all__ = ["Recommender", "SeenItems", "SeenItemsFile", "load_export", "read_table"]  # readers re-exported
@@ -42,6 +42,9 @@ class Recommender:
             vector is ``E_user[u] + mean_{i in H(u)} E_hist[i]`` over its train items ``H(u)``, read from
             the export's ``seen`` table when it has one, else from this dataset (default: the manifest's).
         quantize: another way to name a quantised index: ``index="ivf", quantize="int8"``.
+        certified_bf16: search the float32 ``exact`` index with the certified bf16 top-K
+            (``CertifiedExactIndex``: the items and order of fp32 brute force, faster) where the CPU has bf16
+            units (``bigrank.devices.use_certified_bf16``); False, or another CPU: FAISS ``IndexFlatIP``.
 
     Results are lists of ``{"item_id", "score"}`` dicts (plus ``"original_id"`` / ``"title"`` when the export
     has them), best first. Index searches are serialised by a lock, so one instance can serve many threads;
@@ -56,6 +59,7 @@ class Recommender:
         search_params: dict | None = None,
         data_root=None,
         quantize: str | None = None,
+        certified_bf16: bool = True,
     ):
         kind, quantization = parse_index_name(index)
         if quantize not in (None, "float32") and quantization not in ("float32", quantize):
@@ -75,7 +79,9 @@ class Recommender:
             self.history_vectors = read_table(self.export_dir, self.manifest, "history")["embedding"]
         self.index_kind = index
         saved = self.manifest.get("indexes", {}).get(index)
-        if saved is not None:
+        if index == "exact" and certified_bf16 and _cpu_bf16():
+            self.index = CertifiedExactIndex(self.item_vectors)  # a saved IndexFlatIP holds the same vectors
+        elif saved is not None:
             self.index = read_index(self.export_dir / saved["file"])
             if self.index.ntotal != len(self.item_vectors) or self.index.d != self.item_vectors.shape[1]:
                 raise ValueError(f"the saved {index} index does not match the export's items")
@@ -224,6 +230,9 @@ class Recommender:
             if int(k) < 1:
                 raise ValueError(f"k must be >= 1, got {k}")
         excluded = [np.unique(np.asarray(e, dtype=np.int64)) for e in excluded]
+        if isinstance(self.index, CertifiedExactIndex):  # exact, and takes the exclusions itself
+            with self._lock:
+                return self.index.search_excluding(vectors, ks, excluded)
         wants = [min(self.num_items, int(k) + len(e)) for k, e in zip(ks, excluded, strict=True)]
         with self._lock:
             scores, ids = search(self.index, vectors, max(wants))
@@ -265,6 +274,12 @@ class Recommender:
         if len(bad):
             raise ValueError(f"item ids {bad[:5].tolist()} are outside [0, {self.num_items})")
         return items
+
+
+def _cpu_bf16() -> bool:
+    from bigrank.devices import use_certified_bf16  # imports torch: only when the exact index is asked for
+
+    return use_certified_bf16(True, "cpu")
 
 
 def _as_int(value, what: str) -> int:

@@ -1,9 +1,11 @@
 """Full-catalog evaluation over the item-parallel catalog: Recall@K, AP@K and Accuracy (Rankmax paper, Section 4).
 
 For each evaluated user, every item of the catalog is scored, the user's items of ``exclude_splits`` (the train
-items by default) are left out, the top ``max(ks)`` items are found with ``distributed_topk`` (each rank ranks its
-own rows; only per-row top-K values and ids are exchanged, never the B x n scores), and the list is compared with
-the user's items of the held-out ``split`` (definitions and AP@K normalisation in ``bigrank.train.metrics``).
+items by default) are left out, each rank finds the exact top ``max(ks)`` of its own rows (``exact_topk``: by
+default scored in bf16 and certified, the same answer as fp32; ``certified_bf16=False`` scores in fp32), the
+ranks' lists are merged (``merge_topk``: only per-row top-K values and ids are exchanged, never the B x n
+scores), and the list is compared with the user's items of the held-out ``split`` (definitions and AP@K
+normalisation in ``bigrank.train.metrics``).
 
 Every rank runs the same user batches: the users to evaluate are derived from the dataset files alone (identical
 on all ranks), so the collective ``user_vectors_fn`` (e.g. a row-wise sharded torchrec tower) and the top-K
@@ -32,8 +34,10 @@ import torch.distributed as dist
 
 from bigrank.data import manifest as layout
 from bigrank.data.stream import iter_row_groups
+from bigrank.devices import use_certified_bf16
 from bigrank.distributed.collectives import group_size
-from bigrank.model.catalog import CatalogShard, distributed_topk
+from bigrank.model.catalog import CatalogShard
+from bigrank.model.topk import TopKCatalog, TopKStats, exact_topk, merge_topk
 from bigrank.train.metrics import combine, metric_names, ranking_metrics
 
 __all__ = [
@@ -176,6 +180,8 @@ def evaluate_model(
     exclude_splits: Sequence[str] = ("train",),
     max_score_elements: int = MAX_SCORE_ELEMENTS,
     data: EvaluationData | None = None,
+    certified_bf16: bool = True,
+    stats: TopKStats | None = None,
 ) -> dict:
     """Recall@K, AP@K and Accuracy of ranking the full catalog for the users of ``split``; collective.
 
@@ -195,6 +201,9 @@ def evaluate_model(
         exclude_splits: splits whose items of the user are never recommended (its train items by default).
         data: the split's :class:`EvaluationData` built earlier (then ``sample_users``, ``seed`` and
             ``exclude_splits`` are those it was built with, and no dataset file is read).
+        certified_bf16: rank with the certified bf16 top-K where the CPU has bf16 units
+            (``bigrank.devices.use_certified_bf16``; the same lists as fp32, faster); False: fp32 scores.
+        stats: a ``TopKStats`` to add the ranking's figures to (rows certified, fallbacks, rescored candidates).
 
     Returns ``{"accuracy", "recall@K", "ap@K" (for each K), "users", "skipped_users", "split", "num_items",
     "candidate_users", "sampled"}``, the same on every rank: ``users`` counts the users scored,
@@ -232,6 +241,8 @@ def evaluate_model(
         exclude_splits=data.exclude_splits,
         max_score_elements=max_score_elements,
         excluded=data.excluded,
+        certified_bf16=certified_bf16,
+        stats=stats,
     )
     for first, last, top_ids in batches:
         relevant = (
@@ -264,16 +275,20 @@ def ranked_batches(
     exclude_splits: Sequence[str] = ("train",),
     max_score_elements: int = MAX_SCORE_ELEMENTS,
     excluded: tuple[np.ndarray, np.ndarray] | None = None,
+    certified_bf16: bool = True,
+    stats: TopKStats | None = None,
 ) -> Iterator[tuple[int, int, torch.Tensor]]:
     """Rank the full catalog for ``users`` batch by batch; collective (same arguments on every rank).
 
     Yields ``(first, last, top_ids)``: ``top_ids`` int64[last - first, min(k, n)] holds the global ids of the best
     items of ``users[first:last]``, best first, without the user's items of ``exclude_splits`` (``-1`` pads rows
     with fewer eligible items), replicated on every rank. Scores are ``user_vectors_fn(ids) @ shard.weight.T``
-    on the local rows and the ranking is ``distributed_topk`` (ties: lower id first), all under ``no_grad``.
-    The number of users per batch, ``min(batch_size, max_score_elements // ceil(n / W))``, depends only on
-    figures every rank shares, so all ranks run the same batches. ``excluded``: the CSR of the users' excluded
-    items within this rank's rows when already read (``EvaluationData.excluded``).
+    on the local rows, ranked exactly by ``exact_topk`` (in bf16 and certified, or in fp32 with
+    ``certified_bf16=False``: the same lists) and merged over the ranks by ``merge_topk`` (ties: lower id
+    first), all under ``no_grad``. The number of users per batch, ``min(batch_size, max_score_elements //
+    ceil(n / W))``, depends only on figures every rank shares, so all ranks run the same batches. ``excluded``:
+    the CSR of the users' excluded items within this rank's rows when already read (``EvaluationData.excluded``).
+    ``stats``: a ``TopKStats`` that this rank's ranking figures are added to.
     """
     if batch_size < 1:
         raise ValueError(f"batch_size must be positive, got {batch_size}")
@@ -296,6 +311,8 @@ def ranked_batches(
     widest_shard = math.ceil(num_items / group_size(group))
     rows_per_batch = max(1, min(int(batch_size), int(max_score_elements) // max(widest_shard, 1)))
     weight = shard.weight.detach()
+    certified = use_certified_bf16(certified_bf16, weight.device)
+    catalog = TopKCatalog.build(weight, certified=certified)  # the bf16 copy, made once per call
     with torch.no_grad():
         for first in range(0, len(users), rows_per_batch):
             last = min(first + rows_per_batch, len(users))
@@ -305,23 +322,27 @@ def ranked_batches(
                     f"user_vectors_fn returned shape {tuple(vectors.shape)} for {last - first} users; "
                     f"expected ({last - first}, {shard.dim})"
                 )
-            scores = vectors.detach().to(device=weight.device, dtype=weight.dtype) @ weight.T
-            _exclude_in_place(scores, excluded_indptr, excluded_items, first, last, shard.start)
-            _, top_ids = distributed_topk(scores, k, group=group, offset=shard.start)
+            exclude = _excluded_pairs(excluded_indptr, excluded_items, first, last, shard.start, weight.device)
+            values, columns = exact_topk(
+                vectors,
+                catalog,
+                k,
+                exclude=exclude,
+                certified=certified,
+                chunk_elements=max_score_elements,
+                stats=stats,
+            )
+            _, top_ids = merge_topk(values, columns, k, offset=shard.start, num_local=shard.num_local, group=group)
             yield first, last, top_ids
 
 
-def _exclude_in_place(scores: torch.Tensor, indptr, items, first: int, last: int, offset: int) -> None:
-    """Set the scores of the excluded items of users ``first..last-1`` to -inf (local columns ``item - offset``).
-
-    ``distributed_topk`` treats -inf exactly like its ``exclude`` mask (ids of -inf entries become -1); writing the
-    few excluded entries in place avoids building a dense ``[b, n_local]`` mask and a masked copy of the scores.
-    """
+def _excluded_pairs(indptr, items, first: int, last: int, offset: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rows, local columns ``item - offset``) of the excluded items of users ``first..last-1``: their scores
+    become -inf (ids -1 when listed), without a dense ``[b, n_local]`` mask."""
     lo, hi = int(indptr[first]), int(indptr[last])
-    if hi > lo:
-        rows = np.repeat(np.arange(last - first, dtype=np.int64), np.diff(indptr[first : last + 1]))
-        columns = items[lo:hi] - offset
-        scores[torch.from_numpy(rows).to(scores.device), torch.from_numpy(columns).to(scores.device)] = float("-inf")
+    rows = np.repeat(np.arange(last - first, dtype=np.int64), np.diff(indptr[first : last + 1]))
+    columns = items[lo:hi] - offset
+    return torch.from_numpy(rows).to(device), torch.from_numpy(columns).to(device)
 
 
 def format_eval_table(results_by_split: Mapping[str, Mapping]) -> str:

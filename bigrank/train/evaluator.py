@@ -54,4 +54,5 @@ class Evaluator:
             group=self.group,
             batch_size=self.config.eval.batch_size,
             data=self.data(split, sample),
+            certified_bf16=self.config.eval.certified_bf16,
         )
