@@ -358,7 +358,6 @@ def wide_dataset(tmp_path_factory):
 
 def _evaluate_body(rank, world_size, group, root, user_table, item_table):
     from bigrank.model.catalog import CatalogShard
-
     from bigrank.train.evaluate import evaluate_model, evaluation_users, ranked_batches
 
     shard = CatalogShard(item_table.shape[0], item_table.shape[1], group)
