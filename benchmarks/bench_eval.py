@@ -62,9 +62,9 @@ def synthetic_vectors(kind: str, num_items: int, num_users: int, dim: int, seed:
 
 def _synthetic_body(kind, num_items, num_users, dim, k, excluded, batch, repeat, threads):
     import torch.distributed as dist
-    from bigrank.model.catalog import distributed_topk, shard_range
 
     from bigrank.devices import use_certified_bf16
+    from bigrank.model.catalog import distributed_topk, shard_range
     from bigrank.model.topk import MIN_ITEMS_PER_K, TopKCatalog, TopKStats, exact_topk, merge_topk
     from bigrank.train.evaluate import MAX_SCORE_ELEMENTS
 
