@@ -25,8 +25,9 @@ from tests.conftest import REPO, bigrank, tiny_run_yaml
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc; PR_SET_PDEATHSIG")
 
 # 2 workers, ~22 steps an epoch of the tiny data: a checkpoint every 10 steps (the first a second or two after
-# the workers start), 120 steps in all (a few seconds), so a run can be stopped half-way and then finished.
-TRAIN = "{batch_size: 64, epochs: 100, max_steps: 120, checkpoint_every: 10, log_every: 10, progress: false}"
+# the workers start), 600 steps in all (several seconds even replicated, ~10K examples/s: the signal lands well
+# before the end), so a run can be stopped half-way and then finished.
+TRAIN = "{batch_size: 64, epochs: 100, max_steps: 600, checkpoint_every: 10, log_every: 10, progress: false}"
 EVAL = "{every_epochs: null, at_end: false}"
 
 
@@ -134,13 +135,13 @@ def test_sigterm_stops_every_worker_and_the_same_command_resumes(run_config, tmp
     assert f"bigrank train {config} --launcher local" in output, output
     assert "leaked" not in output, output  # the stopped workers left nothing for the resource tracker to clean
     stopped_at = latest_checkpoint(run_dir)
-    assert stopped_at is not None and not (run_dir / "checkpoints" / "step-00000120").exists()
+    assert stopped_at is not None and not (run_dir / "checkpoints" / "step-00000600").exists()
 
     # The same command again resumes from the last complete checkpoint and finishes.
     done = bigrank("train", config, "--launcher", "local")
     assert f"resuming from {stopped_at}" in done.stdout, done.stdout
-    assert "steps          120 " in done.stdout, done.stdout
-    assert latest_checkpoint(run_dir).name == "step-00000120"
+    assert "steps          600 " in done.stdout, done.stdout
+    assert latest_checkpoint(run_dir).name == "step-00000600"
     kept = sorted((run_dir / "checkpoints").iterdir())  # keep_checkpoints (2) complete ones, nothing else
     assert len(kept) == 2 and all((path / "trainer.json").is_file() for path in kept), kept
 

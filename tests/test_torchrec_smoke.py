@@ -95,8 +95,8 @@ def test_row_wise_sharded_table_trains_under_two_gloo_processes(tmp_path):
     assert results[0]["plan_text"] == results[1]["plan_text"]
     lines = results[0]["plan_text"].splitlines()[1:]
     assert lines == [
-        f"{'tables.user_table':<28} {'row_wise':<10} {'fused':<8} {'[0, 32)':<22} {'[0, 8)':<10} rank:0/cpu",
-        f"{'tables.user_table':<28} {'row_wise':<10} {'fused':<8} {'[32, 64)':<22} {'[0, 8)':<10} rank:1/cpu",
+        f"{'tables.user_table':<28} {'row_wise':<14} {'fused':<8} {'[0, 32)':<22} {'[0, 8)':<10} rank:0/cpu",
+        f"{'tables.user_table':<28} {'row_wise':<14} {'fused':<8} {'[32, 64)':<22} {'[0, 8)':<10} rank:1/cpu",
     ]
     for rank, result in enumerate(results):
         assert json.loads((tmp_path / f"plan-{rank}.json").read_text()) == result["plan"]
