@@ -52,8 +52,21 @@ def _start_command(log: Path, *args: str) -> subprocess.Popen:
     command = [sys.executable, "-m", "bigrank.cli", *args]
     with open(log, "w") as out:
         return subprocess.Popen(
-            command, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=REPO, start_new_session=True
+            command,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env=env,
+            cwd=REPO,
+            start_new_session=True,
+            preexec_fn=_as_from_a_terminal,
         )
+
+
+def _as_from_a_terminal() -> None:
+    """In the child before exec: SIGINT as a command typed at a terminal has it. A shell runs background jobs
+    (`make test &`, CI scripts) with SIGINT ignored, which their children inherit; Python then installs no
+    KeyboardInterrupt handler, and the Ctrl+C test would test the shell instead of bigrank."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def _group(pgid: int) -> list[int]:
