@@ -10,7 +10,8 @@ setup: $(STAMP)
 
 # torch's CPU build: PyPI's torch for Linux is the CUDA build (several GB with its nvidia-* libraries); the CPU
 # build comes from PyTorch's CPU index, unless a local wheel directory (PIP_FIND_LINKS, as on the development
-# machines) already holds it. Override with `make setup TORCH_INDEX=...` (empty: PyPI's build).
+# machines) already holds it. Override with `make setup TORCH_INDEX=...` (empty: PyPI's build). When that index
+# cannot be reached, the install goes on with requirements.txt's torch==2.13.0 (as before this step existed).
 TORCH_CPU   := torch==2.13.0+cpu
 TORCH_INDEX ?= $(if $(wildcard $(PIP_FIND_LINKS)/torch-2.13.0+cpu-*.whl),,https://download.pytorch.org/whl/cpu)
 
@@ -35,7 +36,8 @@ $(STAMP_CUDA): requirements-cuda.txt pyproject.toml
 $(STAMP): requirements.txt pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
-	$(BIN)/pip install --quiet "$(TORCH_CPU)" $(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX))
+	$(BIN)/pip install --quiet --retries 1 --timeout 30 "$(TORCH_CPU)" $(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX)) \
+		|| echo "torch's CPU build not reachable ($(TORCH_INDEX)): requirements.txt's torch==2.13.0 instead"
 	$(BIN)/pip install --quiet -r requirements.txt
 	$(BIN)/pip install --quiet --no-deps torchrec==1.8.0
 	$(BIN)/pip install --quiet --no-deps -e .
