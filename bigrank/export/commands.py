@@ -163,10 +163,11 @@ def _seen(data_root: str | None, splits: str, rec=None):
     return SeenItems(data_root, splits)
 
 
-def run_recommend(args: argparse.Namespace) -> int:
+def _recommender(args: argparse.Namespace):
+    """The ``Recommender`` of ``bigrank recommend`` / ``bigrank serve``'s export options."""
     from bigrank.export.recommend import Recommender
 
-    rec = Recommender(
+    return Recommender(
         args.export,
         index=args.index,
         quantize=args.quantize,
@@ -174,6 +175,10 @@ def run_recommend(args: argparse.Namespace) -> int:
         data_root=args.data,
         certified_bf16=args.certified_bf16,
     )
+
+
+def run_recommend(args: argparse.Namespace) -> int:
+    rec = _recommender(args)
     seen = _seen(args.exclude_seen, args.seen_splits, rec)
     if seen is not None and seen.num_items != rec.num_items:
         raise ValueError(f"the dataset {args.exclude_seen} has {seen.num_items} items, the export {rec.num_items}")
@@ -225,17 +230,9 @@ def run_serve(args: argparse.Namespace) -> int:
         from bigrank.export.ray_serve import run_ray_serve
 
         return run_ray_serve(args)
-    from bigrank.export.recommend import Recommender
     from bigrank.export.serve import make_server
 
-    rec = Recommender(
-        args.export,
-        index=args.index,
-        quantize=args.quantize,
-        verify=not args.no_verify,
-        data_root=args.data,
-        certified_bf16=args.certified_bf16,
-    )
+    rec = _recommender(args)
     server = make_server(rec, args.host, args.port, seen=_seen(args.exclude_seen, args.seen_splits), quiet=args.quiet)
     host, port = server.server_address[:2]
     print(
