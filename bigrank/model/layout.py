@@ -38,7 +38,6 @@ from bigrank.distributed.collectives import group_size, is_distributed
 
 __all__ = [
     "LAYOUTS",
-    "TABLES",
     "Link",
     "StepShape",
     "choose_layouts",
@@ -47,7 +46,6 @@ __all__ = [
     "predict_step",
 ]
 
-TABLES = LAYOUT_TABLES
 FLOAT_BYTES = 4
 ID_BYTES = 8
 # Collectives of one step that do not depend on the table sizes. Sharded catalog: the all-gather of the user
@@ -156,7 +154,7 @@ def predict_step(shape: StepShape, layout: dict[str, str]) -> TableCost:
 
 
 def _assignments(shape: StepShape) -> list[dict[str, str]]:
-    tables = TABLES if shape.history else TABLES[:2]
+    tables = LAYOUT_TABLES if shape.history else LAYOUT_TABLES[:2]
     return [dict(zip(tables, choice, strict=True)) for choice in itertools.product(LAYOUTS, repeat=len(tables))]
 
 
@@ -164,7 +162,7 @@ def choose_layouts(shape: StepShape, requested: dict[str, str], link: Link) -> d
     """The layout of each table: ``requested`` ({table: "auto" | "replicated" | "sharded"}) where it is not
     ``auto``, else the assignment of least predicted seconds among those that keep the requested tables fixed.
     One worker: everything ``sharded`` (one shard is the whole table: today's path, no data-parallel kernels)."""
-    tables = TABLES if shape.history else TABLES[:2]
+    tables = LAYOUT_TABLES if shape.history else LAYOUT_TABLES[:2]
     for table in tables:
         if requested.get(table, "auto") not in ("auto", *LAYOUTS):
             raise ValueError(f"layout of {table} must be auto, replicated or sharded, got {requested[table]!r}")

@@ -59,10 +59,14 @@ class Model:
 
 
 def build_model(
-    config: Config, group, manifest: DatasetManifest | None = None, device: torch.device | str = "cpu"
+    config: Config,
+    group,
+    manifest: DatasetManifest | None = None,
+    device: torch.device | str = "cpu",
+    explain_layout: bool = True,
 ) -> Model:
     """Build the sharded user tower and this rank's catalog shard on ``device`` (this worker's device from
-    ``bigrank.devices.worker_device``); collective."""
+    ``bigrank.devices.worker_device``); collective. ``explain_layout``: see :func:`decide_layout`."""
     from bigrank.data.stream import read_user_items
     from bigrank.model.sharding import replicated_table_parameters, shard_row_wise
     from bigrank.model.towers import HISTORY_TABLE, USER_TABLE, UserTower
@@ -70,7 +74,7 @@ def build_model(
     manifest = manifest or DatasetManifest.load(config.data.root)
     model_cfg = config.model
     device = torch.device(device)
-    layout, layout_plan = decide_layout(config, manifest, group, device)
+    layout, layout_plan = decide_layout(config, manifest, group, device, explain_layout)
     tower = UserTower(
         manifest.num_users,
         model_cfg.dim,
@@ -112,9 +116,12 @@ def build_model(
     )
 
 
-def decide_layout(config: Config, manifest: DatasetManifest, group, device: torch.device) -> tuple[dict[str, str], str]:
-    """``({table: layout}, plan text)`` of this run (collective when a table is ``auto`` on several workers:
-    the cost model's constants are measured over ``group``)."""
+def decide_layout(
+    config: Config, manifest: DatasetManifest, group, device: torch.device, explain: bool = True
+) -> tuple[dict[str, str], str]:
+    """``({table: layout}, plan text)`` of this run (collective when a table is ``auto`` or ``explain`` on several
+    workers: the cost model's constants are measured over ``group``). ``explain=False`` (evaluation, export:
+    layouts given, no plan written) skips the measurement when no table is ``auto``."""
     from bigrank.config import requested_layouts
     from bigrank.losses.registry import FULL_CATALOG_LOSSES
     from bigrank.model.layout import StepShape, choose_layouts, format_layout_plan, measure_link
@@ -136,6 +143,8 @@ def decide_layout(config: Config, manifest: DatasetManifest, group, device: torc
     )
     if world == 1:
         return dict.fromkeys(requested, "sharded"), "layout: one worker holds every table whole (one shard)"
+    if not explain and "auto" not in requested.values():  # nothing to decide or show: nothing to measure
+        return requested, ""
     link = measure_link(group, device)
     chosen = choose_layouts(shape, requested, link)
     return chosen, format_layout_plan(shape, requested, chosen, link)
