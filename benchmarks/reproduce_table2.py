@@ -31,6 +31,11 @@ normalisation.
     .venv/bin/python -m benchmarks.reproduce_table2 --quick          # split seed 0, rankmax + softmax, one EASE λ
     .venv/bin/python -m benchmarks.reproduce_table2 --tune           # search each loss 10 min first (≤ 60 min)
     .venv/bin/python -m benchmarks.reproduce_table2 --data ../shared/datasets/ml-1m --work runs/table2-ml-1m
+    .venv/bin/python -m benchmarks.reproduce_table2 --precisions fp32 bf16 --seeds 0 1 2 3 4 5 6   # bf16 vs fp32
+
+``--precisions fp32 bf16`` trains every loss once per ``train.precision`` (runs ``<loss>-seedN`` in fp32,
+``<loss>-bf16-seedN`` in bf16) and adds each bf16 run's paired difference to its fp32 twin: the evidence for
+(or against) training in bf16.
 """
 
 from __future__ import annotations
@@ -148,9 +153,17 @@ def tune(dataset: Dataset, loss: str, data: Path, work: Path, budget: float | No
     return out / "best.yaml"
 
 
-def train(config: Path, data: Path, run_dir: Path, epochs: int | None) -> dict:
+def variant_name(loss: str, precision: str) -> str:
+    """The table's name of ``loss`` trained in ``precision``: the loss alone in fp32, ``<loss>-<precision>``
+    otherwise (also the prefix of its run directories)."""
+    return loss if precision == "fp32" else f"{loss}-{precision}"
+
+
+def train(config: Path, data: Path, run_dir: Path, epochs: int | None, precision: str = "fp32") -> dict:
     if not (run_dir / EVAL).exists():
         overrides = ["--set", f"data.root={data}", "--set", f"run_dir={run_dir}", "--set", "train.progress=false"]
+        if precision != "fp32":
+            overrides += ["--set", f"train.precision={precision}"]
         if epochs:
             overrides += ["--set", f"train.epochs={epochs}"]
         bigrank("train", str(config), "--launcher", "local", *overrides)
@@ -187,21 +200,25 @@ def per_user_test_metrics(datasets: dict[int, Path], rows: dict[str, list[dict]]
 
 
 def format_differences(per_user: dict[str, list[dict]]) -> str:
-    """``mean [low, high]`` per metric (``paired_difference``) of each loss minus EASE, and of rankmax minus each
-    other loss (the paper's claim: rankmax ahead of softmax and sparsemax)."""
+    """``mean [low, high]`` per metric (``paired_difference``) of each loss minus EASE, of rankmax minus each
+    other loss (the paper's claim: rankmax ahead of softmax and sparsemax), and of each ``<loss>-<precision>``
+    run minus its fp32 twin ``<loss>``."""
     from benchmarks.baselines import paired_difference
 
-    losses = [name for name in per_user if name != "EASE"]
+    models = [name for name in per_user if name != "EASE"]
+    twins = [(name, base) for name in models if (base := name.rsplit("-", 1)[0]) != name and base in models]
+    losses = [name for name in models if name not in dict(twins)]
     pairs = [(loss, "EASE") for loss in losses]
     if "rankmax" in losses:
         pairs += [("rankmax", other) for other in losses if other != "rankmax"]
-    lines = [f"{'difference':<20}" + "".join(f"{title:>26}" for _, title in METRICS)]
+    pairs += twins
+    lines = [f"{'difference':<32}" + "".join(f"{title:>26}" for _, title in METRICS)]
     for first, second in pairs:
         cells = []
         for key, _ in METRICS:
             mean, low, high = paired_difference([s[key] for s in per_user[first]], [s[key] for s in per_user[second]])
             cells.append(f"{mean:+.3f} [{low:+.3f}, {high:+.3f}]".rjust(26))
-        lines.append(f"{first + ' - ' + second:<20}" + "".join(cells))
+        lines.append(f"{first + ' - ' + second:<32}" + "".join(cells))
     return "\n".join(lines)
 
 
@@ -226,7 +243,7 @@ def format_by_activity(
 
 
 def format_table(rows: dict[str, list[dict]], dataset: Dataset = DATASETS["ml-latest-small"]) -> str:
-    header = f"{'model':<12}{'seeds':>6}" + "".join(f"{title:>18}" for _, title in METRICS)
+    header = f"{'model':<22}{'seeds':>6}" + "".join(f"{title:>18}" for _, title in METRICS)
     lines = [header]
     for name, results in rows.items():
         cells = []
@@ -234,12 +251,12 @@ def format_table(rows: dict[str, list[dict]], dataset: Dataset = DATASETS["ml-la
             values = np.array([r[key] for r in results], dtype=np.float64)
             spread = f" ± {values.std(ddof=1):.3f}" if len(values) > 1 else ""
             cells.append(f"{values.mean():.3f}{spread}".rjust(18))
-        lines.append(f"{name:<12}{len(results):>6}" + "".join(cells))
+        lines.append(f"{name:<22}{len(results):>6}" + "".join(cells))
     lines.append("")
     lines.append(f"paper ({dataset.paper_column}, its own protocol and AP normalisation):")
     for name, figures in dataset.paper.items():
         if name in rows:
-            lines.append(f"{name:<12}{'':>6}" + "".join(f"{v:>18.3f}" for v in figures))
+            lines.append(f"{name:<22}{'':>6}" + "".join(f"{v:>18.3f}" for v in figures))
     return "\n".join(lines)
 
 
@@ -266,6 +283,13 @@ def main() -> None:
         default=600.0,
         help="seconds per loss's search (--time-budget; default 600: the default losses' searches and the table "
         "took 36 min on 2 cores; 0: no limit, every trial of the space)",
+    )
+    parser.add_argument(
+        "--precisions",
+        nargs="+",
+        default=["fp32"],
+        choices=("fp32", "bf16"),
+        help="train every loss in each train.precision; bf16 runs are compared with their fp32 twins, paired",
     )
     parser.add_argument("--quick", action="store_true", help="split seed 0, rankmax and softmax, one EASE λ")
     args = parser.parse_args()
@@ -298,12 +322,18 @@ def main() -> None:
             tick = time.perf_counter()
             config = tune(dataset, loss, datasets[args.seeds[0]], work, args.tune_budget)
             phases[f"search {loss}"] = time.perf_counter() - tick
-        tick = time.perf_counter()
-        rows[loss] = [train(config, data, work / f"{loss}-seed{seed}", args.epochs) for seed, data in datasets.items()]
-        phases[f"train {loss} ({len(datasets)} seeds)"] = time.perf_counter() - tick
+        for precision in args.precisions:
+            name = variant_name(loss, precision)
+            tick = time.perf_counter()
+            rows[name] = [
+                train(config, data, work / f"{name}-seed{seed}", args.epochs, precision)
+                for seed, data in datasets.items()
+            ]
+            phases[f"train {name} ({len(datasets)} seeds)"] = time.perf_counter() - tick
 
     tick = time.perf_counter()
-    runs = {loss: [work / f"{loss}-seed{seed}" for seed in datasets] for loss in args.losses}
+    names = [variant_name(loss, precision) for loss in args.losses for precision in args.precisions]
+    runs = {name: [work / f"{name}-seed{seed}" for seed in datasets] for name in names}
     per_user, activity = per_user_test_metrics(datasets, rows, runs)
     phases["paired differences"] = time.perf_counter() - tick
 

@@ -146,6 +146,25 @@ def test_reproduce_table2_prints_each_losss_paired_differences():
     assert f"{mean:+.3f} [{low:+.3f}, {high:+.3f}]" in lines[2]
 
 
+def test_reproduce_table2_pairs_each_bf16_run_with_its_fp32_twin():
+    from benchmarks.reproduce_table2 import format_differences, variant_name
+
+    rng = np.random.default_rng(4)
+    names = ("EASE", "rankmax", variant_name("rankmax", "bf16"), "sampled_softmax", "sampled_softmax-bf16")
+    per_user = {name: [{key: rng.random(20) for key in ("ap@10", "accuracy", "recall@100")}] for name in names}
+    per_user["rankmax-bf16"] = [{key: values - 0.25 for key, values in seed.items()} for seed in per_user["rankmax"]]
+    lines = format_differences(per_user).splitlines()
+    assert [line.split()[0:3] for line in lines[1:]] == [
+        ["rankmax", "-", "EASE"],
+        ["sampled_softmax", "-", "EASE"],
+        ["rankmax", "-", "sampled_softmax"],
+        ["rankmax-bf16", "-", "rankmax"],
+        ["sampled_softmax-bf16", "-", "sampled_softmax"],
+    ]
+    assert lines[4].split()[3:] == ["-0.250", "[-0.250,", "-0.250]"] * 3
+    assert variant_name("softmax", "fp32") == "softmax"
+
+
 def test_reproduce_table2_splits_accuracy_by_the_users_train_items():
     from benchmarks.reproduce_table2 import format_by_activity
 
