@@ -101,14 +101,26 @@ def _config(root, run_dir, layout, workers=2, **sections):
 
 
 def _train_and_hold(config):
-    """Train; return every table as this rank holds it (whole when replicated) and the run's layout."""
+    """Train; return every table as this rank holds it (whole when replicated), the warnings logged on the
+    root logger (``held["root warnings"]``) and the run's layout."""
+    import logging
+
     from bigrank.model.sharding import local_table_rows
     from bigrank.train.trainer import Trainer
 
+    class Collect(logging.Handler):
+        messages: list[str] = []
+
+        def emit(self, record):
+            self.messages.append(record.getMessage())
+
+    collect = Collect(logging.WARNING)
+    logging.getLogger().addHandler(collect)
     trainer = Trainer(config)
     summary = trainer.train()
+    logging.getLogger().removeHandler(collect)
     module = trainer.model.user_module
-    held = {"catalog": trainer.model.shard.weight.detach().clone()}
+    held = {"catalog": trainer.model.shard.weight.detach().clone(), "root warnings": collect.messages}
     for table in ("user_table", "history_table"):
         held[table] = local_table_rows(module, table)[2].detach().clone()
     return summary, trainer.model.layout, held
@@ -171,6 +183,13 @@ def test_replicated_tables_stay_equal_on_every_worker(layout_runs):
         assert first[table].shape == second[table].shape and torch.equal(first[table], second[table]), table
     _, mixed = layout_runs["mixed"]
     assert mixed[0][2]["user_table"].shape[0] < first["user_table"].shape[0]  # the sharded table: half each
+
+
+def test_replicated_tables_log_no_missing_sharding_spec(layout_runs):
+    # torchrec's plan check warns "Sharding spec not found" for every data-parallel table: by design, not news.
+    for name in ("replicated", "mixed"):
+        for _, _, held in layout_runs[name][1]:
+            assert not [m for m in held["root warnings"] if "Sharding spec not found" in m], name
 
 
 def test_the_plan_says_which_layout_and_why(layout_runs):

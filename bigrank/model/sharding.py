@@ -214,6 +214,16 @@ def silence_torchrec_step_warnings() -> None:
     logging.getLogger("torchrec").setLevel(logging.ERROR)
     # torch.fx logs "is_fx_tracing will return true …" once when torchrec's forward checks for tracing.
     logging.getLogger("torch.fx._symbolic_trace").setLevel(logging.ERROR)
+    # torchrec's plan check logs "Sharding spec not found for …" on the root logger for every data-parallel
+    # (replicated) table: such a table has no sharding spec by design.
+    root = logging.getLogger()
+    if not any(isinstance(f, _DataParallelSpecFilter) for f in root.filters):
+        root.addFilter(_DataParallelSpecFilter())
+
+
+class _DataParallelSpecFilter(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith("Sharding spec not found for ")
 
 
 def shard_row_wise(

@@ -1,0 +1,109 @@
+"""`bigrank evaluate` as a user runs it, process start to exit, in units of the same machine's training step.
+
+Issue 28's yardstick: ``bigrank evaluate RUN --split test --sample-users 10000`` on an ML-1B run should take no
+longer than 150 sampled-softmax training steps (global batch 4096, 8,192 negatives, 2 workers) measured in the
+same run of this script, so that the figure does not depend on how busy the machine is.
+
+1. Trains a short run on ``--data`` (default ``/work/data/ml1b``: ``bigrank generate --preset ml1b``) with those
+   settings, ``--steps`` steps, one checkpoint at the end; the step time is the median of the logged windows
+   after the first (start-up and warm-up excluded).
+2. Times ``bigrank evaluate`` on that run's checkpoint (loading, the train-pair exclusion, the scoring, writing
+   ``eval.json``: everything between the process start and its exit), once with the certified bf16 ranking
+   (``eval.certified_bf16: true``, the default) and once in fp32, and checks that both report the same
+   metrics (the certified top-K is the fp32 top-K, so every metric must agree to the last digit).
+
+    .venv/bin/python -m benchmarks.bench_evaluate_command [--data /work/data/ml1b] [--steps 24] [--keep RUN]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import yaml
+
+from bigrank.records import EVAL, TrainRecord, read_metrics
+
+ROOT = Path(__file__).resolve().parents[1]
+TARGET_STEPS = 150  # issue 28: evaluation of 10K ML-1B users within this many training steps
+
+
+def _bigrank(*args: str) -> float:
+    """Run ``bigrank ARGS`` (stdout discarded); seconds from process start to exit."""
+    started = time.perf_counter()
+    subprocess.run([sys.executable, "-m", "bigrank.cli", *args], cwd=ROOT, check=True, stdout=subprocess.DEVNULL)
+    return time.perf_counter() - started
+
+
+def train_short_run(data: str, run_dir: Path, steps: int, batch: int, negatives: int, dim: int) -> float:
+    """Train ``steps`` sampled-softmax steps into ``run_dir`` (2 local workers); the median seconds per step."""
+    config = {
+        "data": {"root": data},
+        "run_dir": str(run_dir),
+        "workers": 2,
+        "model": {"dim": dim},
+        "loss": {"name": "sampled_softmax", "candidates": "sampled", "num_negatives": negatives},
+        "optim": {"user_optimizer": "rowwise_adagrad", "item_optimizer": "rowwise_adagrad"},
+        "train": {"batch_size": batch, "max_steps": steps, "log_every": max(1, steps // 8), "progress": False},
+        "eval": {"every_epochs": None, "at_end": False, "ks": [10, 100, 1000]},
+    }
+    run_dir.mkdir(parents=True, exist_ok=True)
+    path = run_dir.parent / f"{run_dir.name}.yaml"
+    path.write_text(yaml.safe_dump(config))
+    _bigrank("train", str(path), "--launcher", "local")
+    records = [r for r in read_metrics(run_dir) if isinstance(r, TrainRecord)]
+    return statistics.median(batch / r.examples_per_s for r in records[1:])
+
+
+def set_certified(run_dir: Path, certified: bool) -> None:
+    """Switch ``eval.certified_bf16`` in the run's config (an evaluation key: changing it is allowed)."""
+    path = run_dir / "config.yaml"
+    config = yaml.safe_load(path.read_text())
+    config.setdefault("eval", {})["certified_bf16"] = certified
+    path.write_text(yaml.safe_dump(config))
+
+
+def time_evaluate(run_dir: Path, users: int, certified: bool) -> tuple[float, dict]:
+    """Seconds of ``bigrank evaluate RUN --split test --sample-users USERS``, and its test metrics."""
+    set_certified(run_dir, certified)
+    seconds = _bigrank("evaluate", str(run_dir), "--split", "test", "--sample-users", str(users))
+    return seconds, json.loads((run_dir / EVAL).read_text())["test"]
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--data", default="/work/data/ml1b", help="dataset root (bigrank generate --preset ml1b)")
+    parser.add_argument("--steps", type=int, default=24, help="training steps of the short run")
+    parser.add_argument("--batch", type=int, default=4096)
+    parser.add_argument("--negatives", type=int, default=8192)
+    parser.add_argument("--dim", type=int, default=64)
+    parser.add_argument("--users", type=int, default=10_000, help="--sample-users of the evaluation")
+    parser.add_argument("--keep", default=None, help="run directory to keep (default: a temporary one)")
+    args = parser.parse_args(argv)
+
+    with tempfile.TemporaryDirectory() as scratch:
+        run_dir = Path(args.keep) if args.keep else Path(scratch) / "run"
+        step = train_short_run(args.data, run_dir, args.steps, args.batch, args.negatives, args.dim)
+        timings = {certified: time_evaluate(run_dir, args.users, certified) for certified in (True, False)}
+    load = subprocess.run(["uptime"], capture_output=True, text=True, check=False).stdout.strip()
+    print(f"\n{args.data}: sampled softmax, batch {args.batch}, {args.negatives} negatives, d {args.dim}, 2 workers")
+    print(f"training step (median of {args.steps} steps' windows after the first): {step:.3f} s")
+    print(f"{'bigrank evaluate --sample-users ' + str(args.users):<44}{'seconds':>10}{'steps':>10}{'target':>10}")
+    for certified, (seconds, _) in timings.items():
+        name = "certified bf16" if certified else "fp32"
+        print(f"{'  ' + name:<44}{seconds:>10.1f}{seconds / step:>10.0f}{TARGET_STEPS:>10}")
+    same = timings[True][1] == timings[False][1]
+    print(f"metrics of both rankings identical: {same}")
+    print(f"load: {load}")
+    if not same:
+        raise SystemExit("certified bf16 and fp32 evaluations disagree")
+
+
+if __name__ == "__main__":
+    main()
