@@ -477,3 +477,34 @@ def test_two_processes_updating_eval_json_lose_no_section(tmp_path):
     lost = [int(writer.communicate(timeout=120)[0]) for writer in writers]
     assert lost == [0, 0]
     assert json.loads((tmp_path / "eval.json").read_text()) == {"valid": {"step": 300}, "test": {"step": 300}}
+
+
+@pytest.mark.slow
+@pytest.mark.filterwarnings("ignore:Using extra keyword arguments on `Field`")
+def test_serve_ray_drains_and_exits_0_on_sigterm_leaving_no_process(tiny_export, tmp_path):
+    """`bigrank serve --ray` (embedded Ray, HAProxy ingress): SIGTERM while serving deletes the application the
+    way Ray Serve does (the replicas finish their requests) and shuts Ray down: exit 0, no Ray process of the
+    command left (they are in its process group), no abort by Ray's own SIGTERM handler."""
+    pytest.importorskip("ray.serve")
+    import urllib.request
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    log = tmp_path / "serve-ray.log"
+    proc = _start_command(log, "serve", str(tiny_export), "--ray", "--port", str(port), "--replica-cpus", "0.5")
+    try:
+        _wait_for_line(proc, log, "/recommend?user=0", timeout=300)
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/recommend?user=3&k=4", timeout=60) as response:
+            assert response.status == 200 and len(json.loads(response.read())["items"]) == 4
+        assert len(_group(proc.pid)) >= 4, "the command, Ray's GCS, raylet and workers"
+        proc.send_signal(signal.SIGTERM)
+        sent = time.monotonic()
+        assert proc.wait(timeout=60) == 0, log.read_text()
+        left = _gone_within(proc.pid, max(10.0 - (time.monotonic() - sent), 2.0))
+        assert not left, f"processes of bigrank serve --ray still alive after SIGTERM: {left}"
+    finally:
+        _kill_group(proc.pid)
+    output = log.read_text()
+    assert "bigrank serve: SIGTERM: draining the replicas" in output and "bigrank serve: stopped in" in output, output
+    assert "SIGTERM received" not in output and "Traceback" not in output, output
