@@ -5,8 +5,9 @@ Each part of bigrank registers its own sub-commands: a module listed in ``COMMAN
 code. The commands that start work call the run layer (``bigrank.run``), imported when the command runs:
 registering the commands imports no torch, ray or pyarrow, so ``bigrank --help`` starts at once. Errors a user
 can fix (``bigrank.errors``) print one line and exit with status 2. A command stopped by SIGINT (Ctrl+C) exits
-with status 130, by SIGTERM (where the command handles it: the local launcher) with 143, as a shell reports a
-process killed by those signals; a command whose parser sets ``resumable`` then prints how to resume.
+with status 130, by SIGTERM (the local launcher, tune, submit --wait: ``bigrank.signals``) with 143, as a shell
+reports a process killed by those signals; a command whose parser sets ``resumable`` then prints how to resume.
+``bigrank serve`` drains and exits 0 instead: stopping is a server's normal end.
 """
 
 from __future__ import annotations

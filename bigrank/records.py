@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from bigrank.atomic import write_json_atomic, write_text_atomic
+from bigrank.atomic import update_lock, write_json_atomic, write_text_atomic
 
 __all__ = [
     "CONFIG",
@@ -170,15 +170,19 @@ def write_eval_json(run_dir: str | Path, results_by_split: Mapping[str, Mapping]
 
     ``results_by_split`` maps a split name (``"valid"``, ``"test"``) to its ``evaluate_model`` result (extra keys
     such as ``epoch``/``step`` are kept). Sections already in the file for other splits are kept, so valid and
-    test may be written at different times; NaN values are written as ``null``. Returns the path.
+    test may be written at different times, also by two processes at once (they take turns: ``update_lock``);
+    NaN values are written as ``null``. Returns the path.
     """
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
         raise FileNotFoundError(f"run directory does not exist: {run_dir}")
-    sections = read_eval_json(run_dir) if (run_dir / EVAL).is_file() else {}
-    for split, result in results_by_split.items():
-        sections[split] = {key: _json_value(value) for key, value in result.items()}
-    return write_json_atomic(run_dir / EVAL, sections)
+    # Two writers at once (`bigrank evaluate --splits valid` and `--splits test`, or an evaluate while the run
+    # trains) must not drop each other's sections: each reads, merges and writes while holding the lock.
+    with update_lock(run_dir / EVAL):
+        sections = read_eval_json(run_dir) if (run_dir / EVAL).is_file() else {}
+        for split, result in results_by_split.items():
+            sections[split] = {key: _json_value(value) for key, value in result.items()}
+        return write_json_atomic(run_dir / EVAL, sections)
 
 
 def read_eval_json(run_dir: str | Path) -> dict[str, dict[str, Any]]:

@@ -27,6 +27,7 @@ from bigrank.config import Config, config_from_dict, format_change, load_config,
 from bigrank.data.manifest import load_manifest
 from bigrank.devices import check_devices, cuda_build, process_group_backend, visible_gpus
 from bigrank.errors import CommandError, ConfigError, Terminated
+from bigrank.export.writer import check_export_dir
 from bigrank.launch.jobs import CONFIG_ENV
 from bigrank.launch.ray_train import train_on_ray
 from bigrank.losses.build import check_loss_config
@@ -180,11 +181,17 @@ def export(
     seen: bool = True,
 ) -> dict[str, Any]:
     """Export the embeddings of a checkpoint (default: the newest) to ``out`` in ``workers`` local processes;
-    returns rank 0's result (``out``, ``checkpoint``, ``manifest``). ``seen=False`` skips the seen-items table."""
+    returns rank 0's result (``out``, ``checkpoint``, ``manifest``). ``seen=False`` skips the seen-items table.
+
+    This process holds the lock of ``out`` while the workers write it (``bigrank.runlock``): a second export
+    to the same directory fails at once with RunDirectoryInUse naming the holder. A directory that is neither
+    empty nor an export is refused before anything is written there."""
     workers = workers or config.workers
     config, kind = inference_config(config, workers)
+    check_export_dir(out)
     args = (config, str(out), checkpoint, tuple(index), tuple(quantize), seen)
-    return _launch_local(export_worker, workers, args, kind)[0]
+    with hold_run_dir(out, "bigrank export"):
+        return _launch_local(export_worker, workers, args, kind)[0]
 
 
 def inference_config(config: Config, workers: int) -> tuple[Config, str]:

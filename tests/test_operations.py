@@ -278,3 +278,233 @@ def test_a_second_tune_of_an_experiment_dir_in_use_fails_naming_the_holder(run_c
     finally:
         _kill_group(holder.pid)
         holder.wait()
+
+
+# ------------------------------------------------------------------------------------------------ bigrank serve
+@pytest.fixture
+def tiny_export(tiny_dataset, tmp_path) -> Path:
+    """An export of random 8-d vectors of the tiny data (what `bigrank export` writes; no training needed)."""
+    import torch
+
+    from bigrank.data.manifest import load_manifest
+    from bigrank.export.writer import export_embeddings
+
+    manifest = load_manifest(tiny_dataset)
+    users, items = manifest["num_users"], manifest["num_items"]
+    gen = torch.Generator().manual_seed(0)
+    export_embeddings(
+        tmp_path / "export",
+        rank=0,
+        world_size=1,
+        group=None,
+        item_rows=(0, items, torch.randn(items, 8, generator=gen)),
+        user_rows=(0, users, torch.randn(users, 8, generator=gen)),
+        dataset_root=tiny_dataset,
+        model_info={"dim": 8, "has_history": False},
+    )
+    return tmp_path / "export"
+
+
+def _sockets(pid: int) -> int:
+    """How many sockets process ``pid`` holds open (a connection it has accepted adds one)."""
+    count = 0
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        try:
+            count += os.readlink(fd).startswith("socket:")
+        except OSError:
+            pass
+    return count
+
+
+def _served_port(proc: subprocess.Popen, log: Path) -> int:
+    _wait_for_line(proc, log, "/recommend?user=0")
+    line = next(line for line in log.read_text().splitlines() if "/recommend?user=0" in line)
+    return int(line.split("http://127.0.0.1:", 1)[1].split("/", 1)[0])
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_serve_drains_the_request_in_flight_on_sigterm_and_ctrl_c_and_exits_0(tiny_export, tmp_path, signum):
+    """A request whose body is half sent when the signal comes is answered; new connections are refused from
+    the signal on; the server then exits 0 (a drained server ended as asked, as gunicorn and nginx do)."""
+    log = tmp_path / "serve.log"
+    proc = _start_command(log, "serve", str(tiny_export), "--port", "0", "--quiet")
+    try:
+        port = _served_port(proc, log)
+        body = json.dumps({"users": [0, 1, 2], "k": 5}).encode()
+        before = _sockets(proc.pid)
+        client = socket.create_connection(("127.0.0.1", port), timeout=30)
+        head = f"POST /recommend HTTP/1.0\r\nContent-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
+        client.sendall(head.encode() + body[:10])
+        deadline = time.monotonic() + 30
+        while _sockets(proc.pid) <= before:  # the server has taken the connection: the request is in flight
+            assert time.monotonic() < deadline and proc.poll() is None, log.read_text()
+            time.sleep(0.02)
+        if signum == signal.SIGINT:
+            os.killpg(proc.pid, signum)  # as a terminal's Ctrl+C
+        else:
+            proc.send_signal(signum)
+        sent = time.monotonic()
+        while True:  # the listening socket closes while the request is still open
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=5).close()
+            except ConnectionRefusedError:
+                break
+            assert time.monotonic() - sent < 10 and proc.poll() is None, log.read_text()
+            time.sleep(0.05)
+        client.sendall(body[10:])
+        reply = b""
+        while chunk := client.recv(65536):
+            reply += chunk
+        client.close()
+        assert reply.startswith(b"HTTP/1.0 200"), reply
+        results = json.loads(reply.split(b"\r\n\r\n", 1)[1])["results"]
+        assert [row["user"] for row in results] == [0, 1, 2] and all(len(row["items"]) == 5 for row in results)
+        assert proc.wait(timeout=15) == 0, log.read_text()
+        name = signal.Signals(signum).name
+        assert f"bigrank serve: {name}: stopped after answering every request taken" in log.read_text()
+        assert not _gone_within(proc.pid, 10.0 - (time.monotonic() - sent))
+    finally:
+        _kill_group(proc.pid)
+
+
+# ------------------------------------------------------------------------------------------------- bigrank tune
+def _newest_trial_checkpoint(out: Path) -> int:
+    """The step of the newest complete checkpoint of any trial's run under ``out/runs`` (0: none yet)."""
+    steps = [latest_checkpoint(run) for run in (out / "runs").glob("*") if run.is_dir()]
+    return max((int(path.name.split("-")[1]) for path in steps if path is not None), default=0)
+
+
+def _wait_for_trial_checkpoint(proc: subprocess.Popen, out: Path, log: Path, after: int) -> int:
+    deadline = time.monotonic() + 300
+    while (step := _newest_trial_checkpoint(out)) <= after:
+        if proc.poll() is not None or time.monotonic() > deadline:
+            pytest.fail(f"no trial checkpoint after step {after} (exit status {proc.returncode}):\n{log.read_text()}")
+        time.sleep(0.1)
+    return step
+
+
+@pytest.mark.slow
+def test_tune_stops_on_sigterm_and_ctrl_c_leaving_nothing_and_the_same_command_resumes(run_config, tmp_path):
+    """`bigrank tune` (embedded Ray): SIGTERM once a trial has a checkpoint ends the search as Ray Tune ends it on
+    Ctrl+C (state saved, trials stopped), exit 143, no process left (Ray's included: they are in the command's
+    process group); the same command resumes the search and its trial's run, and Ctrl+C then stops it with 130."""
+    config, _ = run_config
+    space = tmp_path / "space.yaml"
+    space.write_text("metric: ap@10\ntrials: 1\nspace:\n  optim.item_lr: 0.1\n")
+    out = tmp_path / "search"
+    command = ["tune", str(config), "--space", str(space), "--out", str(out), "--set", "workers=1",
+               "--set", "train.max_steps=1000000", "--set", "eval.every_epochs=1"]  # fmt: skip
+    stopped_at = 0
+    for signum, status, how in ((signal.SIGTERM, 143, "stopped by SIGTERM"), (signal.SIGINT, 130, "interrupted")):
+        log = tmp_path / f"tune-{signum}.log"
+        proc = _start_command(log, *command)
+        try:
+            stopped_at = _wait_for_trial_checkpoint(proc, out, log, after=stopped_at)
+            if signum == signal.SIGINT:
+                assert f"resuming the search in {out}" in log.read_text(), log.read_text()
+                os.killpg(proc.pid, signum)  # as a terminal's Ctrl+C
+            else:
+                proc.send_signal(signum)
+            sent = time.monotonic()
+            assert proc.wait(timeout=60) == status, log.read_text()
+            left = _gone_within(proc.pid, 10.0 - (time.monotonic() - sent))
+            assert not left, f"processes of bigrank tune still alive 10 s after {signum!r}: {left}"
+        finally:
+            _kill_group(proc.pid)
+        stopped_at = _newest_trial_checkpoint(out)  # the trial may have saved once more before it stopped
+        output = log.read_text()
+        assert f"bigrank tune: {how}; run the same command again to resume" in output, output
+        assert "Traceback" not in output and "SIGTERM received" not in output, output
+        assert (out / "trials.txt").is_file()
+    (run,) = (out / "runs").iterdir()
+    assert "resuming from" in (run / "train.log").read_text()  # the trial's run went on from its checkpoint
+
+
+# ------------------------------------------------------------------------------------ bigrank export / evaluate
+def test_an_export_dir_in_use_is_refused_naming_the_holder(run_config, tmp_path):
+    config, run_dir = run_config
+    run_dir.mkdir()
+    (run_dir / "config.yaml").write_text(config.read_text())  # a run directory: the export fails before loading
+    out = tmp_path / "export"
+    holder = subprocess.Popen(
+        [sys.executable, "-c", HOLD.replace("bigrank tune", "bigrank export"), str(out)],
+        stdout=subprocess.PIPE, text=True, cwd=REPO, start_new_session=True,
+    )  # fmt: skip
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        done = bigrank("export", run_dir, "--out", out, "--workers", "1", check=False, timeout=120)
+        assert done.returncode == 2, done.stdout + done.stderr
+        assert f"{out} is in use by bigrank export (pid {holder.pid} on host" in done.stderr, done.stderr
+        assert sorted(path.name for path in out.iterdir()) == [".lock"]  # it wrote nothing
+    finally:
+        _kill_group(holder.pid)
+        holder.wait()
+    # A directory that is not an export is refused before the lock file is written into it.
+    other = tmp_path / "notes"
+    other.mkdir()
+    (other / "todo.txt").write_text("mine\n")
+    done = bigrank("export", run_dir, "--out", other, "--workers", "1", check=False, timeout=120)
+    assert done.returncode == 2 and "is not empty and is not a bigrank export" in done.stderr, done.stderr
+    assert sorted(path.name for path in other.iterdir()) == ["todo.txt"]
+
+
+UPDATE_EVAL = """\
+import json, sys
+from bigrank.records import read_eval_json, write_eval_json
+run_dir, split = sys.argv[1], sys.argv[2]
+lost = 0
+for step in range(1, 301):
+    write_eval_json(run_dir, {split: {"step": step}})
+    lost += read_eval_json(run_dir).get(split, {}).get("step") != step  # another writer dropped this update
+print(lost)
+"""
+
+
+def test_two_processes_updating_eval_json_lose_no_section(tmp_path):
+    """`bigrank evaluate --splits valid` and `--splits test` at once (or an evaluate during training) each merge
+    their section into eval.json: taking turns, neither drops the other's update."""
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    writers = [
+        subprocess.Popen(
+            [sys.executable, "-c", UPDATE_EVAL, str(tmp_path), split],
+            stdout=subprocess.PIPE,
+            text=True,
+            env=env,
+            cwd=REPO,
+        )  # fmt: skip
+        for split in ("valid", "test")
+    ]
+    lost = [int(writer.communicate(timeout=120)[0]) for writer in writers]
+    assert lost == [0, 0]
+    assert json.loads((tmp_path / "eval.json").read_text()) == {"valid": {"step": 300}, "test": {"step": 300}}
+
+
+@pytest.mark.slow
+@pytest.mark.filterwarnings("ignore:Using extra keyword arguments on `Field`")
+def test_serve_ray_drains_and_exits_0_on_sigterm_leaving_no_process(tiny_export, tmp_path):
+    """`bigrank serve --ray` (embedded Ray, HAProxy ingress): SIGTERM while serving deletes the application the
+    way Ray Serve does (the replicas finish their requests) and shuts Ray down: exit 0, no Ray process of the
+    command left (they are in its process group), no abort by Ray's own SIGTERM handler."""
+    pytest.importorskip("ray.serve")
+    import urllib.request
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    log = tmp_path / "serve-ray.log"
+    proc = _start_command(log, "serve", str(tiny_export), "--ray", "--port", str(port), "--replica-cpus", "0.5")
+    try:
+        _wait_for_line(proc, log, "/recommend?user=0", timeout=300)
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/recommend?user=3&k=4", timeout=60) as response:
+            assert response.status == 200 and len(json.loads(response.read())["items"]) == 4
+        assert len(_group(proc.pid)) >= 4, "the command, Ray's GCS, raylet and workers"
+        proc.send_signal(signal.SIGTERM)
+        sent = time.monotonic()
+        assert proc.wait(timeout=60) == 0, log.read_text()
+        left = _gone_within(proc.pid, max(10.0 - (time.monotonic() - sent), 2.0))
+        assert not left, f"processes of bigrank serve --ray still alive after SIGTERM: {left}"
+    finally:
+        _kill_group(proc.pid)
+    output = log.read_text()
+    assert "bigrank serve: SIGTERM: draining the replicas" in output and "bigrank serve: stopped in" in output, output
+    assert "SIGTERM received" not in output and "Traceback" not in output, output

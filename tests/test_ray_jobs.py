@@ -300,3 +300,35 @@ def test_the_shipped_working_dir_has_the_code_and_configs_but_not_venv_data_or_r
         assert needed in names, needed
     for name in names:
         assert not name.startswith((".venv/", "data/", "runs/", ".git/")) and "__pycache__" not in name, name
+
+
+def test_sigterm_or_ctrl_c_while_waiting_stops_following_and_the_job_keeps_running(ray_head, demo_data, tmp_path):
+    """`bigrank submit --wait` stopped by SIGTERM (143) or Ctrl+C (130), as `ray job submit` behaves: the command
+    ends at once, leaving no process of its own, and says how to follow and stop the job, which keeps running."""
+    from tests.test_operations import _as_from_a_terminal, _gone_within, _kill_group, _wait_for_line
+
+    for signum, status, why in ((signal.SIGTERM, 143, "stopped by SIGTERM"), (signal.SIGINT, 130, "interrupted")):
+        log = tmp_path / f"submit-{signum}.log"
+        with open(log, "w") as out:
+            proc = subprocess.Popen(
+                [str(BIN / "bigrank"), "submit", "configs/demo.yaml", "--address", ray_head.dashboard, "--wait",
+                 "--set", f"data.root={demo_data}", "--set", f"run_dir={tmp_path / f'run-{signum}'}"],
+                cwd=REPO, env=_env(), stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+                preexec_fn=_as_from_a_terminal,
+            )  # fmt: skip
+        try:
+            _wait_for_line(proc, log, "submitted job ")
+            job_id = next(line for line in log.read_text().splitlines() if line.startswith("submitted job ")).split()[2]
+            os.killpg(proc.pid, signum) if signum == signal.SIGINT else proc.send_signal(signum)
+            sent = time.monotonic()
+            assert proc.wait(timeout=30) == status, log.read_text()
+            assert not _gone_within(proc.pid, 10.0 - (time.monotonic() - sent))
+        finally:
+            _kill_group(proc.pid)
+        output = log.read_text()
+        assert f"bigrank submit: {why}; stopped following job {job_id}, which keeps running" in output, output
+        assert f"bigrank stop {job_id} --address {ray_head.dashboard}" in output, output
+        assert "Traceback" not in output, output
+        state = _bigrank("status", job_id, "--address", ray_head.dashboard)
+        assert state.returncode == 0 and ("RUNNING" in state.stdout or "PENDING" in state.stdout), state.stdout
+        assert _bigrank("stop", job_id, "--address", ray_head.dashboard).returncode == 0

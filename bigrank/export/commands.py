@@ -230,7 +230,8 @@ def run_serve(args: argparse.Namespace) -> int:
         from bigrank.export.ray_serve import run_ray_serve
 
         return run_ray_serve(args)
-    from bigrank.export.serve import make_server
+    from bigrank.export.serve import make_server, serve_until_stopped
+    from bigrank.signals import raise_for, signal_name
 
     rec = _recommender(args)
     server = make_server(rec, args.host, args.port, seen=_seen(args.exclude_seen, args.seen_splits), quiet=args.quiet)
@@ -241,10 +242,14 @@ def run_serve(args: argparse.Namespace) -> int:
         file=sys.stderr,
         flush=True,
     )
-    try:
-        server.serve_forever()
-    finally:
-        server.server_close()
+    signum, cut_off = serve_until_stopped(server)
+    if cut_off:  # the drain ran out of time: a stop, not a clean end
+        print(
+            f"bigrank serve: {signal_name(signum)}: {cut_off} request(s) not answered within the drain time",
+            file=sys.stderr,
+        )
+        raise_for(signum)
+    print(f"bigrank serve: {signal_name(signum)}: stopped after answering every request taken", file=sys.stderr)
     return 0
 
 

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import signal
 import sys
 import time
 from dataclasses import asdict, dataclass, field
@@ -32,6 +31,7 @@ from bigrank.export import api
 from bigrank.export.format import index_name
 from bigrank.export.recommend import Recommender
 from bigrank.export.seen import SeenItems
+from bigrank.signals import graceful_stop, raise_for, signal_name
 
 APP_NAME = "bigrank"
 DEPLOYMENT_NAME = "Recommend"
@@ -41,6 +41,8 @@ INGRESS_KINDS = ("haproxy", "proxy")
 # Python proxy actor and a Ray actor call; the rest of the "throughput optimized" set runs the user code and
 # the router on the replica's event loop and freezes the GC after start. Serve reads these at process start.
 HAPROXY_ENVIRONMENT = {"RAY_SERVE_ENABLE_HA_PROXY": "1", "RAY_SERVE_THROUGHPUT_OPTIMIZED": "1"}
+# Seconds a deleted replica gets to finish its requests before Serve kills it.
+GRACEFUL_SHUTDOWN_TIMEOUT_S = 5.0
 
 
 def set_ingress_environment(ingress: str) -> None:
@@ -224,7 +226,10 @@ def build_app(settings: ServeSettings):
         "backpressure_config": BackpressureConfig(status_code=503, retry_after_s=settings.retry_after_s),
         "ray_actor_options": {"num_cpus": settings.replica_cpus},
         "health_check_period_s": 5,
-        "graceful_shutdown_timeout_s": 5,
+        # On deletion (bigrank serve stopped, a new version deployed) a replica stops taking requests, checks
+        # every wait-loop period whether its requests are done, and is killed after the timeout.
+        "graceful_shutdown_timeout_s": GRACEFUL_SHUTDOWN_TIMEOUT_S,
+        "graceful_shutdown_wait_loop_s": 0.5,
     }
     if settings.autoscale is not None:
         low, high = settings.autoscale_range()
@@ -273,9 +278,7 @@ def deploy(
 
     if not ray.is_initialized():
         if address is None:  # a single-node Ray on this machine, reachable on loopback only
-            from bigrank.launch.loopback import init_local_ray
-
-            init_local_ray(log_to_driver=False)
+            start_local_ray()
         else:
             ray.init(address=address, log_to_driver=False)
     serve.start(http_options={"host": host, "port": port})
@@ -284,9 +287,8 @@ def deploy(
 
 
 def run_ray_serve(args) -> int:
-    """``bigrank serve EXPORT --ray``: deploy, print the URL, and serve until interrupted."""
-    from ray import serve
-
+    """``bigrank serve EXPORT --ray``: deploy, print the URL, and serve until SIGTERM or SIGINT; then drain and
+    return 0 (a signal before the application serves raises KeyboardInterrupt / Terminated instead)."""
     settings = ServeSettings(
         export=args.export,
         index=args.index,
@@ -306,32 +308,66 @@ def run_ray_serve(args) -> int:
         search_threads=args.search_threads,
     )
     port = args.port or 8000
-    url = deploy(settings, args.host, port, args.address, ingress=None if args.address else args.ingress)
-    replicas = f"autoscaled {settings.autoscale}" if settings.autoscale else f"{settings.replicas} replica(s)"
-    index = index_name(settings.index, settings.quantize)
-    ingress = "HAProxy + direct ingress" if os.environ.get("RAY_SERVE_ENABLE_HA_PROXY") == "1" else "Serve proxy"
-    print(
-        f"serving {args.export} on Ray Serve ({replicas}, {ingress}, {index} index, batches of "
-        f"<= {settings.max_batch_size}) at {url}/recommend?user=0&k=10",
-        file=sys.stderr,
-        flush=True,
-    )
-    # SIGTERM (kill, Kubernetes, systemd) stops like Ctrl-C: the application is deleted and Ray shut down.
-    signal.signal(signal.SIGTERM, _interrupt)
-    try:
-        while True:
-            time.sleep(3600)
-    except KeyboardInterrupt:
-        pass
-    finally:
-        serve.delete(APP_NAME)
-        if args.address is None:
-            import ray
+    # Stopping: a signal while Ray and the application start stops at once (130 / 143); once serving, the
+    # first SIGTERM / SIGINT deletes the application the way Serve does it (each replica stops taking requests
+    # and finishes those it has, up to graceful_shutdown_timeout_s) and shuts Ray down: exit status 0.
+    serving = False
 
-            serve.shutdown()
-            ray.shutdown()
+    def on_signal(signum: int) -> None:
+        if not serving:
+            raise_for(signum)
+
+    with graceful_stop(on_signal) as stop:
+        try:
+            if args.address is None:
+                if args.ingress is not None:
+                    set_ingress_environment(args.ingress)  # before Ray (and Serve's constants) start
+                start_local_ray()
+                stop.reinstall()  # ray.init's own SIGTERM handler aborts the process instead of draining
+            url = deploy(settings, args.host, port, args.address)
+            replicas = f"autoscaled {settings.autoscale}" if settings.autoscale else f"{settings.replicas} replica(s)"
+            index = index_name(settings.index, settings.quantize)
+            haproxy = os.environ.get("RAY_SERVE_ENABLE_HA_PROXY") == "1"
+            ingress = "HAProxy + direct ingress" if haproxy else "Serve proxy"
+            print(
+                f"serving {args.export} on Ray Serve ({replicas}, {ingress}, "
+                f"{index} index, batches of <= {settings.max_batch_size}) at {url}/recommend?user=0&k=10",
+                file=sys.stderr,
+                flush=True,
+            )
+            serving = True
+            while not stop.event.wait(0.5):  # short waits: the signal handler runs in this thread between them
+                pass
+            print(
+                f"bigrank serve: {signal_name(stop.signum)}: draining the replicas (up to "
+                f"{GRACEFUL_SHUTDOWN_TIMEOUT_S:g} s) and shutting Ray Serve down",
+                file=sys.stderr,
+                flush=True,
+            )
+        finally:
+            started = time.monotonic()
+            _shut_down(args.address is None)
+    print(f"bigrank serve: stopped in {time.monotonic() - started:.1f} s", file=sys.stderr, flush=True)
     return 0
 
 
-def _interrupt(signum, frame) -> None:
-    raise KeyboardInterrupt
+def start_local_ray() -> None:
+    """The embedded Ray runtime of ``bigrank serve --ray`` without ``--address``: on loopback only."""
+    from bigrank.launch.loopback import init_local_ray
+
+    init_local_ray(log_to_driver=False)
+
+
+def _shut_down(owns_ray: bool) -> None:
+    """Delete the application (its replicas drain) and, when this process started Ray, Serve and Ray too."""
+    import ray
+    from ray import serve
+
+    if not ray.is_initialized():
+        return
+    try:
+        serve.delete(APP_NAME)
+    finally:
+        if owns_ray:
+            serve.shutdown()
+            ray.shutdown()

@@ -9,12 +9,18 @@ The zero-dependency default of ``bigrank serve``; ``bigrank serve --ray`` runs t
 
 Bad parameters answer 400 with ``{"error": message}``; unknown paths 404. The server is threaded; the
 recommender serialises index searches with its own lock, so requests are searched one at a time.
+
+Stopping (``serve_until_stopped``, what ``bigrank serve`` runs): the first SIGTERM or SIGINT closes the
+listening socket (new connections are refused), lets every connection already taken finish its request for
+up to ``DRAIN_SECONDS``, and returns; a second signal stops at once.
 """
 
 from __future__ import annotations
 
 import json
 import sys
+import threading
+import time
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import urlsplit
@@ -22,12 +28,16 @@ from urllib.parse import urlsplit
 from bigrank.export.api import MAX_K, health, parse_get, parse_post, search_queries
 
 MAX_BODY_BYTES = 1 << 20
+# How long a stopping server waits for the requests it has taken: below the 30 s Kubernetes waits between a
+# pod's SIGTERM and its SIGKILL (terminationGracePeriodSeconds).
+DRAIN_SECONDS = 20.0
 
 
 class RecommendServer(ThreadingHTTPServer):
     """``ThreadingHTTPServer`` that holds the recommender (and optional seen items) for its handlers."""
 
     daemon_threads = True
+    block_on_close = False  # server_close() would join every request thread without a timeout: see drain()
     # socketserver's default listen backlog is 5: with a few dozen clients opening connections (HTTP/1.0, one
     # request per connection) the kernel drops SYNs and clients wait out a 1 s retransmit.
     request_queue_size = 128
@@ -38,6 +48,38 @@ class RecommendServer(ThreadingHTTPServer):
         self.seen = seen
         self.max_k = max_k
         self.quiet = quiet
+        self._active = 0  # connections taken and not yet answered (and closed)
+        self._active_changed = threading.Condition()
+
+    def process_request(self, request, client_address) -> None:
+        # Counted in the accepting thread, before the handler's thread starts: a drain that begins after the
+        # accept waits for this connection.
+        with self._active_changed:
+            self._active += 1
+        try:
+            super().process_request(request, client_address)
+        except BaseException:
+            self._done()
+            raise
+
+    def process_request_thread(self, request, client_address) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._done()
+
+    def _done(self) -> None:
+        with self._active_changed:
+            self._active -= 1
+            self._active_changed.notify_all()
+
+    def drain(self, timeout: float) -> int:
+        """Wait up to ``timeout`` seconds for the connections taken to be answered; returns how many are left."""
+        deadline = time.monotonic() + timeout
+        with self._active_changed:
+            while self._active > 0 and (left := deadline - time.monotonic()) > 0:
+                self._active_changed.wait(left)
+            return self._active
 
 
 class RecommendHandler(BaseHTTPRequestHandler):
@@ -102,3 +144,21 @@ def make_server(recommender, host: str = "127.0.0.1", port: int = 0, seen=None, 
             f"the seen items ({seen.root}) count {seen.num_items} items but the export has {recommender.num_items}"
         )
     return RecommendServer((host, port), recommender, seen=seen, quiet=quiet)
+
+
+def serve_until_stopped(server: RecommendServer, drain_seconds: float = DRAIN_SECONDS) -> tuple[int, int]:
+    """Answer requests until SIGTERM or SIGINT (call from the main thread), then stop taking connections and
+    drain the ones taken (``drain_seconds`` at most); closes the server. Returns ``(signal number, requests
+    cut off by the drain's end)``. A second signal raises at once (KeyboardInterrupt / Terminated)."""
+    from bigrank.signals import graceful_stop
+
+    serving = threading.Thread(target=server.serve_forever, name="bigrank-serve", daemon=True)
+    with graceful_stop() as stop:
+        serving.start()
+        while not stop.event.wait(0.5):  # short waits: the signal handler runs in this thread between them
+            pass
+        server.shutdown()  # the accept loop ends ...
+        server.socket.close()  # ... and new connections are refused from here on
+        left = server.drain(drain_seconds)
+    server.server_close()
+    return stop.signum, left

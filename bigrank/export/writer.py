@@ -39,6 +39,7 @@ from bigrank.export.format import (
 )
 from bigrank.export.index import build_export_index
 from bigrank.export.seen import SPLIT_BITS, write_seen_part
+from bigrank.runlock import LOCK_FILE
 
 ROW_GROUP_ROWS = 65536
 INT8_MAX = 127
@@ -205,8 +206,16 @@ def _raise_failures(statuses: Sequence[dict], what: str) -> None:
         raise ValueError(f"export failed while {what}: " + "; ".join(failures))
 
 
+def check_export_dir(out_dir: str | os.PathLike) -> None:
+    """ValueError unless ``out_dir`` may be (over)written by an export: absent, empty, a finished export, or
+    holding only an export's entries (an export cut short)."""
+    if not _is_export_dir(Path(out_dir)):
+        raise ValueError(f"{out_dir} is not empty and is not a bigrank export: choose a new or empty --out directory")
+
+
 def _is_export_dir(out_dir: Path) -> bool:
-    """True when ``out_dir`` may be (over)written: absent, empty, a finished export, or only our entries."""
+    """True when ``out_dir`` may be (over)written: absent, empty, a finished export, or only our entries (and
+    the lock file of ``bigrank.runlock``, which ``bigrank export`` holds while it writes)."""
     if not out_dir.exists():
         return True
     if not out_dir.is_dir():
@@ -218,13 +227,13 @@ def _is_export_dir(out_dir: Path) -> bool:
         except (json.JSONDecodeError, AttributeError):
             return False
     ours = set(TABLE_ID_COLUMNS) | {f"{t}_{q}" for t in TABLE_ID_COLUMNS for q in QUANTIZATIONS} | {SEEN_TABLE}
+    ours.add(LOCK_FILE)
     return all(entry.name in ours or entry.name.startswith(f".{MANIFEST_NAME}.tmp-") for entry in out_dir.iterdir())
 
 
 def _prepare_directory(out_dir: Path) -> None:
     """Rank 0: mark ``out_dir`` incomplete (drop the manifest) and remove the parts of an earlier export."""
-    if not _is_export_dir(out_dir):
-        raise ValueError(f"{out_dir} is not empty and is not a bigrank export: choose a new or empty --out directory")
+    check_export_dir(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / MANIFEST_NAME).unlink(missing_ok=True)  # first: from here on the directory is incomplete
     for table in TABLE_ID_COLUMNS:

@@ -10,7 +10,9 @@ import argparse
 import sys
 
 from bigrank.config import add_override_argument, load_config
+from bigrank.errors import Terminated
 from bigrank.launch import jobs
+from bigrank.signals import graceful_stop, raise_for
 
 
 def _add_address(parser: argparse.ArgumentParser) -> None:
@@ -33,7 +35,10 @@ def register(subparsers) -> None:
     _add_address(submit)
     add_override_argument(submit)
     submit.add_argument(
-        "--wait", action="store_true", help="follow the job's log until it ends; exit 1 unless it succeeded"
+        "--wait",
+        action="store_true",
+        help="follow the job's log until it ends; exit 1 unless it succeeded. Ctrl+C / SIGTERM stop following "
+        "(exit 130 / 143); the job keeps running (bigrank stop JOB stops it)",
     )
     submit.add_argument("--job-id", default=None, help="submission id (default: bigrank-<run>-<time>)")
     submit.add_argument(
@@ -65,16 +70,25 @@ def run_submit(args: argparse.Namespace) -> int:
     address = jobs.normalize_address(args.address) if (args.address or "").strip() else args.address
     job_id = jobs.submit_training(config, address, python=args.python, submission_id=args.job_id)
     where = address or "RAY_ADDRESS"
+    at = f" --address {address}" if address else ""  # without: RAY_ADDRESS, as for this command
     print(f"submitted job {job_id} to {where} (run dir {config.run_dir})", flush=True)
     if not args.wait:
-        print(f"follow it with: bigrank logs {job_id} --follow --address {where}")
+        print(f"follow it with: bigrank logs {job_id} --follow{at}")
         return 0
     try:
-        jobs.follow_logs(address, job_id)
-        status = jobs.wait_for_job(address, job_id)
-    except KeyboardInterrupt:
-        print(f"\nstopped following; job {job_id} keeps running (bigrank stop {job_id} to stop it)", file=sys.stderr)
-        return 130
+        with graceful_stop(raise_for):  # SIGTERM as Ctrl+C: stop following at once
+            jobs.follow_logs(address, job_id)
+            status = jobs.wait_for_job(address, job_id)
+    except (KeyboardInterrupt, Terminated) as stop:
+        # As `ray job submit` does: the job is the cluster's; only the following stops. Say how to go on.
+        why = "interrupted" if isinstance(stop, KeyboardInterrupt) else "stopped by SIGTERM"
+        print(
+            f"\nbigrank submit: {why}; stopped following job {job_id}, which keeps running on the cluster:\n"
+            f"  follow it: bigrank logs {job_id} --follow{at}\n"
+            f"  stop it:   bigrank stop {job_id}{at}",
+            file=sys.stderr,
+        )
+        return 130 if isinstance(stop, KeyboardInterrupt) else 143
     print(f"job {job_id} {status}")
     return 0 if status == "SUCCEEDED" else 1
 

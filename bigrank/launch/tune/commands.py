@@ -15,6 +15,7 @@ from bigrank.launch.tune.search import run_search
 from bigrank.launch.tune.space import (
     load_space,
 )
+from bigrank.signals import raise_for
 
 
 def register(subparsers) -> None:
@@ -70,6 +71,8 @@ def run_tune(args: argparse.Namespace) -> int:
     )
     print(result.table)
     print(f"\ntrials: {result.out / 'trials.csv'}")
+    if result.stopped_by is not None:  # the CLI says how to resume, and exits 130 / 143
+        raise_for(result.stopped_by)
     if result.best_config is not None:
         print(f"best config: {result.best_config}  (bigrank train {result.best_config})")
         return 0

@@ -24,12 +24,14 @@ from bigrank.launch.tune.space import (
 
 @dataclass
 class SearchResult:
-    """What :func:`run_search` returns: the table rows (best first), the best config's path and the directory."""
+    """What :func:`run_search` returns: the table rows (best first), the best config's path and the directory;
+    ``stopped_by``: the signal (SIGINT/SIGTERM number) that ended the search early, None when it ran out."""
 
     rows: list[dict]
     best_config: Path | None
     out: Path
     table: str
+    stopped_by: int | None = None
 
 
 def _trial_rows(results, space: SearchSpace) -> list[dict]:

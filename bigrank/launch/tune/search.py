@@ -3,9 +3,13 @@ trial's resources), resuming an interrupted search, and the outputs."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import os
+import signal
+import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 from bigrank.atomic import write_json_atomic, write_text_atomic
@@ -30,6 +34,7 @@ from bigrank.launch.tune.space import (
     validate_space,
 )
 from bigrank.launch.tune.trial import bigrank_trial
+from bigrank.signals import graceful_stop, raise_for, signal_name
 
 
 def base_point(space: SearchSpace, base: dict) -> dict | None:
@@ -103,6 +108,12 @@ def run_search(
             space; :func:`base_point`), so the search starts from the given settings.
     Returns a :class:`SearchResult`. Raises SpaceError/ConfigError naming the bad key before Ray starts, and
     RunDirectoryInUse when another process holds ``out`` (``bigrank.runlock``: one search at a time writes it).
+
+    Stopping (called from the main thread). The first SIGINT or SIGTERM ends the search as Ray Tune ends it on
+    Ctrl+C: Tune saves the experiment state, stops the running trials (their actors end, and with them the
+    trials' training processes) and returns; the tables are written and the result's ``stopped_by`` names the
+    signal. The same call again resumes the search. A second signal stops at once (KeyboardInterrupt /
+    Terminated), as does a signal before Tune runs.
     """
     from bigrank.runlock import hold_run_dir
 
@@ -157,39 +168,42 @@ def _search(
     resources = tune.PlacementGroupFactory([{"CPU": config.workers * config.ray.cpus_per_worker}])
     trainable = tune.with_resources(bigrank_trial, resources)
     address = resolve_address(config, address)
-    owns_runtime = init_ray(config, address)
-    try:
-        if tune.Tuner.can_restore(str(out)):
-            print(f"resuming the search in {out}", flush=True)
-            tuner = tune.Tuner.restore(str(out), trainable=trainable, resume_unfinished=True, resume_errored=True)
-        else:
-            start = base_point(space, base) if base_trial else None
-            if start is not None:
-                print("the first trial runs the base config's values of the sampled keys", flush=True)
-            tuner = tune.Tuner(
-                trainable,
-                param_space=param_space(space, base, out / "runs"),
-                tune_config=tune.TuneConfig(
-                    metric=metric,
-                    mode="max",
-                    scheduler=scheduler,
-                    search_alg=BasicVariantGenerator(points_to_evaluate=[start] if start else None),
-                    num_samples=trials,
-                    max_concurrent_trials=max_concurrent or space.max_concurrent,
-                    time_budget_s=time_budget_s,
-                ),
-                run_config=tune.RunConfig(
-                    name=out.name,
-                    storage_path=str(out.parent),
-                    callbacks=callbacks,
-                    verbose=verbose,
-                    checkpoint_config=tune.CheckpointConfig(num_to_keep=1),
-                ),
-            )
-        results = tuner.fit()
-    finally:
-        if owns_runtime:
-            ray.shutdown()
+    with graceful_stop(_end_tune_run) as stop:
+        owns_runtime = init_ray(config, address)
+        stop.reinstall()  # ray.init installs a SIGTERM handler of its own, which aborts this process
+        try:
+            if tune.Tuner.can_restore(str(out)):
+                print(f"resuming the search in {out}", flush=True)
+                tuner = tune.Tuner.restore(str(out), trainable=trainable, resume_unfinished=True, resume_errored=True)
+            else:
+                start = base_point(space, base) if base_trial else None
+                if start is not None:
+                    print("the first trial runs the base config's values of the sampled keys", flush=True)
+                tuner = tune.Tuner(
+                    trainable,
+                    param_space=param_space(space, base, out / "runs"),
+                    tune_config=tune.TuneConfig(
+                        metric=metric,
+                        mode="max",
+                        scheduler=scheduler,
+                        search_alg=BasicVariantGenerator(points_to_evaluate=[start] if start else None),
+                        num_samples=trials,
+                        max_concurrent_trials=max_concurrent or space.max_concurrent,
+                        time_budget_s=time_budget_s,
+                    ),
+                    run_config=tune.RunConfig(
+                        name=out.name,
+                        storage_path=str(out.parent),
+                        callbacks=callbacks,
+                        verbose=verbose,
+                        checkpoint_config=tune.CheckpointConfig(num_to_keep=1),
+                    ),
+                )
+            with _tune_signals():
+                results = tuner.fit()
+        finally:
+            if owns_runtime:
+                ray.shutdown()
 
     rows = _trial_rows(results, space)
     table = format_table(rows)
@@ -200,4 +214,37 @@ def _search(
     finished = [row for row in rows if row["status"] == "finished" and row[f"valid {space.metric}"] is not None]
     if finished:
         best_path = write_best_config(finished[0], config.run_dir, out / "best.yaml", space.metric)
-    return SearchResult(rows=rows, best_config=best_path, out=out, table=table)
+    return SearchResult(rows=rows, best_config=best_path, out=out, table=table, stopped_by=stop.signum)
+
+
+def _end_tune_run(signum: int) -> None:
+    """The first SIGINT/SIGTERM of a search: Tune's own graceful end (the handler it installs for SIGUSR1 and,
+    unless disabled, SIGINT while ``Tuner.fit`` runs), or a plain stop before Tune runs."""
+    tune_handler = signal.getsignal(signal.SIGUSR1)
+    if not callable(tune_handler):  # Tune is not running (yet, or any more)
+        raise_for(signum)
+    print(
+        f"{signal_name(signum)}: ending the search; Ray Tune saves its state and stops the running trials "
+        "(again to stop at once)",
+        file=sys.stderr,
+        flush=True,
+    )
+    tune_handler(signal.SIGUSR1, None)
+
+
+@contextlib.contextmanager
+def _tune_signals() -> Iterator[None]:
+    """Around ``Tuner.fit``: Tune leaves SIGINT to ``graceful_stop`` (so that SIGINT and SIGTERM end the search
+    the same way and the command knows which came), and the SIGUSR1 handler it installs (and never removes)
+    goes when the fit returns, so that :func:`_end_tune_run` knows whether Tune runs."""
+    name = "TUNE_DISABLE_SIGINT_HANDLER"
+    saved_env, saved_usr1 = os.environ.get(name), signal.getsignal(signal.SIGUSR1)
+    os.environ[name] = "1"
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGUSR1, saved_usr1 if saved_usr1 is not None else signal.SIG_DFL)
+        if saved_env is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = saved_env
