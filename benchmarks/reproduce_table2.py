@@ -212,13 +212,14 @@ def format_differences(per_user: dict[str, list[dict]]) -> str:
     if "rankmax" in losses:
         pairs += [("rankmax", other) for other in losses if other != "rankmax"]
     pairs += twins
-    lines = [f"{'difference':<32}" + "".join(f"{title:>26}" for _, title in METRICS)]
+    width = max((len(f"{first} - {second}") for first, second in pairs), default=10) + 2
+    lines = [f"{'difference':<{width}}" + "".join(f"{title:>26}" for _, title in METRICS)]
     for first, second in pairs:
         cells = []
         for key, _ in METRICS:
             mean, low, high = paired_difference([s[key] for s in per_user[first]], [s[key] for s in per_user[second]])
             cells.append(f"{mean:+.3f} [{low:+.3f}, {high:+.3f}]".rjust(26))
-        lines.append(f"{first + ' - ' + second:<32}" + "".join(cells))
+        lines.append(f"{first + ' - ' + second:<{width}}" + "".join(cells))
     return "\n".join(lines)
 
 
@@ -230,14 +231,15 @@ def format_by_activity(
     counts = np.concatenate(activity)
     bounds = [0, *edges, np.inf]
     values = {name: np.concatenate([seed[metric] for seed in seeds]) for name, seeds in per_user.items()}
-    lines = [f"{'train items':<14}{'users':>7}" + "".join(f"{name:>12}" for name in values)]
+    width = max(12, *(len(name) + 2 for name in values))
+    lines = [f"{'train items':<14}{'users':>7}" + "".join(f"{name:>{width}}" for name in values)]
     for low, high in zip(bounds[:-1], bounds[1:], strict=True):
         inside = (counts >= low) & (counts < high)
         label = f"{low}-{high - 1:.0f}" if np.isfinite(high) else f"{low}+"
         if inside.any():
-            cells = "".join(f"{per_model[inside].mean():>12.3f}" for per_model in values.values())
+            cells = "".join(f"{per_model[inside].mean():>{width}.3f}" for per_model in values.values())
         else:  # no user in the bucket (other edges, or a small sample)
-            cells = "".join(f"{'-':>12}" for _ in values)
+            cells = "".join(f"{'-':>{width}}" for _ in values)
         lines.append(f"{label:<14}{int(inside.sum()):>7}" + cells)
     return "\n".join(lines)
 
