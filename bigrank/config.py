@@ -198,7 +198,9 @@ class TrainConfig:
     device: str = field(default="auto", metadata=_choices("auto", "cpu", "cuda"))
     # Score GEMM: fp32; tf32 (CUDA tensor cores, fp32 tensors); bf16 (bf16 scores, fp32 parameters and
     # gradients); the losses' statistics (thresholds, sums, log-sum-exp) are accumulated in float64 always.
-    precision: str = field(default="fp32", metadata=_choices("fp32", "tf32", "bf16"))
+    # auto: bf16 on a CPU with bf16 GEMM units, else fp32 (bigrank.devices.resolve_precision; the log and
+    # plan.txt say which and why).
+    precision: str = field(default="auto", metadata=_choices("auto", "fp32", "tf32", "bf16"))
     # Resuming a run whose saved config differs in a key that alters its trajectory (TRAJECTORY_KEYS):
     # auto = refuse, naming the changes; force = go on with the new settings (they become the run's config).
     resume: str = field(default="auto", metadata=_choices("auto", "force"))

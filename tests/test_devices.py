@@ -20,8 +20,10 @@ from bigrank.devices import (
     DeviceError,
     check_devices,
     check_ray_gpus,
+    cpu_bf16_gemm,
     process_group_backend,
     resolve_device_type,
+    resolve_precision,
     setup_precision,
     worker_device,
 )
@@ -98,7 +100,7 @@ def test_precision_and_optimizer_that_need_cuda_are_refused_on_cpu(tmp_path):
         make_config(tmp_path, train={"device": "cpu", "precision": "tf32"})
     with pytest.raises(ConfigError, match="optim.user_optimizer adam runs in fbgemm's fused CUDA kernels only"):
         make_config(tmp_path, train={"device": "cpu"}, optim={"user_optimizer": "adam"})
-    with pytest.raises(ConfigError, match="train.precision must be one of fp32, tf32, bf16; got 'fp16'"):
+    with pytest.raises(ConfigError, match="train.precision must be one of auto, fp32, tf32, bf16; got 'fp16'"):
         make_config(tmp_path, train={"precision": "fp16"})
     tf32_auto = make_config(tmp_path, train={"precision": "tf32"})  # auto: known only at pre-flight
     with pytest.raises(DeviceError, match="tf32 is a CUDA tensor-core mode"):
@@ -128,10 +130,23 @@ def test_setup_precision_sets_the_matmul_mode_and_the_score_dtype():
         assert fp32.score_dtype == torch.float32
         with pytest.raises(DeviceError, match="tf32 is a CUDA tensor-core mode"):
             setup_precision("tf32", "cpu")
-        with pytest.raises(DeviceError, match="must be one of fp32, tf32, bf16"):
+        with pytest.raises(DeviceError, match="must be one of auto, fp32, tf32, bf16"):
             setup_precision("fp8", "cpu")
+        auto = setup_precision("auto", "cpu")  # this machine's answer, with the reason
+        assert auto.name == ("bf16" if cpu_bf16_gemm() else "fp32") and auto.reason.startswith("auto: ")
+        assert auto.describe() == f"{auto.name} ({auto.reason})"
+        assert setup_precision("fp32", "cpu").describe() == "fp32 (requested)"
     finally:
         torch.set_float32_matmul_precision(before)
+
+
+def test_auto_precision_is_bf16_only_on_a_cpu_with_bf16_units():
+    assert resolve_precision("auto", "cpu", bf16_units=True)[0] == "bf16"
+    assert resolve_precision("auto", "cpu", bf16_units=False) == ("fp32", "auto: this CPU has no bf16 GEMM units")
+    assert resolve_precision("auto", "cuda", bf16_units=True)[0] == "fp32"  # measured on CPUs only
+    for chosen in ("fp32", "bf16", "tf32"):
+        assert resolve_precision(chosen, "cpu", bf16_units=True) == (chosen, "requested")
+    assert make_config(Path("."), train={}).train.precision == "auto"  # the default
 
 
 def test_process_group_backend():
