@@ -256,12 +256,13 @@ def _table_entry(name: str, parts: list[dict], dim: int) -> dict:
     }
 
 
-def _seen_entry(parts: list[dict], dataset: layout.DatasetManifest) -> dict:
-    """Manifest entry of the ``seen`` table: the ranks' user ranges must tile ``[0, num_users)``."""
+def _seen_entry(parts: list[dict], dataset: layout.DatasetManifest | str | Path) -> dict:
+    """Manifest entry of the ``seen`` table of ``dataset`` (its manifest or directory): the ranks' user ranges
+    must tile ``[0, num_users)``."""
     entry = _table_entry(SEEN_TABLE, parts, dim=0)
     del entry["dim"], entry["dtype"]
     entry["nnz"] = sum(int(part["nnz"]) for part in parts)
-    entry["splits"] = [s for s in SPLIT_BITS if s in dataset.splits]
+    entry["splits"] = [s for s in SPLIT_BITS if s in layout.as_manifest(dataset).splits]
     entry["split_bits"] = dict(SPLIT_BITS)
     return entry
 
