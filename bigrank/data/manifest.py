@@ -24,9 +24,12 @@ manifest's ``integrity`` entry records the size and CRC-32 of every data file (s
     "integrity": {"checksum": "crc32", "page_checksums": true,
                   "files": {"train/part-00000.parquet": {"bytes": 1234, "crc32": "89abcdef"}, ...}}
 
-Opening a dataset checks sizes and footers (``validate_dataset``: cheap); ``bigrank verify ROOT`` checks every
-checksum (``verify_dataset``: reads every byte). Datasets written before checksums were recorded have no
-``integrity`` entry: they load as before and ``verify`` checks what their manifest has.
+Opening a dataset checks sizes and footers (``validate_dataset``, ``DatasetManifest.validate``: cheap); ``bigrank
+verify ROOT`` checks every checksum (``verify_dataset``: reads every byte). Datasets written before checksums were
+recorded have no ``integrity`` entry: they load as before and ``verify`` checks what their manifest has.
+
+A run reads the manifest once per process into a :class:`DatasetManifest` and passes it down (trainer, model,
+stream, evaluation, export); the readers also take a directory (:func:`as_manifest` reads it then).
 """
 
 from __future__ import annotations
