@@ -2,7 +2,9 @@
 
     prepare_run(config)                   the loss is built once (bad values: ConfigError naming the key) and
                                           the dataset manifest is read (a missing dataset: FileNotFoundError
-                                          naming the path), before any process or Ray runtime starts
+                                          naming the path), before any process or Ray runtime starts; the
+                                          DatasetManifest it returns goes to the local workers (read once
+                                          per run; a Ray worker reads it once itself)
     train(config, launcher, address)      prepare_run, the lock of the run directory (bigrank.runlock), then the
                                           Ray launcher (bigrank.launch.ray_train) or the local one
                                           (bigrank.train.launcher) running bigrank.train.workers's worker
@@ -24,7 +26,7 @@ from typing import Any
 import yaml
 
 from bigrank.config import Config, config_from_dict, format_change, load_config, resume_changes
-from bigrank.data.manifest import load_manifest
+from bigrank.data.manifest import DatasetManifest
 from bigrank.devices import check_devices, cuda_build, process_group_backend, visible_gpus
 from bigrank.errors import CommandError, ConfigError, Terminated
 from bigrank.export.writer import check_export_dir
@@ -54,16 +56,16 @@ LAUNCHERS = ("ray", "local")
 _PLAIN_ERRORS = ("ValueError", "FileNotFoundError", "FloatingPointError", "ConfigError", "RuntimeError")
 
 
-def prepare_run(config: Config, launcher: str = "ray"):
+def prepare_run(config: Config, launcher: str = "ray") -> DatasetManifest:
     """The pre-flight of every run: check the devices, build the loss once and read the dataset's manifest.
 
     Raises DeviceError (a GPU asked for where there is none, saying what to change; ``launcher`` "local" counts
     this machine's GPUs), ConfigError (a bad loss parameter, naming the key) or FileNotFoundError (no dataset
-    at ``data.root``) before anything is spawned. Returns the manifest.
+    at ``data.root``) before anything is spawned. Returns the dataset's manifest, for the workers.
     """
     check_devices(config, launcher)
     check_loss_config(config.loss)
-    return load_manifest(config.data.root)
+    return DatasetManifest.load(config.data.root)
 
 
 def load_run_config(run_dir: str | os.PathLike) -> Config:
@@ -101,12 +103,12 @@ def train(config: Config, *, launcher: str = "ray", address: str | None = None) 
         raise CommandError(f"unknown launcher {launcher!r}; choose one of {', '.join(LAUNCHERS)}")
     if launcher == "local" and address:
         raise CommandError("--address needs the Ray launcher (drop --launcher local)")
-    prepare_run(config, launcher)
+    manifest = prepare_run(config, launcher)
     with hold_run_dir(config.run_dir, "bigrank train"):
         check_resume_config(config)
-        if launcher == "ray":
+        if launcher == "ray":  # a Ray worker may run on another node: it reads the manifest itself, once
             return train_on_ray(config, train_worker, address=address)
-        return _train_local(config)
+        return _train_local(config, manifest)
 
 
 def check_resume_config(config: Config) -> None:
@@ -143,10 +145,12 @@ def check_resume_config(config: Config) -> None:
     )
 
 
-def _train_local(config: Config) -> dict[str, Any]:
-    """``train_worker`` in ``workers`` local processes; a stop by SIGINT/SIGTERM names the last checkpoint."""
+def _train_local(config: Config, manifest: DatasetManifest) -> dict[str, Any]:
+    """``train_worker`` in ``workers`` local processes, each given the pre-flight's ``manifest`` (no worker reads
+    it again); a stop by SIGINT/SIGTERM names the last checkpoint."""
     try:
-        return _launch_local(train_worker, config.workers, (config,), check_devices(config, "local"))[0]
+        args = (config, manifest)
+        return _launch_local(train_worker, config.workers, args, check_devices(config, "local"))[0]
     except (KeyboardInterrupt, Terminated):  # the launcher has stopped every worker
         last = latest_checkpoint(config.run_dir)
         kept = f"the last complete checkpoint is {last}" if last else "no checkpoint had been written yet"

@@ -16,7 +16,7 @@ def _config(tmp_path, root, **loss):
 
 def test_prepare_run_reads_the_manifest_and_names_a_missing_dataset(tmp_path, tiny_dataset):
     manifest = run.prepare_run(_config(tmp_path, tiny_dataset))
-    assert manifest["num_items"] == 101
+    assert manifest.num_items == 101
     with pytest.raises(FileNotFoundError, match="dataset directory does not exist"):
         run.prepare_run(_config(tmp_path, tmp_path / "missing"))
 

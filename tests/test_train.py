@@ -7,6 +7,7 @@ and export through the CLI are in tests/test_workflow.py."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import pickle
 
@@ -262,3 +263,54 @@ def test_a_per_row_k_reads_each_rows_own_users_train_items(tiny_dataset, tmp_pat
         assert positives.tolist() == counts[batch_users.numpy()].tolist()
         assert len(set(positives.tolist())) > 1  # users of different activity: a mix-up of rows would show
         assert np.isfinite(loss) and loss == per_rank[0][2]
+
+
+def _manifest_reads(config, export_dir) -> dict[str, int]:
+    """In a fresh worker process: how many times each job opens the dataset's manifest.json (every ``open`` of
+    the process is seen through Python's audit hook ``open``: ``open``, ``io.open``, ``os.open``, ``Path``)."""
+    import os
+    import sys
+    from pathlib import Path
+
+    from bigrank.data.manifest import DatasetManifest
+    from bigrank.train.workers import evaluate_worker, export_worker
+
+    target = (Path(config.data.root) / "manifest.json").resolve()
+    opened = []
+
+    def count(event, args):
+        if event == "open" and isinstance(args[0], str | bytes | os.PathLike):
+            if Path(os.fsdecode(args[0])).resolve() == target:
+                opened.append(1)
+
+    sys.addaudithook(count)  # lasts as long as this worker process
+    reads = {}
+    manifest = DatasetManifest.load(config.data.root)
+    reads["load"] = len(opened)
+    train_worker(config, manifest)  # as the run layer's local launcher passes the pre-flight's manifest
+    reads["train given the manifest"] = len(opened) - reads["load"]
+    for job, run in (
+        ("train", lambda: train_worker(dataclasses.replace(config, run_dir=config.run_dir + "-again"))),
+        ("evaluate", lambda: evaluate_worker(config)),
+        ("export", lambda: export_worker(config, export_dir)),
+    ):
+        before = len(opened)
+        run()
+        reads[job] = len(opened) - before
+    return reads
+
+
+def test_each_job_reads_the_dataset_manifest_once_per_process(tiny_dataset, tmp_path):
+    # Every part that reads the dataset: the stream, the history bags (model.history), each user's train
+    # items (a per-row k), evaluation during training and at its end, evaluate and export (the seen items).
+    config = _config(
+        tiny_dataset,
+        tmp_path / "run",
+        workers=1,
+        model={"dim": 8, "history": True},
+        loss={"name": "rankmax", "params": {"k_fraction": 0.1}},
+        train={"batch_size": 256, "epochs": 2},
+        eval={"every_epochs": 1, "at_end": True, "ks": [10], "splits": ["valid", "test"]},
+    )
+    reads = launch_local(_manifest_reads, 1, (config, str(tmp_path / "export")), timeout=240)[0]
+    assert reads == {"load": 1, "train given the manifest": 0, "train": 1, "evaluate": 1, "export": 1}

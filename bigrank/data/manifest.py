@@ -24,16 +24,19 @@ manifest's ``integrity`` entry records the size and CRC-32 of every data file (s
     "integrity": {"checksum": "crc32", "page_checksums": true,
                   "files": {"train/part-00000.parquet": {"bytes": 1234, "crc32": "89abcdef"}, ...}}
 
-Opening a dataset checks sizes and footers (``validate_dataset``: cheap); ``bigrank verify ROOT`` checks every
-checksum (``verify_dataset``: reads every byte). Datasets written before checksums were recorded have no
-``integrity`` entry: they load as before and ``verify`` checks what their manifest has.
+Opening a dataset checks sizes and footers (``validate_dataset``, ``DatasetManifest.validate``: cheap); ``bigrank
+verify ROOT`` checks every checksum (``verify_dataset``: reads every byte). Datasets written before checksums were
+recorded have no ``integrity`` entry: they load as before and ``verify`` checks what their manifest has.
+
+A run reads the manifest once per process into a :class:`DatasetManifest` and passes it down (trainer, model,
+stream, evaluation, export); the readers also take a directory (:func:`as_manifest` reads it then).
 """
 
 from __future__ import annotations
 
 import json
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -289,10 +292,14 @@ def load_manifest(root: str | Path) -> dict:
 
 @dataclass(frozen=True)
 class DatasetManifest:
-    """A dataset's ``manifest.json``, checked and typed: load it once (:meth:`load`) and pass it down.
+    """A dataset's ``manifest.json``, read and checked once (:meth:`load`), then passed down to whatever reads the
+    dataset: the trainer, the model, the stream, evaluation and export take it instead of the root string.
 
     ``splits`` maps a split name to its entry (``rows``, ``files``, ``file_rows``, ``row_groups``, ``file_bytes``);
-    ``raw`` is the whole JSON object (other keys: ``schema``, ``seed``, ``source``, ``generator`` …).
+    ``raw`` is the whole JSON object (other keys: ``schema``, ``seed``, ``source``, ``generator``, ``integrity``).
+    :meth:`validate` checks a split's files against it (sizes, footers) once per process: later calls for the
+    same split are free (every page is still verified as it is read). The record of what was checked stays in
+    the process: a copy sent to another process (pickle) checks its files again there.
     """
 
     root: Path
@@ -300,19 +307,74 @@ class DatasetManifest:
     num_items: int
     splits: Mapping[str, Mapping[str, Any]]
     raw: Mapping[str, Any]
+    # {(split, deep)} whose files this process has checked (see validate); not compared, not pickled.
+    _checked: set = field(default_factory=set, repr=False, compare=False)
 
     @classmethod
     def load(cls, root: str | Path) -> DatasetManifest:
-        """Read and check ``<root>/manifest.json`` (errors as :func:`load_manifest`)."""
+        """Read and check ``<root>/manifest.json`` (errors as :func:`load_manifest`): the one read of a process."""
         raw = load_manifest(root)
         return cls(Path(root), int(raw["num_users"]), int(raw["num_items"]), raw["splits"], raw)
+
+    def __getstate__(self) -> dict:
+        state = dict(self.__dict__)
+        state["_checked"] = set()  # files are checked in the process that reads them
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
 
     def split(self, name: str) -> Mapping[str, Any]:
         """The entry of split ``name``; ValueError naming the available splits when it is absent."""
         return split_info(self.raw, name)
 
     def rows(self, name: str) -> int:
+        """Rows of split ``name`` (ValueError when absent)."""
         return int(self.split(name)["rows"])
+
+    def files(self, name: str) -> list[Path]:
+        """Paths of the Parquet parts of split ``name``, in order (ValueError when the split is absent)."""
+        return [self.root / relative for relative in self.split(name)["files"]]
+
+    @property
+    def schema(self) -> Mapping[str, str]:
+        """Column name -> Arrow type name of the split files (empty for a dataset without rows)."""
+        return self.raw.get("schema") or {}
+
+    @property
+    def source(self) -> str:
+        """Where the ratings came from (``synthetic:demo``, ``movielens:...``)."""
+        return self.raw["source"]
+
+    def side_file(self, name: str) -> Path | None:
+        """Path of the side file ``name`` (one of ``SIDE_FILES``: ``users.parquet`` …) when the dataset has it."""
+        if name not in SIDE_FILES:
+            raise ValueError(f"{name!r} is not a dataset side file; they are {SIDE_FILES}")
+        path = self.root / name
+        return path if path.is_file() else None
+
+    def validate(self, splits: Iterable[str] | None = None, deep: bool = False) -> DatasetManifest:
+        """``validate_dataset``'s checks of the files of ``splits`` (default: all), each split once per process
+        (``deep``: also decode every row group and check the ids' ranges). Returns ``self``."""
+        names = list(self.splits) if splits is None else list(splits)
+        for split in names:
+            if (split, deep) in self._checked or (split, True) in self._checked:
+                continue
+            info = self.split(split)
+            if len(info["file_rows"]) != len(info["files"]) or len(info["row_groups"]) != len(info["files"]):
+                raise ValueError(f"manifest of {self.root}: split {split!r} lists inconsistent file entries")
+            if sum(info["file_rows"]) != info["rows"]:
+                raise ValueError(f"manifest of {self.root}: split {split!r} row count differs from its files' sum")
+            for index in range(len(info["files"])):
+                validate_file(self.root, self.raw, split, index, deep)
+            self._checked.add((split, deep))
+        return self
+
+
+def as_manifest(dataset: DatasetManifest | str | Path) -> DatasetManifest:
+    """``dataset`` itself when it is a :class:`DatasetManifest`, else the manifest of the dataset directory it names
+    (read now): lets the readers take either, the run passing the one it read."""
+    return dataset if isinstance(dataset, DatasetManifest) else DatasetManifest.load(dataset)
 
 
 def split_info(manifest: Mapping, split: str) -> dict:
@@ -332,18 +394,7 @@ def validate_dataset(root: str | Path, splits: Iterable[str] | None = None, deep
     ``[0, num_users)`` / ``[0, num_items)`` — this reads all the data. Whole-file checksums are
     ``verify_dataset``'s job. Returns the manifest.
     """
-    root = Path(root)
-    manifest = load_manifest(root)
-    names = list(manifest["splits"]) if splits is None else list(splits)
-    for split in names:
-        info = split_info(manifest, split)
-        if len(info["file_rows"]) != len(info["files"]) or len(info["row_groups"]) != len(info["files"]):
-            raise ValueError(f"manifest of {root}: split {split!r} lists inconsistent file entries")
-        if sum(info["file_rows"]) != info["rows"]:
-            raise ValueError(f"manifest of {root}: split {split!r} row count differs from its files' sum")
-        for index in range(len(info["files"])):
-            validate_file(root, manifest, split, index, deep)
-    return manifest
+    return dict(DatasetManifest.load(root).validate(splits, deep).raw)
 
 
 def validate_file(root: Path, manifest: Mapping, split: str, index: int, deep: bool = False) -> None:

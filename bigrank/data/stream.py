@@ -1,6 +1,7 @@
 """Streaming reader over a dataset split: per-rank shares, bounded shuffle, prefetch, exact resume.
 
-``ParquetStream(root, split, batch_size, rank, world_size, ...)`` yields batches as dicts of torch tensors
+``ParquetStream(dataset, split, batch_size, rank, world_size, ...)`` (``dataset``: a
+:class:`~bigrank.data.manifest.DatasetManifest`, or its directory) yields batches as dicts of torch tensors
 (``user_id`` / ``item_id`` int64, ``rating`` float32 when asked for). How an epoch is laid out:
 
 1. **Global order.** The split's row groups (listed in the manifest) are permuted with a generator seeded
@@ -44,7 +45,7 @@ caller trains on the current one (pyarrow's decode and the numpy/torch kernels r
 are handed over, never single batches, so no per-batch thread hand-off). Each batch is gathered from its
 window and converted to int64 on the caller's thread: a fresh tensor per column that the caller owns.
 
-Files are checked against the manifest when the stream is built (``validate_dataset``): a missing,
+Files are checked against the manifest when the stream is built (``DatasetManifest.validate``): a missing,
 truncated or corrupt file is an error naming it, raised before training starts. Pages are read with their
 checksums verified (``bigrank.integrity``): a row group with a flipped byte or that fails to decode raises
 ``CorruptFileError`` (a ValueError) naming the file and row group when it is read, never wrong ids.
@@ -81,7 +82,7 @@ class ParquetStream:
 
     def __init__(
         self,
-        root: str | Path,
+        dataset: layout.DatasetManifest | str | Path,
         split: str,
         batch_size: int,
         rank: int = 0,
@@ -100,7 +101,8 @@ class ParquetStream:
             raise ValueError(f"rank {rank} is not in [0, world_size={world_size})")
         if shuffle_buffer < 1:
             raise ValueError(f"shuffle_buffer must be positive, got {shuffle_buffer}")
-        self.root = Path(root)
+        self.dataset = dataset = layout.as_manifest(dataset)
+        self.root = dataset.root
         self.split = split
         self.batch_size = int(batch_size)
         self.rank = int(rank)
@@ -111,14 +113,14 @@ class ParquetStream:
         self.drop_last = bool(drop_last)
         self.columns = tuple(columns)
         self.prefetch = int(prefetch)
-        manifest = layout.validate_dataset(self.root, [split]) if validate else layout.load_manifest(self.root)
-        self.manifest = manifest
-        info = layout.split_info(manifest, split)
-        schema = manifest.get("schema") or {}
+        if validate:
+            dataset.validate([split])
+        info = dataset.split(split)
+        schema = dataset.schema
         missing = [c for c in self.columns if schema and c not in schema]
         if missing:
             raise ValueError(f"dataset {self.root} has no column(s) {missing}; it has {sorted(schema)}")
-        self._files = [self.root / name for name in info["files"]]
+        self._files = dataset.files(split)
         group_file, group_index, group_rows = [], [], []
         for file_index, groups in enumerate(info["row_groups"]):
             for index, rows in enumerate(groups):
@@ -618,17 +620,18 @@ def _drain(source) -> None:
         pass
 
 
-def iter_row_groups(root: str | Path, split: str, columns: Sequence[str] = ("user_id", "item_id")):
-    """Yield every row group of ``split`` in file order as a dict of numpy arrays (bounded memory).
+def iter_row_groups(
+    dataset: layout.DatasetManifest | str | Path, split: str, columns: Sequence[str] = ("user_id", "item_id")
+):
+    """Yield every row group of ``split`` of ``dataset`` (a ``DatasetManifest`` or its directory) in file order as
+    a dict of numpy arrays (bounded memory).
 
-    The split's files are checked first (``validate_dataset``: sizes and footers, a missing or truncated file
-    named before any row is read) and every page is verified as it is read (CorruptFileError naming the file
-    and row group)."""
-    root = Path(root)
-    manifest = layout.validate_dataset(root, [split])
-    info = layout.split_info(manifest, split)
-    for name in info["files"]:
-        path = root / name
+    The split's files are checked first (``DatasetManifest.validate``, once per process: sizes and footers, a
+    missing or truncated file named before any row is read) and every page is verified as it is read
+    (CorruptFileError naming the file and row group)."""
+    dataset = layout.as_manifest(dataset)
+    root = dataset.root
+    for path in dataset.validate([split]).files(split):
         try:
             parquet = integrity.open_parquet(path)
         except FileNotFoundError as error:
@@ -640,24 +643,27 @@ def iter_row_groups(root: str | Path, split: str, columns: Sequence[str] = ("use
             yield {c: table.column(c).to_numpy() for c in columns}
 
 
-def read_user_items(root: str | Path, split: str, num_users: int | None = None) -> tuple[np.ndarray, np.ndarray]:
-    """All (user, item) pairs of ``split`` as per-user CSR arrays, read row group by row group.
+def read_user_items(
+    dataset: layout.DatasetManifest | str | Path, split: str, num_users: int | None = None
+) -> tuple[np.ndarray, np.ndarray]:
+    """All (user, item) pairs of ``split`` of ``dataset`` (a ``DatasetManifest`` or its directory) as per-user CSR
+    arrays, read row group by row group.
 
     Returns ``(indptr, items)``: ``indptr`` int64 of shape (num_users + 1,), ``items`` int32 of shape
     (rows,); the items of user ``u`` are ``items[indptr[u]:indptr[u+1]]``, sorted ascending (so
     ``np.searchsorted`` tests membership). ``num_users`` defaults to the manifest's. Memory: ~16 bytes per
     row of the split while sorting.
     """
-    manifest = layout.load_manifest(root)
-    num_users = int(manifest["num_users"] if num_users is None else num_users)
-    num_items = int(manifest["num_items"])
+    dataset = layout.as_manifest(dataset)
+    num_users = dataset.num_users if num_users is None else int(num_users)
+    num_items = dataset.num_items
     keys = []
-    for group in iter_row_groups(root, split):
+    for group in iter_row_groups(dataset, split):
         keys.append(group["user_id"].astype(np.int64) * num_items + group["item_id"])
     keys = np.sort(np.concatenate(keys)) if keys else np.empty(0, dtype=np.int64)
     users = keys // num_items
     if len(users) and (users.min() < 0 or users.max() >= num_users):
-        raise ValueError(f"split {split!r} of {root} has user ids outside [0, {num_users})")
+        raise ValueError(f"split {split!r} of {dataset.root} has user ids outside [0, {num_users})")
     indptr = np.zeros(num_users + 1, dtype=np.int64)
     np.cumsum(np.bincount(users, minlength=num_users), out=indptr[1:])
     return indptr, (keys - users * num_items).astype(np.int32)

@@ -62,16 +62,20 @@ class SeenItems:
     ``splits`` (default all three) are the interactions counted as seen. Datasets of at most
     ``PRELOAD_MAX_RATINGS`` ratings are loaded once into a CSR array (user -> sorted items); larger ones are
     scanned per user with a Parquet filter on ``user_id`` (row groups are skipped by their statistics).
+    ``data_root``: the dataset's ``DatasetManifest``, or its directory.
     """
 
-    def __init__(self, data_root: str | Path, splits: Sequence[str] = ("train", "valid", "test")):
-        self.root = Path(data_root)
-        self.manifest = layout.validate_dataset(self.root, splits)
+    def __init__(
+        self, data_root: layout.DatasetManifest | str | Path, splits: Sequence[str] = ("train", "valid", "test")
+    ):
+        dataset = layout.as_manifest(data_root).validate(splits)
+        self.root = dataset.root
+        self.manifest = dataset.raw
         self.splits = tuple(splits)
-        self.files = [self.root / f for s in self.splits for f in layout.split_info(self.manifest, s)["files"]]
-        self.num_users = int(self.manifest["num_users"])
-        self.num_items = int(self.manifest["num_items"])
-        rows = sum(layout.split_info(self.manifest, s)["rows"] for s in self.splits)
+        self.files = [path for s in self.splits for path in dataset.files(s)]
+        self.num_users = dataset.num_users
+        self.num_items = dataset.num_items
+        rows = sum(dataset.rows(s) for s in self.splits)
         self._indptr = self._items = None
         if rows <= PRELOAD_MAX_RATINGS:
             self._preload()
@@ -367,13 +371,14 @@ def _write_block(writer, start: int, indptr: np.ndarray, items: np.ndarray, bits
 def write_seen_part(
     out_dir: str | Path,
     rank: int,
-    dataset_root: str | Path,
+    dataset_root: layout.DatasetManifest | str | Path,
     user_start: int,
     user_stop: int,
     block_ratings: int = BLOCK_RATINGS,
     group_users: int = SEEN_ROW_GROUP_USERS,
 ) -> dict:
-    """Write ``seen/part-r{rank}.parquet`` for users ``[user_start, user_stop)`` of the dataset at ``dataset_root``.
+    """Write ``seen/part-r{rank}.parquet`` for users ``[user_start, user_stop)`` of the dataset ``dataset_root`` (its
+    ``DatasetManifest``, or its directory).
 
     Every split the dataset has is read, only the row groups whose ``user_id`` statistics overlap the range.
     When those hold more than ``block_ratings`` ratings, one pass spills them (one int64 key each) to bucket
@@ -390,11 +395,10 @@ def write_seen_part(
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    root = Path(dataset_root)
-    manifest = layout.validate_dataset(root)
-    num_items = int(manifest["num_items"])
+    dataset = layout.as_manifest(dataset_root).validate()
+    num_items = dataset.num_items
     _check_key_range(user_stop - user_start, num_items)
-    files = [(root / f, SPLIT_BITS[s]) for s in manifest["splits"] for f in layout.split_info(manifest, s)["files"]]
+    files = [(path, SPLIT_BITS[s]) for s in dataset.splits for path in dataset.files(s)]
     plan = _plan_row_groups(files, user_start, user_stop)
     bound = sum(rows for *_, rows in plan)
 

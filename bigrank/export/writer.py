@@ -113,24 +113,22 @@ def _rows_as_numpy(name: str, rows) -> tuple[int, int, np.ndarray]:
     return start, stop, values
 
 
-def read_id_mapping(dataset_root: str | Path | None, table: str) -> dict[str, np.ndarray] | None:
+def read_id_mapping(dataset: layout.DatasetManifest | None, table: str) -> dict[str, np.ndarray] | None:
     """Dense id -> original id (and titles) of ``table`` ("items" or "users") from an ingested dataset.
 
     Reads ``<root>/items.parquet`` (``item_id, original_id[, title]``) or ``<root>/users.parquet``
-    (``user_id, original_id``) written by ``bigrank.data.movielens.ingest``. Returns None when the dataset
-    has no such file (synthetic datasets), else ``{"original_id": int64[n], "title": object[n]?}`` indexed
-    by dense id. Raises ValueError when the dense ids are not ``0 … n-1``.
+    (``user_id, original_id``) written by ``bigrank.data.movielens.ingest``. Returns None without a dataset or
+    when the dataset has no such file (synthetic datasets), else ``{"original_id": int64[n], "title":
+    object[n]?}`` indexed by dense id. Raises ValueError when the dense ids are not ``0 … n-1``.
     """
-    if dataset_root is None:
-        return None
-    path = Path(dataset_root) / f"{table}.parquet"
-    if not path.is_file():
+    path = None if dataset is None else dataset.side_file(f"{table}.parquet")
+    if path is None:
         return None
     id_column = TABLE_ID_COLUMNS[table]
     try:
         data = integrity.read_parquet(path)
     except Exception as error:  # pyarrow raises OSError / ArrowInvalid for a bad page
-        advice = layout.repair_advice(dataset_root)
+        advice = layout.repair_advice(dataset.root)
         raise integrity.damaged_parquet("dataset file", path, error, advice) from error
     if id_column not in data.column_names or "original_id" not in data.column_names:
         raise ValueError(f"{path} lacks the columns {id_column!r} and 'original_id'")
@@ -144,33 +142,32 @@ def read_id_mapping(dataset_root: str | Path | None, table: str) -> dict[str, np
     return mapping
 
 
-def _dataset_summary(dataset_root) -> dict | None:
-    if dataset_root is None:
+def _dataset_summary(dataset: layout.DatasetManifest | None) -> dict | None:
+    if dataset is None:
         return None
-    manifest = layout.load_manifest(dataset_root)
     return {
-        "root": str(Path(dataset_root).resolve()),
-        "source": manifest["source"],
-        "num_users": int(manifest["num_users"]),
-        "num_items": int(manifest["num_items"]),
-        "original_ids": (Path(dataset_root) / "items.parquet").is_file(),
+        "root": str(dataset.root.resolve()),
+        "source": dataset.source,
+        "num_users": dataset.num_users,
+        "num_items": dataset.num_items,
+        "original_ids": dataset.side_file("items.parquet") is not None,
     }
 
 
 def _write_rank_parts(
-    out_dir: Path, rank: int, tables: Mapping[str, tuple[int, int, np.ndarray]], dataset_root, quantize
+    out_dir: Path, rank: int, tables: Mapping[str, tuple[int, int, np.ndarray]], dataset, quantize
 ) -> dict:
     """Write this rank's parts of every table (and quantised copies); returns their descriptions."""
     written: dict[str, dict] = {}
     for table, (start, stop, values) in tables.items():
         id_column = TABLE_ID_COLUMNS[table]
         base = {id_column: np.arange(start, stop, dtype=np.int32)}
-        mapping = read_id_mapping(dataset_root, "users" if table == "users" else "items")
+        mapping = read_id_mapping(dataset, "users" if table == "users" else "items")
         if mapping is not None:
             if stop > len(mapping["original_id"]):
                 raise ValueError(
                     f"{table}: rows [{start}, {stop}) exceed the {len(mapping['original_id'])} ids of the dataset "
-                    f"{dataset_root}: the model does not match this dataset"
+                    f"{dataset.root}: the model does not match this dataset"
                 )
             base["original_id"] = mapping["original_id"][start:stop]
             if table == "items" and "title" in mapping:
@@ -268,12 +265,13 @@ def _table_entry(name: str, parts: list[dict], dim: int) -> dict:
     }
 
 
-def _seen_entry(parts: list[dict], dataset_root) -> dict:
-    """Manifest entry of the ``seen`` table: the ranks' user ranges must tile ``[0, num_users)``."""
+def _seen_entry(parts: list[dict], dataset: layout.DatasetManifest | str | Path) -> dict:
+    """Manifest entry of the ``seen`` table of ``dataset`` (its manifest or directory): the ranks' user ranges
+    must tile ``[0, num_users)``."""
     entry = _table_entry(SEEN_TABLE, parts, dim=0)
     del entry["dim"], entry["dtype"]
     entry["nnz"] = sum(int(part["nnz"]) for part in parts)
-    entry["splits"] = [s for s in SPLIT_BITS if s in layout.load_manifest(dataset_root)["splits"]]
+    entry["splits"] = [s for s in SPLIT_BITS if s in layout.as_manifest(dataset).splits]
     entry["split_bits"] = dict(SPLIT_BITS)
     return entry
 
@@ -303,8 +301,9 @@ def export_embeddings(
             this rank owns (its ``CatalogShard``); the ranks' ranges must tile ``[0, num_items)``.
         user_rows: the same for the user vectors (the rows the model scores items with); a rank may own an
             empty range.
-        dataset_root: the training dataset; its ``items.parquet`` / ``users.parquet`` (ingested MovieLens)
-            give the original ids and titles written beside the dense ids.
+        dataset_root: the training dataset: its ``DatasetManifest`` (read once by the caller) or its directory;
+            its ``items.parquet`` / ``users.parquet`` (ingested MovieLens) give the original ids and titles
+            written beside the dense ids.
         model_info: JSON-able description of the model, e.g. ``{"loss", "dim", "run_dir", "has_history"}``.
         quantize: any of ``"float16"``, ``"int8"``: also write quantised copies of every table.
         history_rows: rows of the history table (item-indexed) for models with a history tower; enables
@@ -337,8 +336,9 @@ def export_embeddings(
             status["error"] = str(error)
     _raise_failures(_all_gather(status, world_size, group), "preparing the directory")
 
-    status = {}
+    status, dataset = {}, None
     try:
+        dataset = None if dataset_root is None else layout.as_manifest(dataset_root)
         tables = {"items": _rows_as_numpy("item_rows", item_rows), "users": _rows_as_numpy("user_rows", user_rows)}
         if history_rows is not None:
             tables["history"] = _rows_as_numpy("history_rows", history_rows)
@@ -346,11 +346,11 @@ def export_embeddings(
         if len(set(dims.values())) != 1:
             raise ValueError(f"the tables have different dimensions: {dims}")
         status["dim"] = dims["items"]
-        status["parts"] = _write_rank_parts(out_dir, rank, tables, dataset_root, quantize)
-        if seen and dataset_root is not None:
-            num_users = int(layout.load_manifest(dataset_root)["num_users"])
+        status["parts"] = _write_rank_parts(out_dir, rank, tables, dataset, quantize)
+        if seen and dataset is not None:
+            num_users = dataset.num_users
             share = (rank * num_users // world_size, (rank + 1) * num_users // world_size)
-            status["parts"][SEEN_TABLE] = write_seen_part(out_dir, rank, dataset_root, *share)
+            status["parts"][SEEN_TABLE] = write_seen_part(out_dir, rank, dataset, *share)
     except (OSError, ValueError) as error:
         status = {"error": str(error)}
     statuses = _all_gather(status, world_size, group)
@@ -360,7 +360,7 @@ def export_embeddings(
     status = {}
     if rank == 0:
         try:
-            manifest = _write_manifest(out_dir, statuses, dataset_root, model_info, quantize, started)
+            manifest = _write_manifest(out_dir, statuses, dataset, model_info, quantize, started)
             if index:
                 for name in index:
                     build_export_index(out_dir, name)
@@ -384,7 +384,9 @@ def _user_vector_rule(has_history: bool, model_info: Mapping) -> str:
     return "table"
 
 
-def _write_manifest(out_dir: Path, statuses, dataset_root, model_info, quantize, started: float) -> dict:
+def _write_manifest(
+    out_dir: Path, statuses, dataset: layout.DatasetManifest | None, model_info, quantize, started: float
+) -> dict:
     dims = {s["dim"] for s in statuses}
     if len(dims) != 1:
         raise ValueError(f"the ranks hold embeddings of different dimensions: {sorted(dims)}")
@@ -394,13 +396,12 @@ def _write_manifest(out_dir: Path, statuses, dataset_root, model_info, quantize,
     names = [name for name in statuses[0]["parts"] if name != SEEN_TABLE]
     tables = {name: _table_entry(name, [s["parts"].get(name) for s in statuses], dim) for name in names}
     if SEEN_TABLE in statuses[0]["parts"]:
-        tables[SEEN_TABLE] = _seen_entry([s["parts"][SEEN_TABLE] for s in statuses], dataset_root)
-    dataset = _dataset_summary(dataset_root)
+        tables[SEEN_TABLE] = _seen_entry([s["parts"][SEEN_TABLE] for s in statuses], dataset)
     if dataset is not None:
-        for name, expected in (("items", dataset["num_items"]), ("users", dataset["num_users"])):
+        for name, expected in (("items", dataset.num_items), ("users", dataset.num_users)):
             if tables[name]["rows"] != expected:
                 raise ValueError(
-                    f"the export has {tables[name]['rows']} {name} but the dataset {dataset_root} has {expected}"
+                    f"the export has {tables[name]['rows']} {name} but the dataset {dataset.root} has {expected}"
                 )
     manifest = {
         "kind": EXPORT_KIND,
@@ -414,7 +415,7 @@ def _write_manifest(out_dir: Path, statuses, dataset_root, model_info, quantize,
         "quantized": list(quantize),
         "quantization": {"int8": "per-row symmetric: embedding ≈ scale * q"} if "int8" in quantize else {},
         "model": json.loads(json.dumps(dict(model_info), default=str)),
-        "dataset": dataset,
+        "dataset": _dataset_summary(dataset),
         "world_size": len(statuses),
         "tables": tables,
         "indexes": {},

@@ -1,9 +1,10 @@
 """Training: the Trainer and its parts, checkpoints, the local launcher, the step loss, evaluation.
 
-* ``workers.train_worker(config) -> summary`` — runs ``trainer.Trainer(config).train()`` inside every worker
-  process of an initialised ``torch.distributed`` group (local launcher or Ray Train); resumes from the run's
-  newest checkpoint on any worker count. ``workers.evaluate_worker`` / ``export_worker`` load a checkpoint on any
-  worker count.
+* ``workers.train_worker(config, manifest=None) -> summary`` — runs ``trainer.Trainer(config, manifest).train()``
+  inside every worker process of an initialised ``torch.distributed`` group (local launcher or Ray Train);
+  resumes from the run's newest checkpoint on any worker count. ``manifest``: the dataset's ``DatasetManifest``
+  when the caller read it (the run layer's pre-flight), else the worker reads it once.
+  ``workers.evaluate_worker`` / ``export_worker`` load a checkpoint on any worker count.
 * ``trainer`` — the loop; ``state`` — its stateful parts; ``checkpoint`` — the Checkpointer (DCP, atomic);
   ``evaluator`` — when to evaluate, each split's data read once; ``model`` — tower + catalog shard of a rank.
 * ``launcher.launch_local(fn, world_size, args)`` — N local gloo processes, failures reported with the rank's

@@ -55,21 +55,25 @@ from bigrank.records import EVAL as EVAL_NAME  # noqa: E402 - re-exported
 from bigrank.records import write_eval_json  # noqa: E402 - re-exported
 
 DEFAULT_KS = (10, 100, 1000)
+# What the readers below take: the dataset's manifest (read once by the caller), or its directory (read here).
+Dataset = layout.DatasetManifest | str | Path
 MAX_SCORE_ELEMENTS = 1 << 25  # 128 MiB of float32 scores per batch and rank
 
 
-def evaluation_users(data_root: str | Path, split: str, sample_users: int | None = None, seed: int = 0) -> np.ndarray:
-    """Sorted int64 ids of the users with at least one item in ``split``, or a uniform sample of ``sample_users``
-    of them drawn with ``numpy.random.default_rng(seed)`` (deterministic: the same on every rank and run)."""
-    manifest = layout.load_manifest(data_root)
-    layout.split_info(manifest, split)
-    return _sample(_users_with_items(data_root, split, int(manifest["num_users"])), sample_users, seed)
+def evaluation_users(dataset: Dataset, split: str, sample_users: int | None = None, seed: int = 0) -> np.ndarray:
+    """Sorted int64 ids of the users with at least one item in ``split`` of ``dataset`` (a ``DatasetManifest`` or
+    its directory), or a uniform sample of ``sample_users`` of them drawn with ``numpy.random.default_rng(seed)``
+    (deterministic: the same on every rank and run)."""
+    dataset = layout.as_manifest(dataset)
+    dataset.split(split)
+    return _sample(_users_with_items(dataset, split), sample_users, seed)
 
 
-def _users_with_items(data_root: str | Path, split: str, num_users: int) -> np.ndarray:
+def _users_with_items(dataset: layout.DatasetManifest, split: str) -> np.ndarray:
+    num_users = dataset.num_users
     counts = np.zeros(num_users, dtype=np.int64)
-    for group in iter_row_groups(data_root, split, columns=("user_id",)):
-        _check_ids(group["user_id"], num_users, "user_id", data_root, split)
+    for group in iter_row_groups(dataset, split, columns=("user_id",)):
+        _check_ids(group["user_id"], num_users, "user_id", dataset.root, split)
         counts += np.bincount(group["user_id"], minlength=num_users)
     return np.flatnonzero(counts).astype(np.int64)
 
@@ -90,15 +94,16 @@ def _sample(users: np.ndarray, sample_users: int | None, seed: int) -> np.ndarra
 
 
 def _items_of_users(
-    data_root: str | Path, splits: Sequence[str], users: np.ndarray, num_users: int, num_items: int, item_range=None
+    dataset: layout.DatasetManifest, splits: Sequence[str], users: np.ndarray, item_range=None
 ) -> tuple[np.ndarray, np.ndarray]:
     """CSR ``(indptr int64[len(users) + 1], items int64)`` of the items of ``users`` (row i = ``users[i]``) in
     ``splits``, restricted to ``item_range = (start, stop)`` when given; items sorted and distinct per row."""
+    num_users, num_items, data_root = dataset.num_users, dataset.num_items, dataset.root
     position = np.full(num_users, -1, dtype=np.int64)
     position[users] = np.arange(len(users), dtype=np.int64)
     keys = []
     for split in splits:
-        for group in iter_row_groups(data_root, split):
+        for group in iter_row_groups(dataset, split):
             _check_ids(group["user_id"], num_users, "user_id", data_root, split)
             _check_ids(group["item_id"], num_items, "item_id", data_root, split)
             rows = position[group["user_id"]]
@@ -133,7 +138,7 @@ class EvaluationData:
 
 
 def evaluation_data(
-    data_root: str | Path,
+    dataset: Dataset,
     split: str,
     item_range: tuple[int, int],
     *,
@@ -141,20 +146,18 @@ def evaluation_data(
     seed: int = 0,
     exclude_splits: Sequence[str] = ("train",),
 ) -> EvaluationData:
-    """Read what evaluating ``split`` needs (one pass over ``split``'s files for the users, one for their items,
-    one over ``exclude_splits``), for this rank's catalog rows ``item_range = (start, stop)``."""
-    manifest = layout.load_manifest(data_root)
-    num_users, num_items = int(manifest["num_users"]), int(manifest["num_items"])
+    """Read what evaluating ``split`` of ``dataset`` (a ``DatasetManifest`` or its directory) needs (one pass over
+    ``split``'s files for the users, one for their items, one over ``exclude_splits``), for this rank's catalog
+    rows ``item_range = (start, stop)``."""
+    dataset = layout.as_manifest(dataset)
     for name in (split, *exclude_splits):
-        layout.split_info(manifest, name)  # a missing split is named before any file is read
-    candidates = _users_with_items(data_root, split, num_users)
+        dataset.split(name)  # a missing split is named before any file is read
+    candidates = _users_with_items(dataset, split)
     users = _sample(candidates, sample_users, seed)
     if len(users) == 0:
-        raise ValueError(f"split {split!r} of {data_root} has no users to evaluate")
-    relevant = _items_of_users(data_root, [split], users, num_users, num_items)
-    excluded = _items_of_users(
-        data_root, list(exclude_splits), users, num_users, num_items, item_range=tuple(item_range)
-    )
+        raise ValueError(f"split {split!r} of {dataset.root} has no users to evaluate")
+    relevant = _items_of_users(dataset, [split], users)
+    excluded = _items_of_users(dataset, list(exclude_splits), users, item_range=tuple(item_range))
     return EvaluationData(
         split,
         users,
@@ -169,7 +172,7 @@ def evaluation_data(
 def evaluate_model(
     user_vectors_fn: Callable[[torch.Tensor], torch.Tensor],
     shard: CatalogShard,
-    data_root: str | Path,
+    dataset: Dataset,
     split: str,
     ks: Sequence[int] = DEFAULT_KS,
     *,
@@ -191,7 +194,7 @@ def evaluate_model(
         user_vectors_fn: ``user_ids int64[b] -> float[b, d]``; called on every rank with the same ``b`` (and the
             same ids), so it may run collectives (a sharded tower). Runs under ``torch.no_grad``.
         shard: this rank's rows ``[start, stop)`` of the item matrix (``weight [n_local, d]``).
-        data_root: dataset directory (``bigrank.data.manifest`` layout).
+        dataset: the dataset's ``DatasetManifest`` (read once by the caller), or its directory.
         split: held-out split whose items are the relevant ones (``"valid"`` or ``"test"``).
         ks: cut-offs K of Recall@K and AP@K; the top ``max(ks)`` items are ranked.
         group: process group the catalog is split over (None: one process holds all items).
@@ -213,9 +216,10 @@ def evaluate_model(
     ks = sorted({int(k) for k in ks})
     if not ks or ks[0] < 1:
         raise ValueError(f"ks must be positive cut-offs, got {ks}")
+    dataset = layout.as_manifest(dataset)
     if data is None:
         data = evaluation_data(
-            data_root,
+            dataset,
             split,
             (shard.start, shard.stop),
             sample_users=sample_users,
@@ -233,7 +237,7 @@ def evaluate_model(
     batches = ranked_batches(
         user_vectors_fn,
         shard,
-        data_root,
+        dataset,
         users,
         max(ks),
         group=group,
@@ -266,7 +270,7 @@ def evaluate_model(
 def ranked_batches(
     user_vectors_fn: Callable[[torch.Tensor], torch.Tensor],
     shard: CatalogShard,
-    data_root: str | Path,
+    dataset: Dataset,
     users: np.ndarray,
     k: int,
     *,
@@ -294,19 +298,17 @@ def ranked_batches(
         raise ValueError(f"batch_size must be positive, got {batch_size}")
     if k < 1:
         raise ValueError(f"k must be positive, got {k}")
-    manifest = layout.load_manifest(data_root)
-    num_users, num_items = int(manifest["num_users"]), int(manifest["num_items"])
+    dataset = layout.as_manifest(dataset)
+    num_users, num_items = dataset.num_users, dataset.num_items
     if shard.num_items != num_items:
-        raise ValueError(f"the catalog has {shard.num_items} items but dataset {data_root} has {num_items}")
+        raise ValueError(f"the catalog has {shard.num_items} items but dataset {dataset.root} has {num_items}")
     for name in exclude_splits:
-        layout.split_info(manifest, name)
+        dataset.split(name)
     users = np.asarray(users, dtype=np.int64)
     if len(users) and (users.min() < 0 or users.max() >= num_users):
-        raise ValueError(f"user ids must lie in [0, {num_users}) for dataset {data_root}")
+        raise ValueError(f"user ids must lie in [0, {num_users}) for dataset {dataset.root}")
     if excluded is None:
-        excluded = _items_of_users(
-            data_root, list(exclude_splits), users, num_users, num_items, item_range=(shard.start, shard.stop)
-        )
+        excluded = _items_of_users(dataset, list(exclude_splits), users, item_range=(shard.start, shard.stop))
     excluded_indptr, excluded_items = excluded
     widest_shard = math.ceil(num_items / group_size(group))
     rows_per_batch = max(1, min(int(batch_size), int(max_score_elements) // max(widest_shard, 1)))

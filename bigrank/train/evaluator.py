@@ -5,8 +5,9 @@ from __future__ import annotations
 from typing import Any
 
 from bigrank.config import Config
+from bigrank.data.manifest import DatasetManifest
 from bigrank.train.evaluate import EvaluationData, evaluate_model, evaluation_data
-from bigrank.train.model import Model, user_vectors_fn
+from bigrank.train.model import Model, dataset_manifest, user_vectors_fn
 
 __all__ = ["Evaluator"]
 
@@ -16,11 +17,12 @@ class Evaluator:
 
     The users, relevant items and excluded (train) items of a split are read from the dataset the first time
     the split is evaluated and reused afterwards (keyed by the user sample), so evaluating every epoch costs
-    the scoring only.
+    the scoring only. ``manifest``: the dataset's (default: read from ``data.root``).
     """
 
-    def __init__(self, config: Config, model: Model, group):
+    def __init__(self, config: Config, model: Model, group, manifest: DatasetManifest | None = None):
         self.config, self.model, self.group = config, model, group
+        self.manifest = dataset_manifest(config, manifest)
         self._data: dict[tuple[str, int | None], EvaluationData] = {}
 
     def due(self, epoch: int, *, epoch_end: bool, last: bool) -> bool:
@@ -34,7 +36,7 @@ class Evaluator:
         if key not in self._data:
             shard = self.model.shard.owned()
             self._data[key] = evaluation_data(
-                self.config.data.root,
+                self.manifest,
                 split,
                 (shard.start, shard.stop),
                 sample_users=sample_users,
@@ -48,7 +50,7 @@ class Evaluator:
         return evaluate_model(
             user_vectors_fn(self.model),
             self.model.shard.owned(),  # whatever the layout, each rank ranks the rows it owns
-            self.config.data.root,
+            self.manifest,
             split,
             list(self.config.eval.ks),
             group=self.group,

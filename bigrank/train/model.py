@@ -15,6 +15,7 @@ measured at start-up).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -28,6 +29,7 @@ from bigrank.model.catalog import CatalogShard
 __all__ = [
     "Model",
     "build_model",
+    "dataset_manifest",
     "history_bags",
     "history_generator",
     "model_identity",
@@ -58,6 +60,16 @@ class Model:
         return self.tower.module
 
 
+def dataset_manifest(config: Config, manifest: DatasetManifest | None = None) -> DatasetManifest:
+    """The manifest of the run's dataset (``data.root``): ``manifest`` when given (read once by the caller: the
+    run's pre-flight, a worker's entry), else read now. ValueError when ``manifest`` is another dataset's."""
+    if manifest is None:
+        return DatasetManifest.load(config.data.root)
+    if manifest.root.resolve() != Path(config.data.root).resolve():
+        raise ValueError(f"the dataset manifest given is of {manifest.root}, but data.root is {config.data.root}")
+    return manifest
+
+
 def build_model(
     config: Config,
     group,
@@ -66,12 +78,13 @@ def build_model(
     explain_layout: bool = True,
 ) -> Model:
     """Build the sharded user tower and this rank's catalog shard on ``device`` (this worker's device from
-    ``bigrank.devices.worker_device``); collective. ``explain_layout``: see :func:`decide_layout`."""
+    ``bigrank.devices.worker_device``) for the dataset of ``manifest`` (default: read from ``data.root``);
+    collective. ``explain_layout``: see :func:`decide_layout`."""
     from bigrank.data.stream import read_user_items
     from bigrank.model.sharding import replicated_table_parameters, shard_row_wise
     from bigrank.model.towers import HISTORY_TABLE, USER_TABLE, UserTower
 
-    manifest = manifest or DatasetManifest.load(config.data.root)
+    manifest = dataset_manifest(config, manifest)
     model_cfg = config.model
     device = torch.device(device)
     layout, layout_plan = decide_layout(config, manifest, group, device, explain_layout)
@@ -101,7 +114,7 @@ def build_model(
         seed=config.seed + 1,
         device=device,
     )
-    history = read_user_items(config.data.root, "train", manifest.num_users) if model_cfg.history else None
+    history = read_user_items(manifest, "train", manifest.num_users) if model_cfg.history else None
     return Model(
         dmp,
         shard,

@@ -56,7 +56,7 @@ from bigrank.train.checkpoint import Checkpointer, latest_checkpoint, remove_par
 from bigrank.train.evaluator import Evaluator
 from bigrank.train.item_optim import RowOptimizer
 from bigrank.train.losses import StepLoss
-from bigrank.train.model import build_model, history_generator, model_identity, user_vectors
+from bigrank.train.model import build_model, dataset_manifest, history_generator, model_identity, user_vectors
 from bigrank.train.regularization import user_l2_penalty
 from bigrank.train.replicas import ReplicaSync
 from bigrank.train.schedule import LearningRateSchedule
@@ -131,10 +131,12 @@ class Trainer:
 
     Needs ``torch.distributed`` initialised (gloo on CPU) with any number of ranks dividing
     ``train.batch_size``; resumes from the newest complete checkpoint of ``run_dir``, whatever worker count
-    wrote it (the data position is re-split as ``bigrank.data.stream`` documents).
+    wrote it (the data position is re-split as ``bigrank.data.stream`` documents). ``manifest``: the dataset's
+    :class:`~bigrank.data.manifest.DatasetManifest` when the caller has read it (default: read here, once); the
+    model, the stream, the item counts and the evaluator all take it from here.
     """
 
-    def __init__(self, config: Config | dict):
+    def __init__(self, config: Config | dict, manifest: DatasetManifest | None = None):
         from bigrank.model.sharding import format_plan, silence_torchrec_step_warnings, write_plan
 
         self.config = config = as_config(config)
@@ -157,7 +159,8 @@ class Trainer:
         self.precision = setup_precision(config.train.precision, self.device)
         init_control_group()
 
-        self.manifest = DatasetManifest.load(config.data.root)
+        # The dataset's manifest, read once in this process (or by the run's pre-flight) and passed down.
+        self.manifest = manifest = dataset_manifest(config, manifest)
         self.model = model = build_model(config, self.group, self.manifest, self.device)
         if self.rank == 0:
             precision = f"precision {self.precision.describe()}"
@@ -168,7 +171,7 @@ class Trainer:
             write_plan(model.plan, self.run_dir / PLAN_JSON)
         self.local_batch = train_cfg.batch_size // self.world_size
         self.stream = ParquetStream(
-            config.data.root,
+            manifest,
             "train",
             self.local_batch,
             rank=self.rank,
@@ -190,7 +193,7 @@ class Trainer:
             num_items=model.num_items,
             shard_start=shard.start,
             shard_stop=shard.stop,
-            item_counts=_item_counts(config.data.root, shard.start, shard.stop) if self._needs_counts() else None,
+            item_counts=_item_counts(manifest, shard.start, shard.stop) if self._needs_counts() else None,
             seed=config.seed,
             rank=self.rank,
             score_dtype=self.precision.score_dtype,
@@ -208,7 +211,7 @@ class Trainer:
         # number of train items: int64[num_users], 8 bytes a user.
         self.user_positives = None
         if self.step_loss.needs_positives:
-            self.user_positives = _user_counts(config.data.root, model.num_users)
+            self.user_positives = _user_counts(manifest, model.num_users)
         self.state = TrainState()
         run_steps = train_cfg.epochs * self.stream.steps_per_epoch()
         if train_cfg.max_steps is not None:
@@ -234,7 +237,7 @@ class Trainer:
             identity=model_identity(config, model),
             group=self.group,
         )
-        self.evaluator = Evaluator(config, model, self.group)
+        self.evaluator = Evaluator(config, model, self.group, manifest)
         self.eval_history: list[dict] = []
 
     def _needs_counts(self) -> bool:
@@ -517,28 +520,28 @@ class Trainer:
         }
 
 
-def _item_counts(root: str, start: int, stop: int) -> torch.Tensor:
+def _item_counts(manifest: DatasetManifest, start: int, stop: int) -> torch.Tensor:
     """Train interactions of items ``[start, stop)`` (popularity sampler), read row group by row group."""
     import numpy as np
 
     from bigrank.data.stream import iter_row_groups
 
     counts = np.zeros(stop - start, dtype=np.int64)
-    for group in iter_row_groups(root, "train", columns=("item_id",)):
+    for group in iter_row_groups(manifest, "train", columns=("item_id",)):
         items = group["item_id"].astype(np.int64)
         items = items[(items >= start) & (items < stop)] - start
         counts += np.bincount(items, minlength=stop - start)
     return torch.from_numpy(counts)
 
 
-def _user_counts(root: str, num_users: int) -> torch.Tensor:
+def _user_counts(manifest: DatasetManifest, num_users: int) -> torch.Tensor:
     """Train interactions of every user, int64[num_users], read row group by row group."""
     import numpy as np
 
     from bigrank.data.stream import iter_row_groups
 
     counts = np.zeros(num_users, dtype=np.int64)
-    for group in iter_row_groups(root, "train", columns=("user_id",)):
+    for group in iter_row_groups(manifest, "train", columns=("user_id",)):
         counts += np.bincount(group["user_id"].astype(np.int64), minlength=num_users)
     return torch.from_numpy(counts)
 

@@ -1,6 +1,10 @@
 """The functions every rank runs, after the launcher (local processes or Ray Train) set up the process group:
 ``train_worker`` (a :class:`~bigrank.train.trainer.Trainer`), ``evaluate_worker`` and ``export_worker`` (load a
-checkpoint on any number of workers: the checkpoint reshards through DCP)."""
+checkpoint on any number of workers: the checkpoint reshards through DCP).
+
+Each takes the dataset's :class:`~bigrank.data.manifest.DatasetManifest` when its caller has read it (the run
+layer's pre-flight, sent to the local workers); without it the worker reads it once, here, and passes it down
+to the model, the stream, evaluation and export."""
 
 from __future__ import annotations
 
@@ -11,28 +15,32 @@ from typing import Any
 import torch.distributed as dist
 
 from bigrank.config import Config
+from bigrank.data.manifest import DatasetManifest
 from bigrank.devices import worker_device
 from bigrank.distributed.groups import init_control_group
 from bigrank.train.checkpoint import Checkpointer, latest_checkpoint
 from bigrank.train.evaluate import write_eval_json
 from bigrank.train.evaluator import Evaluator
-from bigrank.train.model import Model, build_model, model_identity
+from bigrank.train.model import Model, build_model, dataset_manifest, model_identity
 from bigrank.train.state import CatalogWeights, TowerState
 from bigrank.train.trainer import Trainer, as_config, require_process_group
 
 __all__ = ["evaluate_worker", "export_worker", "load_trained_model", "train_worker"]
 
 
-def train_worker(config: Config | dict) -> dict[str, Any]:
+def train_worker(config: Config | dict, manifest: DatasetManifest | None = None) -> dict[str, Any]:
     """Train (or resume) the run of ``config`` in this process (every rank calls it); returns the summary
     (same on every rank): steps, epochs, first/last loss, examples/s, the final checkpoint, the evaluation.
     Raises FloatingPointError when the loss is NaN/inf (naming the step and the last good checkpoint)."""
-    return Trainer(config).train()
+    return Trainer(config, manifest).train()
 
 
-def load_trained_model(config: Config, checkpoint: str | None = None) -> tuple[Model, dict, Path]:
+def load_trained_model(
+    config: Config, checkpoint: str | None = None, manifest: DatasetManifest | None = None
+) -> tuple[Model, dict, Path]:
     """The model of a checkpoint (default: the run's newest) on this process group, any worker count
-    (collective). Returns ``(model, trainer.json of the checkpoint, its path)``."""
+    (collective), for the dataset of ``manifest`` (default: read from ``data.root``). Returns ``(model,
+    trainer.json of the checkpoint, its path)``."""
     from bigrank.memory import keep_freed_memory
     from bigrank.model.sharding import silence_torchrec_step_warnings
 
@@ -47,7 +55,7 @@ def load_trained_model(config: Config, checkpoint: str | None = None) -> tuple[M
     # Evaluation and export read each table by the rows a rank owns: the sharded layout holds exactly those
     # (a checkpoint loads into any layout), without a replica of every table on every worker.
     config = dataclasses.replace(config, model=dataclasses.replace(config.model, layout="sharded"))
-    model = build_model(config, group, device=device, explain_layout=False)
+    model = build_model(config, group, manifest, device=device, explain_layout=False)
     parts = {"tower": TowerState(model.tower), "catalog": CatalogWeights(model.shard)}
     checkpointer = Checkpointer(config.run_dir, parts, every=None, keep=1, identity=model_identity(config, model))
     meta = checkpointer.load(path, parts)
@@ -55,14 +63,19 @@ def load_trained_model(config: Config, checkpoint: str | None = None) -> tuple[M
 
 
 def evaluate_worker(
-    config: Config | dict, checkpoint: str | None = None, splits: list[str] | None = None, sample_users=None
+    config: Config | dict,
+    checkpoint: str | None = None,
+    splits: list[str] | None = None,
+    sample_users=None,
+    manifest: DatasetManifest | None = None,
 ) -> dict[str, Any]:
     """Evaluate a checkpoint (default: the newest) on ``splits`` (default ``eval.splits``); rank 0 writes
     ``RUN_DIR/eval.json`` with one section per split. Collective. Returns the sections."""
     config = as_config(config)
-    model, meta, path = load_trained_model(config, checkpoint)
+    manifest = dataset_manifest(config, manifest)
+    model, meta, path = load_trained_model(config, checkpoint, manifest)
     group, rank, _ = require_process_group()
-    evaluator = Evaluator(config, model, group)
+    evaluator = Evaluator(config, model, group, manifest)
     sample = config.eval.sample_users if sample_users is None else sample_users
     results = {}
     for split in splits or config.eval.splits:
@@ -81,6 +94,7 @@ def export_worker(
     index: tuple[str, ...] = (),
     quantize: tuple[str, ...] = (),
     seen: bool = True,
+    manifest: DatasetManifest | None = None,
 ) -> dict[str, Any]:
     """Write the user (and history) and item embeddings of a checkpoint (default: the newest) with
     ``bigrank.export.writer.export_embeddings``, each rank its own rows (``seen``: also the seen-items
@@ -90,7 +104,8 @@ def export_worker(
     from bigrank.model.towers import HISTORY_TABLE
 
     config = as_config(config)
-    model, meta, path = load_trained_model(config, checkpoint)
+    manifest = dataset_manifest(config, manifest)
+    model, meta, path = load_trained_model(config, checkpoint, manifest)
     group, rank, world_size = require_process_group()
     user_start, user_stop, user_rows = local_user_rows(model.user_module)
     history_rows = None
@@ -115,7 +130,7 @@ def export_worker(
         group=group,
         item_rows=(shard.start, shard.stop, shard.weight.detach().cpu().clone()),
         user_rows=(user_start, user_stop, user_rows.detach().cpu().clone()),
-        dataset_root=config.data.root,
+        dataset_root=manifest,
         model_info=info,
         quantize=tuple(quantize),
         history_rows=history_rows,

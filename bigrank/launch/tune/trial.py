@@ -20,8 +20,9 @@ from bigrank.launch.tune.space import (
 )
 
 
-def _train_rank(config: Config, threads: int, log_path: str | None) -> dict:
-    """One training process of a trial: ``train_worker`` with the trial's thread budget, output to the run's log.
+def _train_rank(config: Config, threads: int, log_path: str | None, manifest=None) -> dict:
+    """One training process of a trial: ``train_worker`` with the trial's thread budget, output to the run's log
+    (``manifest``: the dataset's, read by the trial's pre-flight).
     It ends with the trial's actor (Tune ends stopped trials' actors, a kill skipping any clean-up there): the
     local launcher's workers get SIGTERM when their parent dies (``bigrank.train.launcher``)."""
     import torch
@@ -36,15 +37,16 @@ def _train_rank(config: Config, threads: int, log_path: str | None) -> dict:
 
     from bigrank.train.workers import train_worker
 
-    return train_worker(config)
+    return train_worker(config, manifest)
 
 
 class _Training(threading.Thread):
     """The trial's training run (local launcher) in a thread, so the trial can report while it runs."""
 
-    def __init__(self, config: Config, threads: int, log_path: Path, device_type: str):
+    def __init__(self, config: Config, threads: int, log_path: Path, device_type: str, manifest=None):
         super().__init__(name="bigrank-training", daemon=True)
         self.config, self.threads, self.log_path, self.device_type = config, threads, log_path, device_type
+        self.manifest = manifest
         self.summary: dict | None = None
         self.error: BaseException | None = None
 
@@ -53,7 +55,7 @@ class _Training(threading.Thread):
         from bigrank.train.launcher import launch_local
 
         try:
-            args = (self.config, self.threads, str(self.log_path))
+            args = (self.config, self.threads, str(self.log_path), self.manifest)
             backend = process_group_backend(self.device_type)  # as bigrank train's local launcher chooses it
             self.summary = launch_local(_train_rank, self.config.workers, args, backend=backend)[0]
         except BaseException as error:  # noqa: BLE001 - re-raised in the trial's thread
@@ -129,10 +131,10 @@ def bigrank_trial(params: dict) -> None:
     from bigrank.devices import check_devices
     from bigrank.run import prepare_run
 
-    prepare_run(config, "local")
+    manifest = prepare_run(config, "local")
     reported = _reported_step()
     threads = max(1, int(config.ray.cpus_per_worker))
-    training = _Training(config, threads, run_dir / "train.log", check_devices(config, "local"))
+    training = _Training(config, threads, run_dir / "train.log", check_devices(config, "local"), manifest)
     training.start()
     while True:
         finished = not training.is_alive()
