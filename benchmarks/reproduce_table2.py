@@ -162,8 +162,7 @@ def variant_name(loss: str, precision: str) -> str:
 def train(config: Path, data: Path, run_dir: Path, epochs: int | None, precision: str = "fp32") -> dict:
     if not (run_dir / EVAL).exists():
         overrides = ["--set", f"data.root={data}", "--set", f"run_dir={run_dir}", "--set", "train.progress=false"]
-        if precision != "fp32":
-            overrides += ["--set", f"train.precision={precision}"]
+        overrides += ["--set", f"train.precision={precision}"]  # explicit: the default (auto) may be bf16
         if epochs:
             overrides += ["--set", f"train.epochs={epochs}"]
         bigrank("train", str(config), "--launcher", "local", *overrides)
