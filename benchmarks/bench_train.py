@@ -68,6 +68,7 @@ def bigrank_examples_per_s(
             "--set", f"train.max_steps={steps}", "--set", f"model.layout={layout}",
             "--set", f"train.log_every={log_every}", "--set", "eval.every_epochs=0", "--set", "eval.at_end=false",
             "--set", "train.progress=false", "--set", f"train.checkpoint_every={steps}",
+            "--set", "train.precision=fp32",  # like the plain loop (the default, auto, may be bf16)
         ]  # fmt: skip
         subprocess.run(command, check=True, cwd=ROOT, stdout=subprocess.DEVNULL)
         records = read_metrics(run_dir)
