@@ -35,7 +35,9 @@ def register(subparsers) -> None:
     submit.add_argument(
         "--wait", action="store_true", help="follow the job's log until it ends; exit 1 unless it succeeded"
     )
-    submit.add_argument("--job-id", default=None, help="submission id (default: bigrank-<run>-<time>)")
+    submit.add_argument(
+        "--job-id", default=None, help="submission id: letters, digits, . _ - (default: bigrank-<run>-<time>)"
+    )
     submit.add_argument(
         "--python",
         default=None,
