@@ -41,6 +41,7 @@ __all__ = [
     "dump_config",
     "load_config",
     "parse_override",
+    "parse_yaml",
     "requested_layouts",
     "resolve",
     "resume_changes",
@@ -383,6 +384,12 @@ def check(config: Config) -> Config:
     ConfigError naming the key. Changes nothing; returns ``config``."""
     _check(bool(config.data.root), "data.root", "must be set (a dataset directory)")
     _check(bool(config.run_dir), "run_dir", "must be set (where checkpoints and metrics go)")
+    for key, path in (
+        ("data.root", config.data.root),
+        ("run_dir", config.run_dir),
+        ("ray.storage_path", config.ray.storage_path),
+    ):
+        _check("\0" not in (path or ""), key, "must not contain a NUL character")
     _check(config.workers >= 1, "workers", f"must be >= 1, got {config.workers}")
     config.data.check()
     config.model.check()
@@ -454,7 +461,8 @@ def requested_layouts(model: ModelConfig) -> dict[str, str]:
         _check(layout in choices, "model.layout", f"must be one of {', '.join(choices)} or a mapping, got {layout!r}")
         return dict.fromkeys(tables, layout)
     for table, value in layout.items():
-        _check(table in tables, f"model.layout.{table}", f"is not a table of this model ({', '.join(tables)})")
+        where = f"model.layout.{table}" if str(table).isprintable() else f"model.layout[{table!r}]"  # one line
+        _check(table in tables, where, f"is not a table of this model ({', '.join(tables)})")
         _check(value in choices, f"model.layout.{table}", f"must be one of {', '.join(choices)}, got {value!r}")
     return {table: layout.get(table, "auto") for table in tables}
 
@@ -517,16 +525,43 @@ def format_change(key: str, change: tuple) -> str:
 
 
 # ----------------------------------------------------------------------------------------------- loading
+# PyYAML's constructors let ValueError, TypeError, KeyError or AttributeError out of a malformed tagged scalar
+# (``!!int x``, ``!!bool x``, ``!!timestamp x``), and its recursive composer RecursionError out of deep nesting.
+_YAML_FAILURES = (yaml.YAMLError, ValueError, TypeError, KeyError, AttributeError, RecursionError)
+
+
+def parse_yaml(text: str | bytes, what: str, error_type: type[ConfigError] = ConfigError) -> Any:
+    """``yaml.safe_load(text)``; whatever PyYAML raises becomes one line, ``error_type(f"{what}: {reason}")``,
+    the reason with its line and column instead of PyYAML's multi-line excerpt of the text."""
+    try:
+        return yaml.safe_load(text)
+    except _YAML_FAILURES as error:
+        raise error_type(f"{what}: {_yaml_reason(error)}") from None
+
+
+def _yaml_reason(error: Exception) -> str:
+    if isinstance(error, yaml.MarkedYAMLError) and error.problem:
+        reason = error.problem
+        if error.problem_mark is not None:
+            reason += f" at line {error.problem_mark.line + 1}, column {error.problem_mark.column + 1}"
+        if error.context:
+            reason += f" ({error.context})"
+    elif isinstance(error, yaml.YAMLError):
+        reason = str(error)
+    elif isinstance(error, RecursionError):
+        reason = "nested too deeply"
+    else:
+        reason = f"a tagged value cannot be converted ({type(error).__name__}: {error})"
+    return " ".join(reason.split())
+
+
 def parse_override(text: str) -> tuple[list[str], Any]:
     """``"a.b=v"`` → (["a", "b"], v parsed as a YAML scalar/flow value). Raises ConfigError when malformed."""
     key, sep, raw = text.partition("=")
     key = key.strip()
-    if not sep or not key or any(not part for part in key.split(".")):
+    if not sep or not key or not key.isprintable() or any(not part for part in key.split(".")):
         raise ConfigError(f"override {text!r} must look like section.key=value")
-    try:
-        value = yaml.safe_load(raw) if raw.strip() else ""
-    except yaml.YAMLError as error:
-        raise ConfigError(f"override {key}: cannot parse value {raw!r}: {error}") from None
+    value = parse_yaml(raw, f"override {key}: cannot parse value {raw!r}") if raw.strip() else ""
     if isinstance(value, str) and EXPONENT_NUMBER.fullmatch(value.strip()):
         value = float(value)
     return key.split("."), value
@@ -594,10 +629,7 @@ def load_config(path: str | os.PathLike, overrides: list[str] | tuple[str, ...] 
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"config file not found: {path}")
-    try:
-        raw = yaml.safe_load(path.read_text()) or {}
-    except yaml.YAMLError as error:
-        raise ConfigError(f"{path} is not valid YAML: {error}") from None
+    raw = parse_yaml(path.read_bytes(), f"{path} is not valid YAML") or {}  # bytes: PyYAML names bad UTF-8
     if not isinstance(raw, dict):
         raise ConfigError(f"{path} must hold a mapping of sections, got {type(raw).__name__}")
     return config_from_dict(apply_overrides(raw, overrides))

@@ -11,8 +11,24 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from hypothesis import HealthCheck, settings
 
 REPO = Path(__file__).resolve().parents[1]
+
+# Hypothesis profiles of the fuzz tests (tests/test_fuzz_*.py). "ci", the default (`make test`): a few examples,
+# drawn the same way on every run (derandomize; no example database), so CI is deterministic. "long"
+# (HYPOTHESIS_PROFILE=long): many random examples, failures kept in .hypothesis/ and tried first next time.
+settings.register_profile(
+    "ci",
+    max_examples=40,
+    deadline=None,
+    derandomize=True,
+    database=None,
+    print_blob=True,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+settings.register_profile("long", max_examples=2000, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 TINY_USERS, TINY_ITEMS, TINY_TOPICS = 120, 101, 8  # 101 items: uneven catalog shards [0, 51) and [51, 101)
 

@@ -141,6 +141,8 @@ def parse_post(rec, seen, body: bytes, max_k: int = MAX_K, max_queries: int = MA
         payload = json.loads(body or b"null")
     except (json.JSONDecodeError, UnicodeDecodeError) as error:
         raise ValueError(f"the body must be JSON: {error}") from None
+    except RecursionError:
+        raise ValueError("the body must be JSON: nested too deeply") from None
     if not isinstance(payload, dict):
         raise ValueError('the body must be a JSON object such as {"users": [1, 2], "k": 10}')
     unknown = sorted(set(payload) - POST_FIELDS)

@@ -269,7 +269,11 @@ class Recommender:
         if isinstance(item_ids, np.ndarray) and item_ids.dtype.kind in "iu":
             items = item_ids.astype(np.int64).reshape(-1)
         else:
-            items = np.asarray([_as_int(i, "item id") for i in item_ids], dtype=np.int64)
+            ids = [_as_int(i, "item id") for i in item_ids]
+            outside = [i for i in ids if not 0 <= i < self.num_items]  # before numpy: one past int64 overflows
+            if outside:
+                raise ValueError(f"item ids {outside[:5]} are outside [0, {self.num_items})")
+            items = np.asarray(ids, dtype=np.int64)
         bad = items[(items < 0) | (items >= self.num_items)]
         if len(bad):
             raise ValueError(f"item ids {bad[:5].tolist()} are outside [0, {self.num_items})")
@@ -289,7 +293,7 @@ def _as_int(value, what: str) -> int:
                 return int(value.strip())
             if float(value) == int(value):
                 return int(value)
-        except (TypeError, ValueError):
+        except (TypeError, ValueError, OverflowError):  # OverflowError: int(inf)
             pass
         raise ValueError(f"{what} must be an integer, got {value!r}")
     return int(value)

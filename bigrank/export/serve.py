@@ -103,7 +103,10 @@ class RecommendHandler(BaseHTTPRequestHandler):
                 query = parse_get(server.recommender, server.seen, url.query, server.max_k)
                 self._send(HTTPStatus.OK, search_queries(server.recommender, [query])[0])
             elif url.path == "/recommend" and method == "POST":
-                length = int(self.headers.get("Content-Length") or 0)
+                length = (self.headers.get("Content-Length") or "0").strip()
+                if not length.isdigit():  # a negative length would read until the client closes the connection
+                    raise ValueError(f"Content-Length must be a number of bytes, got {length!r}")
+                length = int(length)
                 if length > MAX_BODY_BYTES:
                     raise ValueError(f"the body is larger than {MAX_BODY_BYTES} bytes")
                 k, queries = parse_post(server.recommender, server.seen, self.rfile.read(length), server.max_k)

@@ -40,7 +40,9 @@ def register(subparsers) -> None:
         help="follow the job's log until it ends; exit 1 unless it succeeded. Ctrl+C / SIGTERM stop following "
         "(exit 130 / 143); the job keeps running (bigrank stop JOB stops it)",
     )
-    submit.add_argument("--job-id", default=None, help="submission id (default: bigrank-<run>-<time>)")
+    submit.add_argument(
+        "--job-id", default=None, help="submission id: letters, digits, . _ - (default: bigrank-<run>-<time>)"
+    )
     submit.add_argument(
         "--python",
         default=None,

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import shlex
 import socket
 import sys
@@ -38,6 +39,7 @@ __all__ = [
     "ENTRYPOINT_MODULE",
     "JobsError",
     "TERMINAL_STATUSES",
+    "check_submission_id",
     "connect",
     "follow_logs",
     "job_logs",
@@ -69,6 +71,7 @@ WORKING_DIR_EXCLUDES = [
     ".ruff_cache",
     "*.egg-info",
 ]
+_SUBMISSION_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
 _CONNECT_TIMEOUT_S = 5.0
 _AGENT_WAIT_S = 60.0
 
@@ -90,10 +93,29 @@ def normalize_address(address: str | None) -> str:
         raise JobsError("no cluster address: pass --address http://HOST:8265 (the head's dashboard) or set RAY_ADDRESS")
     if "://" not in address:
         address = f"http://{address}"
-    parsed = urlparse(address)
+    looks_wrong = f"cluster address {address!r} must look like http://HOST:8265 (the Ray dashboard)"
+    try:
+        parsed = urlparse(address)
+        # What the connection will do with them: a port outside 0-65535 or not a number, or a host name the
+        # socket layer cannot encode (a label longer than 63 characters or empty), raise ValueError here.
+        if parsed.hostname:
+            parsed.hostname.encode("idna")
+        parsed.port  # noqa: B018 - read for its check
+    except ValueError as error:  # UnicodeError is one
+        raise JobsError(f"{looks_wrong}: {error}") from None
     if parsed.scheme not in ("http", "https") or not parsed.hostname:
-        raise JobsError(f"cluster address {address!r} must look like http://HOST:8265 (the Ray dashboard)")
+        raise JobsError(looks_wrong)
     return address
+
+
+def check_submission_id(job_id: str) -> str:
+    """``job_id`` when the cluster can use it as a submission id (it names the job's log file and its URL
+    path): letters, digits, ``.``, ``_`` and ``-``, starting with a letter or digit; JobsError otherwise."""
+    if not _SUBMISSION_ID.fullmatch(job_id):
+        raise JobsError(
+            f"job id {job_id!r} must be letters, digits, '.', '_' and '-' (it names the job's log file and URL)"
+        )
+    return job_id
 
 
 def read_auth_token() -> str | None:
@@ -173,12 +195,17 @@ def submit_training(
     submission_id: str | None = None,
     working_dir: str | os.PathLike | None = None,
 ) -> str:
-    """Submit a training job for ``config`` (a resolved Config); returns the submission id.
+    """Submit a training job for ``config`` (a resolved Config); returns the submission id (``submission_id``,
+    checked by :func:`check_submission_id`; default ``bigrank-<run dir name>-<time>``).
 
     The entrypoint is ``{python} -m bigrank.run``: ``python`` must be the cluster's interpreter with
     the pinned stack. Default: this interpreter for a head on this machine (127.0.0.1 / localhost), else
     ``python`` from the cluster's PATH (the images in docker/ put theirs first).
     """
+    if submission_id is not None:
+        check_submission_id(submission_id)
+    if python is not None and not python.strip():
+        raise JobsError("--python must name the cluster's Python interpreter (empty: use the default)")
     client = connect(address)
     if python is None:
         host = urlparse(normalize_address(address)).hostname

@@ -171,7 +171,7 @@ def parse_params(name: str, raw: dict[str, Any], key: str = "loss.params") -> di
     for param in raw:
         if param not in fields:
             accepted = ", ".join(fields) or "no parameters"
-            raise ConfigError(f"unknown key '{key}.{param}': loss {name!r} accepts {accepted}")
+            raise ConfigError(f"unknown key {f'{key}.{param}'!r}: loss {name!r} accepts {accepted}")
     hints = typing.get_type_hints(spec.params)
     values = {param: _typed(value, hints[param], f"{key}.{param}") for param, value in raw.items()}
     params = spec.params(**values)

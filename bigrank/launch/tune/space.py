@@ -10,12 +10,11 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import yaml
-
 from bigrank.config import (
     Config,
     ConfigError,
     config_from_dict,
+    parse_yaml,
     set_key,
 )
 
@@ -117,10 +116,7 @@ def load_space(path: str | os.PathLike) -> SearchSpace:
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"space file not found: {path}")
-    try:
-        raw = yaml.safe_load(path.read_text()) or {}
-    except yaml.YAMLError as error:
-        raise SpaceError(f"{path} is not valid YAML: {error}") from None
+    raw = parse_yaml(path.read_bytes(), f"{path} is not valid YAML", SpaceError) or {}
     if not isinstance(raw, dict):
         raise SpaceError(f"{path} must hold a mapping with a 'space' section")
     for key in raw:
@@ -131,7 +127,7 @@ def load_space(path: str | os.PathLike) -> SearchSpace:
         raise SpaceError(f"{path}: 'space' must map config keys (e.g. optim.user_lr) to values or domains")
     params = {}
     for key, spec in params_raw.items():
-        if not isinstance(key, str) or not key or any(not part for part in key.split(".")):
+        if not isinstance(key, str) or not key.isprintable() or any(not part for part in key.split(".")):
             raise SpaceError(f"{path}: space key {key!r} must be a dotted config key such as optim.user_lr")
         if key in _RESERVED_KEYS:
             raise SpaceError(f"{path}: space key {key!r} is set by the search itself and cannot be tuned")
@@ -150,7 +146,9 @@ def load_space(path: str | os.PathLike) -> SearchSpace:
         raise SpaceError(f"{path}: scheduler must be a mapping ({', '.join(_SCHEDULER_KEYS)})")
     for key, value in scheduler.items():
         if key not in _SCHEDULER_KEYS:
-            raise SpaceError(f"{path}: unknown key 'scheduler.{key}'; scheduler accepts {', '.join(_SCHEDULER_KEYS)}")
+            raise SpaceError(
+                f"{path}: unknown key {f'scheduler.{key}'!r}; scheduler accepts {', '.join(_SCHEDULER_KEYS)}"
+            )
         if not _number(value):
             raise SpaceError(f"{path}: scheduler.{key} must be a number, got {value!r}")
     if "grace_period" in scheduler:
@@ -162,7 +160,9 @@ def load_space(path: str | os.PathLike) -> SearchSpace:
             raise SpaceError(f"{path}: scheduler.reduction_factor must be > 1")
         space.reduction_factor = float(scheduler["reduction_factor"])
     max_concurrent = raw.get("max_concurrent")
-    if max_concurrent is not None and (not isinstance(max_concurrent, int) or max_concurrent < 1):
+    if max_concurrent is not None and (
+        isinstance(max_concurrent, bool) or not isinstance(max_concurrent, int) or max_concurrent < 1
+    ):
         raise SpaceError(f"{path}: max_concurrent must be an integer >= 1 or null")
     space.max_concurrent = max_concurrent
     return space

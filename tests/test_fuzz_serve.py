@@ -1,0 +1,182 @@
+"""Fuzzed requests to ``bigrank serve`` (Hypothesis): every query string and POST body parses into queries that
+the export answers, or raises one ValueError line (the server's 400 reply); the same through a real server on
+an ephemeral loopback port, whose every reply is 200 or a 4xx with a one-line JSON error, never a 500 or a
+dropped connection. The plain tests at the end pin each bug the fuzzing found."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import threading
+import urllib.parse
+
+import pytest
+import torch
+from fuzz_strategies import assert_one_line
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from bigrank.export.api import parse_get, parse_post, search_queries
+from bigrank.export.recommend import Recommender
+from bigrank.export.serve import make_server
+from bigrank.export.writer import export_embeddings
+
+DIM = 8
+NAMES = ["user", "items", "k", "exclude_seen"]
+# Values of a query parameter or JSON field: ids in and out of range, numbers of every kind, flags, text.
+TEXT_VALUES = st.one_of(
+    st.integers(min_value=-3, max_value=130).map(str),
+    st.integers().map(str),
+    st.sampled_from(["", " ", "1.0", "1e3", "nan", "inf", "-0", "0x1", "1_0", "١", "true", "yes", "2 ", "+3"]),
+    st.lists(st.integers(min_value=-2, max_value=110), max_size=4).map(lambda ids: ",".join(map(str, ids))),
+    st.lists(st.integers().map(str) | st.text(max_size=4), max_size=3).map(",".join),
+    st.text(max_size=10),
+)
+QUERIES = st.one_of(
+    st.lists(st.tuples(st.sampled_from(NAMES) | st.text(max_size=5), TEXT_VALUES), max_size=4).map(
+        lambda pairs: urllib.parse.urlencode(pairs)
+    ),
+    st.lists(st.tuples(st.sampled_from(NAMES), TEXT_VALUES), max_size=4).map(
+        lambda pairs: "&".join(f"{name}={value}" for name, value in pairs)  # unencoded: what a hand typed
+    ),
+    st.text(max_size=30),
+)
+JSON = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=6),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=6), inner, max_size=3),
+    max_leaves=8,
+)
+IDS = st.lists(st.integers(min_value=-2, max_value=130) | st.integers() | JSON, max_size=4)
+BODIES = st.one_of(
+    st.fixed_dictionaries(
+        {},
+        optional={
+            "users": IDS | JSON,
+            "histories": st.lists(IDS | JSON, max_size=3) | JSON,
+            "k": st.integers(min_value=-1, max_value=1100) | JSON,
+            "exclude_seen": st.booleans() | st.sampled_from(["1", "no", 2]) | JSON,
+            "x": JSON,
+        },
+    ).map(lambda body: json.dumps(body).encode()),
+    JSON.map(lambda body: json.dumps(body).encode()),
+    st.binary(max_size=40),
+    st.integers(min_value=1, max_value=5000).map(lambda depth: b'{"histories": ' + b"[" * depth),
+)
+
+
+HEADER_CHARACTERS = st.characters(min_codepoint=32, max_codepoint=126)  # what http.client sends in a header
+
+
+@pytest.fixture(scope="module")
+def served(tiny_dataset, tmp_path_factory):
+    """An export of the tiny dataset (a history table and seen items) and a server on an ephemeral loopback
+    port (stopped after the module)."""
+    from bigrank.data.manifest import load_manifest
+
+    manifest = load_manifest(tiny_dataset)
+    gen = torch.Generator().manual_seed(0)
+    items, users, history = (
+        torch.randn(manifest[n], DIM, generator=gen) for n in ("num_items", "num_users", "num_items")
+    )
+    export = tmp_path_factory.mktemp("fuzz-serve") / "export"
+    export_embeddings(
+        export,
+        rank=0,
+        world_size=1,
+        group=None,
+        item_rows=(0, len(items), items),
+        user_rows=(0, len(users), users),
+        history_rows=(0, len(history), history),
+        dataset_root=tiny_dataset,
+        model_info={"dim": DIM, "has_history": True},
+    )
+    recommender = Recommender(export)
+    server = make_server(recommender, "127.0.0.1", 0, quiet=True)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield recommender, server.server_address[1]
+    server.shutdown()
+    server.server_close()
+    thread.join(timeout=5)
+
+
+def _answered_or_named(rec, parse):
+    """``parse()``'s queries searched (each answer at most k items); or its ValueError, one line."""
+    try:
+        queries = parse()
+    except ValueError as error:
+        assert_one_line(error)
+        return None
+    if isinstance(queries, tuple):  # parse_post's (k, queries)
+        queries = queries[1]
+    else:
+        queries = [queries]
+    answers = search_queries(rec, queries)
+    assert len(answers) == len(queries)
+    for query, answer in zip(queries, answers, strict=True):
+        assert len(answer["items"]) <= query.k
+    return answers
+
+
+@given(query=QUERIES)
+def test_query_strings_are_answered_or_named(served, query):
+    rec = served[0]
+    _answered_or_named(rec, lambda: parse_get(rec, rec.seen, query))
+
+
+@given(body=BODIES)
+def test_post_bodies_are_answered_or_named(served, body):
+    rec = served[0]
+    _answered_or_named(rec, lambda: parse_post(rec, rec.seen, body))
+
+
+def _request(port: int, method: str, target: str, body: bytes | None = None, headers: dict | None = None):
+    """``(status, JSON reply)`` of one request to the server on ``port``."""
+    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+    try:
+        connection.request(method, target, body=body, headers=headers or {})
+        response = connection.getresponse()
+        return response.status, json.loads(response.read())
+    finally:
+        connection.close()
+
+
+def _check_reply(status: int, reply: dict) -> None:
+    assert status == 200 or 400 <= status < 500, (status, reply)
+    if status != 200:
+        assert isinstance(reply.get("error"), str) and reply["error"].strip() and "\n" not in reply["error"], reply
+
+
+@settings(max_examples=max(15, settings().max_examples // 10))  # HTTP round trips: fewer
+@given(query=QUERIES, body=BODIES, length=st.none() | st.integers(min_value=-3) | st.text(HEADER_CHARACTERS))
+def test_a_real_server_answers_200_or_a_4xx_line(served, query, body, length):
+    """GET with any query string; POST with any body and Content-Length (the body's, a shorter or negative one,
+    or any text; never a longer one, for which the server rightly waits for the rest)."""
+    port = served[1]
+    _check_reply(*_request(port, "GET", "/recommend?" + urllib.parse.quote(query, safe="=&,+%")))
+    if isinstance(length, int):
+        length = min(length, len(body))
+    elif length is not None and length.strip().isdigit():
+        length = str(min(int(length), len(body)))
+    headers = {"Content-Type": "application/json", "Content-Length": str(len(body) if length is None else length)}
+    _check_reply(*_request(port, "POST", "/recommend", body, headers))
+
+
+# ------------------------------------------------------------------------------ the bugs the fuzzing found
+@pytest.mark.parametrize(
+    "method, target, body, headers, message",
+    [
+        # An id beyond int64 overflowed numpy's conversion: 500 "OverflowError: Python int too large ...".
+        ("GET", "/recommend?items=9223372036854775808", None, {}, "item ids [9223372036854775808] are outside"),
+        ("POST", "/recommend", b'{"histories": [[9223372036854775808]]}', {}, "item ids [9223372036854775808]"),
+        # A JSON body nested deeper than Python's recursion limit: 500 "RecursionError: ...".
+        ("POST", "/recommend", b"[" * 100_000, {}, "the body must be JSON: nested too deeply"),
+        # A negative Content-Length read until the client closed the connection: no reply at all.
+        ("POST", "/recommend", b'{"users": [1]}', {"Content-Length": "-1"}, "Content-Length must be a number"),
+        ("POST", "/recommend", b'{"users": [1]}', {"Content-Length": "abc"}, "Content-Length must be a number"),
+    ],
+)
+def test_a_bad_request_is_a_400_with_one_line(served, method, target, body, headers, message):
+    status, reply = _request(served[1], method, target, body, headers)
+    assert status == 400 and message in reply["error"], (status, reply)
+    _check_reply(status, reply)
