@@ -205,9 +205,13 @@ class TrainConfig:
     # Resuming a run whose saved config differs in a key that alters its trajectory (TRAJECTORY_KEYS):
     # auto = refuse, naming the changes; force = go on with the new settings (they become the run's config).
     resume: str = field(default="auto", metadata=_choices("auto", "force"))
+    # Local launcher (torch elastic): worker-group restarts from the last checkpoint after a worker fails (Ray's
+    # launcher: ray.max_failures).
+    max_restarts: int = 0
 
     def check(self) -> None:
         _check(self.batch_size >= 1, "train.batch_size", "must be >= 1")
+        _check(self.max_restarts >= 0, "train.max_restarts", "must be >= 0")
         _check(self.epochs >= 1, "train.epochs", "must be >= 1")
         _check(self.max_steps is None or self.max_steps >= 1, "train.max_steps", "must be >= 1 or null")
         _check(self.log_every >= 1, "train.log_every", "must be >= 1")

@@ -76,11 +76,12 @@ def load_run_config(run_dir: str | os.PathLike) -> Config:
     return load_config(path)
 
 
-def _launch_local(fn, workers: int, args: tuple, device_type: str = "cpu") -> list[Any]:
-    """``fn(*args)`` in ``workers`` local processes (gloo; ``cpu:gloo,cuda:nccl`` on GPUs); a worker's error
-    becomes a CommandError with its message (and its traceback on stderr when it is not a plain user error)."""
+def _launch_local(fn, workers: int, args: tuple, device_type: str = "cpu", max_restarts: int = 0) -> list[Any]:
+    """``fn(*args)`` in ``workers`` local processes (gloo; ``cpu:gloo,cuda:nccl`` on GPUs), the group started
+    again up to ``max_restarts`` times after a failure; a worker's error becomes a CommandError with its message
+    (and its traceback on stderr when it is not a plain user error)."""
     try:
-        return launch_local(fn, workers, args, backend=process_group_backend(device_type))
+        return launch_local(fn, workers, args, backend=process_group_backend(device_type), max_restarts=max_restarts)
     except WorkerError as error:
         if error.error_type not in _PLAIN_ERRORS and error.traceback:
             print(error.traceback, file=sys.stderr)
@@ -91,9 +92,9 @@ def train(config: Config, *, launcher: str = "ray", address: str | None = None) 
     """Train ``config`` (resuming from the run's newest checkpoint); returns rank 0's run summary.
 
     ``launcher``: "ray" (Ray Train on an embedded runtime, or the cluster of ``address`` / ``ray.address`` /
-    ``RAY_ADDRESS``) or "local" (``workers`` plain local gloo processes; ``address`` must be None). With the local
-    launcher SIGINT / SIGTERM stop the workers (``bigrank.train.launcher``), print the last complete checkpoint
-    and raise KeyboardInterrupt / Terminated.
+    ``RAY_ADDRESS``) or "local" (``workers`` local processes on torch elastic, ``train.max_restarts`` restarts;
+    ``address`` must be None). With the local launcher SIGINT / SIGTERM stop the workers
+    (``bigrank.train.launcher``), print the last complete checkpoint and raise KeyboardInterrupt / Terminated.
 
     This process holds the lock of ``run_dir`` while the run lasts (``bigrank.runlock``): a second ``train`` of
     the same directory, with either launcher, fails at once with RunDirectoryInUse naming the holder. A resumed
@@ -149,8 +150,8 @@ def _train_local(config: Config, manifest: DatasetManifest) -> dict[str, Any]:
     """``train_worker`` in ``workers`` local processes, each given the pre-flight's ``manifest`` (no worker reads
     it again); a stop by SIGINT/SIGTERM names the last checkpoint."""
     try:
-        args = (config, manifest)
-        return _launch_local(train_worker, config.workers, args, check_devices(config, "local"))[0]
+        kind = check_devices(config, "local")
+        return _launch_local(train_worker, config.workers, (config, manifest), kind, config.train.max_restarts)[0]
     except (KeyboardInterrupt, Terminated):  # the launcher has stopped every worker
         last = latest_checkpoint(config.run_dir)
         kept = f"the last complete checkpoint is {last}" if last else "no checkpoint had been written yet"

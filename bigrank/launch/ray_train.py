@@ -40,7 +40,6 @@ timeout (``RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S``, 60 s) has passed ``max(1, r
 from __future__ import annotations
 
 import functools
-import logging
 import os
 import socket
 import time
@@ -172,17 +171,12 @@ def _use_token_auth() -> bool:
 def ray_worker_loop(worker: Callable[[dict], dict], config_dict: dict[str, Any]) -> None:
     """The function each Ray Train worker runs: ``worker(config_dict)`` (the trainer) on the process group Ray
     Train set up, then one ``ray.train.report`` of its summary with the final checkpoint (rank 0 attaches it)."""
-    # Ray Train sets the workers' root logger to INFO, where fbgemm logs every library it loads and every
-    # table's full argument list.
-    logging.getLogger().setLevel(logging.WARNING)
-
     import ray.train
-    import torch  # the workers' imports: the driver of a cluster run needs neither torch nor torchrec
-    import torchrec  # noqa: F401 - registers fbgemm/torchrec operators in the worker, where they are used
 
-    cpus = int(os.environ.get("OMP_NUM_THREADS") or 0)
-    if cpus > 0:
-        torch.set_num_threads(cpus)  # Ray sets OMP_NUM_THREADS to the worker's CPUs; torch may not read it late
+    # The workers' imports (torch, torchrec): the driver of a cluster run needs neither.
+    from bigrank.train.bootstrap import start_ray_process
+
+    start_ray_process()  # the process; the worker function starts the job (bigrank.train.bootstrap.start_worker)
     summary = worker(config_dict)
     context = ray.train.get_context()
     checkpoint = None

@@ -7,8 +7,8 @@
   ``workers.evaluate_worker`` / ``export_worker`` load a checkpoint on any worker count.
 * ``trainer`` — the loop; ``state`` — its stateful parts; ``checkpoint`` — the Checkpointer (DCP, atomic);
   ``evaluator`` — when to evaluate, each split's data read once; ``model`` — tower + catalog shard of a rank.
-* ``launcher.launch_local(fn, world_size, args)`` — N local gloo processes, failures reported with the rank's
-  traceback.
+* ``launcher.launch_local(fn, world_size, args)`` — N local processes on torch elastic (``elastic_launch``),
+  failures reported with the rank's traceback; ``bootstrap`` — what every worker process and job sets up first.
 * ``losses.StepLoss`` — the configured loss (full-catalog or candidate losses, samplers, warm-up).
 * ``commands`` — ``bigrank train | evaluate | export``.
 

@@ -1,40 +1,46 @@
-"""Local multi-process launcher: N gloo processes on 127.0.0.1 running one worker function.
+"""Local multi-process launcher on torch elastic: N processes on this machine running one worker function.
 
-``launch_local(fn, world_size, args)`` spawns ``world_size`` processes (``torch.multiprocessing``, spawn),
-initialises a gloo process group in each (free TCP port on 127.0.0.1), runs ``fn(*args)`` and returns the
-per-rank results. When any rank raises or dies (even by ``os._exit``), the others are killed at once (they
-would otherwise wait forever in a collective) and :class:`WorkerError` is raised with that rank's traceback.
-Ray Train replaces this module on clusters; the worker functions (``bigrank.train.workers``) are the same.
+``launch_local(fn, world_size, args)`` runs ``fn(*args)`` in ``world_size`` processes started by torch elastic's
+agent (``torch.distributed.launcher.api.elastic_launch``, what ``torchrun --standalone`` runs: spawned
+processes, a c10d rendezvous on a free port of 127.0.0.1, ``max_restarts`` restarts of the whole group). Each
+process is set up by ``bigrank.train.bootstrap.start_local_process`` (process group, threads, signals) before
+``fn`` runs, and the per-rank results come back. When any rank raises or dies (even by ``os._exit``), the
+agent stops the others at once (they would otherwise wait forever in a collective) and, once the restarts are
+spent, :class:`WorkerError` is raised naming the rank that caused it, with its traceback. Ray Train replaces
+this module on clusters; the worker functions (``bigrank.train.workers``) are the same.
 
 Stopping, as torchrun and Kubernetes do it. SIGINT (Ctrl+C) or SIGTERM (``kill``, a pod's deletion) to the
-launching process while the workers run: it sends SIGTERM to every worker, waits up to ``stop_grace`` seconds
-for them to exit, SIGKILLs what is left, then raises KeyboardInterrupt (SIGINT) or
-:class:`~bigrank.errors.Terminated` (SIGTERM); a second signal during that wait kills them at once. The workers
-ignore SIGINT (a terminal's Ctrl+C reaches them too) and do not catch SIGTERM: a worker stops where it is, and
-the run resumes from its last complete checkpoint
-(checkpoints are renamed into place only once complete). A launching process that dies without running any
-handler (SIGKILL, the OOM killer) takes its workers with it: on Linux each worker asks the kernel for SIGTERM when
-its parent dies (``prctl(PR_SET_PDEATHSIG)``).
+launching process: the agent forwards the signal to every worker, waits up to ``stop_grace`` seconds for them
+to exit and SIGKILLs what is left; then :func:`launch_local` raises KeyboardInterrupt (SIGINT) or
+:class:`~bigrank.errors.Terminated` (SIGTERM). The workers end at the signal where they are (the bootstrap keeps
+its default action), and the run resumes from its last complete checkpoint. A launching process that dies
+without running any handler (SIGKILL, the OOM killer) takes its workers with it: on Linux each worker asks the
+kernel for SIGTERM when its parent dies (``prctl(PR_SET_PDEATHSIG)``). Signal handlers are those of the caller
+again when :func:`launch_local` returns or raises. Off the main thread (a tune trial's training thread) Python
+takes no signals: the caller's own shutdown (the end of its process) stops the workers.
+
+torch elastic's own log lines (its agent's start-up, "closing process" and failure reports) are kept quiet:
+bigrank reports a failure once, as :class:`WorkerError`. Set ``LOGLEVEL`` (torch elastic's variable) to see them.
 """
 
 from __future__ import annotations
 
-import datetime
+import contextlib
+import json
+import logging
+import multiprocessing
 import os
-import pickle
-import queue as queue_module
+import shutil
 import signal
 import socket
 import sys
+import tempfile
 import threading
-import time
 import traceback
-from collections.abc import Callable
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
-
-import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from bigrank.errors import Terminated
 
@@ -42,8 +48,11 @@ __all__ = ["STOP_GRACE_SECONDS", "WorkerError", "free_port", "launch_local"]
 
 # Seconds the workers get to exit after SIGTERM before they are SIGKILLed: shorter than the 30 s a Kubernetes pod
 # gets before its own SIGKILL (terminationGracePeriodSeconds), so the launcher finishes its clean-up in time.
-STOP_GRACE_SECONDS = 10.0
-_PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+STOP_GRACE_SECONDS = 10
+# The signals torch elastic's agent forwards to the workers (others keep the caller's handling), unless the
+# caller ignores them (a shell's background job ignores SIGINT).
+_FORWARDED = (signal.SIGTERM, signal.SIGINT)
+_ELASTIC_LOGGERS = ("torch.distributed.elastic", "torch.distributed.launcher", "torch.multiprocessing")
 
 
 class WorkerError(RuntimeError):
@@ -66,64 +75,6 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _exit_with_parent(parent_pid: int) -> None:
-    """Have the kernel send this process SIGTERM when its parent dies (Linux ``prctl(PR_SET_PDEATHSIG)``), so
-    the workers of a launcher killed without clean-up (SIGKILL, the OOM killer) do not train on as orphans.
-    Exits at once when the parent is already gone. Elsewhere than on Linux: nothing."""
-    if not sys.platform.startswith("linux"):
-        return
-    import ctypes
-
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(_PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0)
-    except (OSError, AttributeError):  # no prctl in this libc: the launcher's own clean-up still applies
-        return
-    if os.getppid() != parent_pid:  # the parent died before the request took effect
-        os._exit(1)
-
-
-def _worker(
-    rank: int, world_size: int, port: int, threads: int, fn, args, results, backend: str = "gloo", parent_pid=None
-) -> None:
-    if parent_pid is not None:
-        _exit_with_parent(parent_pid)
-    # Ctrl+C reaches the whole foreground process group; the launcher alone handles it (and stops the workers
-    # with SIGTERM), so that a worker's KeyboardInterrupt cannot overtake it as a "failed rank".
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        RANK=str(rank),
-        WORLD_SIZE=str(world_size),
-        LOCAL_RANK=str(rank),
-        LOCAL_WORLD_SIZE=str(world_size),
-        GLOO_SOCKET_IFNAME=os.environ.get("GLOO_SOCKET_IFNAME", "lo"),
-    )
-    try:
-        torch.set_num_threads(threads)
-        dist.init_process_group(
-            backend,
-            rank=rank,
-            world_size=world_size,
-            init_method=f"tcp://127.0.0.1:{port}",
-            timeout=datetime.timedelta(minutes=30),
-        )
-        result = fn(*args)
-        report = (rank, "ok", pickle.dumps(result))
-    except BaseException as error:  # noqa: BLE001 - report anything (SystemExit included) to the parent
-        message = str(error) or repr(error)
-        report = (rank, "error", pickle.dumps((type(error).__name__, message, traceback.format_exc())))
-    # Report before tearing the group down: the teardown makes the peers fail with connection errors, and
-    # the parent must hear the cause first.
-    results.put(report)
-    if dist.is_initialized():
-        try:
-            dist.destroy_process_group()
-        except Exception:  # noqa: BLE001 - peers may be gone already
-            pass
-
-
 def launch_local(
     fn,
     world_size: int,
@@ -131,120 +82,144 @@ def launch_local(
     *,
     timeout: float | None = None,
     backend: str = "gloo",
-    stop_grace: float = STOP_GRACE_SECONDS,
+    threads: int | None = None,
+    max_restarts: int = 0,
+    stop_grace: int = STOP_GRACE_SECONDS,
 ) -> list[Any]:
-    """Run ``fn(*args)`` in ``world_size`` gloo processes; return the results indexed by rank.
+    """Run ``fn(*args)`` in ``world_size`` local processes; return the results indexed by rank.
 
     ``backend``: the process-group backend; workers on GPUs use ``"cpu:gloo,cuda:nccl"``
     (``bigrank.devices.process_group_backend``), each on ``cuda:LOCAL_RANK`` (``bigrank.devices.worker_device``).
+    ``threads``: torch threads per process (None: ``cpu_count // world_size``, at least 1). ``max_restarts``:
+    how many times the whole group is started again after a failure (torch elastic's ``max_restarts``; a
+    training worker resumes from the run's last checkpoint). ``stop_grace``: seconds the workers get after the
+    forwarded signal before SIGKILL.
 
-    ``fn`` must be a module-level function (it is pickled). Each process gets ``cpu_count // world_size``
-    torch threads (at least 1). Raises :class:`WorkerError` for the first rank that fails, TimeoutError after
-    ``timeout`` seconds (None: no limit); never leaves a process behind.
-
-    SIGINT / SIGTERM while the workers run (called from the main thread: only it can take signals) stop them
-    as the module's docstring says (SIGTERM, ``stop_grace`` seconds, SIGKILL), then raise KeyboardInterrupt /
-    :class:`~bigrank.errors.Terminated`.
+    ``fn`` must be a module-level function (it is pickled). Raises :class:`WorkerError` for the rank that
+    caused the last attempt's failure, TimeoutError after ``timeout`` seconds (None: no limit; on the main
+    thread only); never leaves a process behind. SIGINT / SIGTERM stop the workers as the module docstring
+    says, then raise KeyboardInterrupt / :class:`~bigrank.errors.Terminated`.
     """
+    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    port = free_port()
-    threads = max(1, (os.cpu_count() or 1) // world_size)
-    parent = os.getpid()
-    procs = [
-        ctx.Process(
-            target=_worker, args=(rank, world_size, port, threads, fn, args, results, backend, parent), daemon=False
+    if max_restarts < 0:
+        raise ValueError(f"max_restarts must be >= 0, got {max_restarts}")
+    main_thread = threading.current_thread() is threading.main_thread()
+    if timeout is not None and not main_thread:
+        raise ValueError("launch_local's timeout needs the main thread (it uses SIGALRM)")
+    threads = threads or max(1, (os.cpu_count() or 1) // world_size)
+    workdir = Path(tempfile.mkdtemp(prefix="bigrank-launch-"))
+    reports = workdir / "reports"
+    reports.mkdir()
+    config = LaunchConfig(
+        min_nodes=1,
+        max_nodes=1,
+        nproc_per_node=world_size,
+        run_id=f"bigrank-{uuid.uuid4().hex[:12]}",
+        rdzv_backend="c10d",
+        rdzv_endpoint=f"127.0.0.1:{free_port()}",
+        local_addr="127.0.0.1",
+        max_restarts=max_restarts,
+        monitor_interval=0.1,
+        start_method="spawn",
+        logs_specs=DefaultLogsSpecs(log_dir=str(workdir / "elastic")),
+        signals_to_handle=",".join(sig.name for sig in _forwarded(main_thread)),
+        shutdown_timeout=int(stop_grace),
+    )
+    entry = (fn, tuple(args), backend, threads, os.getpid(), str(reports))
+    before = set(multiprocessing.active_children())
+    try:
+        with _caller_signals(main_thread, timeout), _quiet_elastic_logs():
+            results = elastic_launch(config, _run_rank)(*entry)
+        return [results[rank] for rank in range(world_size)]
+    except ChildFailedError as failed:
+        raise _cause(failed, reports, world_size) from None
+    except SignalException as stop:
+        raise (KeyboardInterrupt() if stop.sigval == signal.SIGINT else Terminated(int(stop.sigval))) from None
+    finally:
+        _reap(before)
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+# ------------------------------------------------------------------------------------------ in each worker
+def _run_rank(fn, args: tuple, backend: str, threads: int, parent_pid: int, reports: str):
+    """What each process runs (under torch elastic's ``record`` wrapper): the bootstrap, then ``fn(*args)``.
+
+    A failure is written to ``reports`` (type, message, traceback) before the process group is torn down (the
+    teardown makes the peers fail with connection errors; the launcher must find the cause first), then the
+    process exits with status 1.
+    """
+    import torch.distributed as dist
+
+    from bigrank.train.bootstrap import start_local_process
+
+    failed = False
+    try:
+        start_local_process(backend, threads, parent_pid)
+        result = fn(*args)
+    except BaseException as error:  # noqa: BLE001 - report anything (SystemExit included) to the launcher
+        _write_report(Path(reports), error)
+        failed = True
+    if dist.is_initialized():
+        try:
+            dist.destroy_process_group()
+        except Exception:  # noqa: BLE001 - peers may be gone already
+            pass
+    if failed:
+        sys.exit(1)
+    return result
+
+
+def _report_path(reports: Path, rank: int, attempt: int) -> Path:
+    return reports / f"rank-{rank}-attempt-{attempt}.json"
+
+
+def _write_report(reports: Path, error: BaseException) -> None:
+    report = {
+        "error_type": type(error).__name__,
+        "message": str(error) or repr(error),
+        "traceback": traceback.format_exc(),
+    }
+    rank, attempt = int(os.environ["RANK"]), int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    path = _report_path(reports, rank, attempt)
+    path.with_suffix(".tmp").write_text(json.dumps(report))
+    path.with_suffix(".tmp").replace(path)
+
+
+# ---------------------------------------------------------------------------------------- in the launcher
+def _cause(failed, reports: Path, world_size: int) -> WorkerError:
+    """The likely cause of a failed attempt: a rank's own error, or a rank that died without reporting, rather
+    than the connection errors its peers get when it goes away. ``failed``: torch elastic's ChildFailedError
+    (it names the first process found dead)."""
+    rank, failure = failed.get_first_failure()
+    attempts = [int(path.stem.rsplit("-", 1)[1]) for path in reports.glob("rank-*-attempt-*.json")]
+    attempt = max(attempts, default=0)
+    found = {}
+    for path in reports.glob(f"rank-*-attempt-{attempt}.json"):
+        found[int(path.stem.split("-")[1])] = json.loads(path.read_text())
+    if rank in found:
+        error = WorkerError(rank, found[rank]["error_type"], found[rank]["message"], found[rank]["traceback"])
+    else:
+        how = f"signal {failure.signal_name()}" if failure.exitcode < 0 else f"code {failure.exitcode}"
+        error = WorkerError(rank, "WorkerDied", f"process exited with {how} without reporting a result", "")
+    if not _is_connection_error(error):
+        return error
+    for other, report in sorted(found.items()):
+        candidate = WorkerError(other, report["error_type"], report["message"], report["traceback"])
+        if not _is_connection_error(candidate):
+            return candidate
+    silent = sorted(set(range(world_size)) - set(found))
+    if silent:  # a peer's connection broke because this rank died without a word (os._exit, a crash)
+        message = (
+            "process exited without reporting a result "
+            f"(rank {error.rank} then failed with {error.error_type}: {error.message})"
         )
-        for rank in range(world_size)
-    ]
-    collected: dict[int, Any] = {}
-    failure: BaseException | None = None
-    deadline = None if timeout is None else time.monotonic() + timeout
-    previous = _on_signals(signal.SIGTERM, _raise_terminated)  # SIGINT already raises KeyboardInterrupt
-    try:
-        for proc in procs:
-            proc.start()
-        while len(collected) < world_size and failure is None:
-            try:
-                rank, status, payload = results.get(timeout=0.2)
-            except queue_module.Empty:
-                dead = _dead_rank(procs, collected)
-                if dead is None:
-                    if deadline is not None and time.monotonic() > deadline:
-                        failure = TimeoutError(f"workers did not finish within {timeout} s")
-                    continue
-                try:  # it may have reported just before exiting
-                    rank, status, payload = results.get(timeout=2.0)
-                except queue_module.Empty:
-                    code = procs[dead].exitcode
-                    message = f"process exited with code {code} without reporting a result"
-                    failure = WorkerError(dead, "WorkerDied", message, "")
-                    continue
-            if status == "ok":
-                collected[rank] = pickle.loads(payload)
-            else:
-                failure = _root_cause(WorkerError(rank, *pickle.loads(payload)), procs, results, collected, rank)
-    except (KeyboardInterrupt, Terminated) as stop:
-        failure = stop
-    finally:
-        _restore_signals(previous)
-        if isinstance(failure, KeyboardInterrupt | Terminated):
-            _stop_workers(procs, stop_grace)
-        for proc in procs:
-            if failure is not None and proc.is_alive():
-                proc.kill()
-            if proc.pid is not None:
-                proc.join(timeout=None if failure is None else 10)
-            if proc.is_alive():
-                proc.kill()
-                proc.join()
-        results.close()
-    if failure is not None:
-        raise failure
-    return [collected[rank] for rank in range(world_size)]
-
-
-# ------------------------------------------------------------------------------------------------ signals
-def _raise_terminated(signum, frame) -> None:
-    raise Terminated(signum)
-
-
-def _on_signals(signals, handler: Callable) -> dict | None:
-    """Install ``handler`` for ``signals`` (one or a tuple); returns the previous handlers for
-    :func:`_restore_signals`, or None off the main thread (where Python cannot take signals)."""
-    if threading.current_thread() is not threading.main_thread():
-        return None
-    signals = signals if isinstance(signals, tuple) else (signals,)
-    return {signum: signal.signal(signum, handler) for signum in signals}
-
-
-def _restore_signals(previous: dict | None) -> None:
-    for signum, handler in (previous or {}).items():
-        signal.signal(signum, handler if handler is not None else signal.SIG_DFL)
-
-
-def _stop_workers(procs, grace: float) -> None:
-    """SIGTERM every live worker, wait up to ``grace`` seconds for all of them to exit, SIGKILL the rest.
-    A further SIGINT/SIGTERM meanwhile (a second Ctrl+C) cuts the wait short instead of interrupting the
-    clean-up half-way."""
-    hurry = threading.Event()
-    previous = _on_signals((signal.SIGINT, signal.SIGTERM), lambda signum, frame: hurry.set())
-    try:
-        for proc in procs:
-            if proc.is_alive():
-                proc.terminate()
-        deadline = time.monotonic() + grace
-        while any(proc.is_alive() for proc in procs) and time.monotonic() < deadline and not hurry.is_set():
-            time.sleep(0.05)
-        for proc in procs:
-            if proc.is_alive():
-                proc.kill()
-            if proc.pid is not None:
-                proc.join()
-    finally:
-        _restore_signals(previous)
+        return WorkerError(silent[0], "WorkerDied", message, error.traceback)
+    return error
 
 
 def _is_connection_error(error: WorkerError) -> bool:
@@ -253,36 +228,76 @@ def _is_connection_error(error: WorkerError) -> bool:
     return "connection" in text or "gloo/transport" in text or "broken pipe" in text
 
 
-def _root_cause(error: WorkerError, procs, results, collected, reporter: int) -> WorkerError:
-    """The likely cause among the failures of the next second: a rank that died silently, or a rank's own
-    error, rather than the connection errors its peers get when it goes away."""
-    deadline = time.monotonic() + 1.0
-    while _is_connection_error(error) and time.monotonic() < deadline:
-        try:
-            rank, status, payload = results.get(timeout=0.1)
-        except queue_module.Empty:
-            continue
-        if status == "ok":
-            collected[rank] = pickle.loads(payload)
+def _forwarded(main_thread: bool) -> list[signal.Signals]:
+    """The signals torch elastic's agent takes and forwards: SIGTERM and SIGINT, less those the caller ignores."""
+    if not main_thread:
+        return list(_FORWARDED)  # no handlers off the main thread: torch elastic installs none either
+    return [signum for signum in _FORWARDED if signal.getsignal(signum) is not signal.SIG_IGN]
+
+
+@contextlib.contextmanager
+def _caller_signals(main_thread: bool, timeout: float | None) -> Iterator[None]:
+    """While the workers run (on the main thread; off it Python takes no signals): SIGTERM raises Terminated
+    until torch elastic's agent installs its own handlers (it forwards SIGINT/SIGTERM to the workers once they
+    exist); SIGALRM after ``timeout`` seconds raises TimeoutError. Afterwards the caller's handlers (and
+    ``TORCHELASTIC_SIGNALS_TO_HANDLE``) are back."""
+    variable = os.environ.get("TORCHELASTIC_SIGNALS_TO_HANDLE")  # launch_agent sets it for the whole process
+    signums = (signal.SIGINT, signal.SIGTERM, signal.SIGALRM) if main_thread else ()
+    previous = {signum: signal.getsignal(signum) for signum in signums}
+
+    def alarm(signum, frame):
+        raise TimeoutError(f"workers did not finish within {timeout} s")
+
+    def terminated(signum, frame):
+        raise Terminated(signum)
+
+    if main_thread and previous[signal.SIGTERM] is not signal.SIG_IGN:
+        signal.signal(signal.SIGTERM, terminated)
+    if main_thread and timeout is not None:
+        signal.signal(signal.SIGALRM, alarm)
+        signal.setitimer(signal.ITIMER_REAL, timeout)
+    try:
+        yield
+    finally:
+        if main_thread and timeout is not None:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+        for signum, handler in previous.items():
+            signal.signal(signum, handler if handler is not None else signal.SIG_DFL)
+        if variable is None:
+            os.environ.pop("TORCHELASTIC_SIGNALS_TO_HANDLE", None)
         else:
-            other = WorkerError(rank, *pickle.loads(payload))
-            if not _is_connection_error(other):
-                return other
-    if not _is_connection_error(error):
-        return error
-    for rank, proc in enumerate(procs):
-        if rank != reporter and rank not in collected and not proc.is_alive() and proc.exitcode:
-            message = (
-                f"process exited with code {proc.exitcode} without reporting a result "
-                f"(rank {reporter} then failed with {error.error_type}: {error.message})"
-            )
-            return WorkerError(rank, "WorkerDied", message, error.traceback)
-    return error
+            os.environ["TORCHELASTIC_SIGNALS_TO_HANDLE"] = variable
 
 
-def _dead_rank(procs, collected) -> int | None:
-    """The first rank whose process has exited without its result being collected, or None."""
-    for rank, proc in enumerate(procs):
-        if rank not in collected and not proc.is_alive() and proc.exitcode is not None:
-            return rank
-    return None
+@contextlib.contextmanager
+def _quiet_elastic_logs() -> Iterator[None]:
+    """torch elastic's loggers (each has its own level) above CRITICAL while the workers run, unless the user
+    set ``LOGLEVEL``."""
+    if "LOGLEVEL" in os.environ:
+        yield
+        return
+    import torch.distributed.elastic.agent.server.local_elastic_agent  # noqa: F401 - creates its loggers
+    import torch.distributed.elastic.rendezvous.c10d_rendezvous_backend  # noqa: F401
+
+    loggers = [
+        logger
+        for name, logger in logging.root.manager.loggerDict.items()
+        if name.startswith(_ELASTIC_LOGGERS) and isinstance(logger, logging.Logger)
+    ]
+    levels = [logger.level for logger in loggers]
+    for logger in loggers:
+        logger.setLevel(logging.CRITICAL + 1)
+    try:
+        yield
+    finally:
+        for logger, level in zip(loggers, levels, strict=True):
+            logger.setLevel(level)
+
+
+def _reap(before: set) -> None:
+    """SIGKILL and join the processes this launch started that are still alive: none, unless a signal cut
+    torch elastic's start or shutdown short (a second Ctrl+C during the stop)."""
+    for proc in set(multiprocessing.active_children()) - before:
+        if proc.is_alive():
+            proc.kill()
+        proc.join(timeout=10)

@@ -18,7 +18,8 @@ optimizer, the step loss, the :class:`~bigrank.train.checkpoint.Checkpointer` (w
 part registered once and saved/loaded generically through DCP, so a run resumes on any worker count), the
 :class:`~bigrank.train.evaluator.Evaluator` (when to evaluate; each split's data read once) and the
 :class:`RunLog` (``metrics.jsonl`` + TensorBoard). Process-group setup is the launcher's job (the local
-launcher, Ray Train).
+launcher, Ray Train); the rank's device, seed and control group are the worker bootstrap's
+(``bigrank.train.bootstrap.start_worker``).
 """
 
 from __future__ import annotations
@@ -37,11 +38,9 @@ from bigrank.atomic import write_text_atomic
 from bigrank.config import Config, config_from_dict, save_config
 from bigrank.data.manifest import DatasetManifest
 from bigrank.data.stream import ParquetStream
-from bigrank.devices import setup_precision, worker_device
+from bigrank.devices import setup_precision
 from bigrank.distributed.collectives import all_gather_replicated, all_gather_rows_with_ids, all_reduce_no_grad
-from bigrank.distributed.groups import init_control_group
 from bigrank.losses.scores import replicated_inputs
-from bigrank.memory import keep_freed_memory
 from bigrank.records import (
     EVAL,
     PLAN_JSON,
@@ -52,6 +51,7 @@ from bigrank.records import (
     truncate_metrics,
     write_eval_json,
 )
+from bigrank.train.bootstrap import start_worker
 from bigrank.train.checkpoint import Checkpointer, latest_checkpoint, remove_partial_checkpoints
 from bigrank.train.evaluator import Evaluator
 from bigrank.train.item_optim import RowOptimizer
@@ -62,23 +62,12 @@ from bigrank.train.replicas import ReplicaSync
 from bigrank.train.schedule import LearningRateSchedule
 from bigrank.train.state import CatalogState, LossState, RNGState, StreamState, TowerState, TrainState
 
-__all__ = ["RunLog", "Trainer", "as_config", "require_process_group"]
+__all__ = ["RunLog", "Trainer", "as_config"]
 
 
 def as_config(config: Config | dict) -> Config:
     """A Config from a Config or its ``to_dict()`` (what Ray passes as ``train_loop_config``)."""
     return config if isinstance(config, Config) else config_from_dict(config)
-
-
-def require_process_group():
-    """``(group, rank, world_size)`` of the initialised default process group (RuntimeError when none)."""
-    if not dist.is_initialized():
-        raise RuntimeError(
-            "bigrank's workers need an initialised torch.distributed process group: start them with "
-            "bigrank.train.launcher.launch_local (or Ray Train)"
-        )
-    group = dist.group.WORLD
-    return group, dist.get_rank(group), dist.get_world_size(group)
 
 
 # ------------------------------------------------------------------------------------------- run records
@@ -137,12 +126,16 @@ class Trainer:
     """
 
     def __init__(self, config: Config | dict, manifest: DatasetManifest | None = None):
-        from bigrank.model.sharding import format_plan, silence_torchrec_step_warnings, write_plan
+        from bigrank.model.sharding import format_plan, write_plan
 
         self.config = config = as_config(config)
-        keep_freed_memory()  # every step frees and re-allocates the same buffers (bigrank.memory)
-        self.group, self.rank, self.world_size = require_process_group()
-        silence_torchrec_step_warnings()
+        worker = start_worker(config)  # process group, device, seed (bigrank.train.bootstrap)
+        self.group, self.rank, self.world_size, self.device = (
+            worker.group,
+            worker.rank,
+            worker.world_size,
+            worker.device,
+        )
         train_cfg = config.train
         if train_cfg.batch_size % self.world_size:
             raise ValueError(
@@ -154,10 +147,7 @@ class Trainer:
             save_config(config, self.run_dir / "config.yaml")
             remove_partial_checkpoints(self.run_dir)
         dist.barrier(self.group)
-        torch.manual_seed(config.seed * 1_000 + self.rank)
-        self.device = worker_device(config.train.device)
         self.precision = setup_precision(config.train.precision, self.device)
-        init_control_group()
 
         # The dataset's manifest, read once in this process (or by the run's pre-flight) and passed down.
         self.manifest = manifest = dataset_manifest(config, manifest)

@@ -1,6 +1,7 @@
 """The functions every rank runs, after the launcher (local processes or Ray Train) set up the process group:
 ``train_worker`` (a :class:`~bigrank.train.trainer.Trainer`), ``evaluate_worker`` and ``export_worker`` (load a
-checkpoint on any number of workers: the checkpoint reshards through DCP).
+checkpoint on any number of workers: the checkpoint reshards through DCP). Each starts with the worker
+bootstrap (``bigrank.train.bootstrap.start_worker``: device, seed, control group).
 
 Each takes the dataset's :class:`~bigrank.data.manifest.DatasetManifest` when its caller has read it (the run
 layer's pre-flight, sent to the local workers); without it the worker reads it once, here, and passes it down
@@ -16,14 +17,13 @@ import torch.distributed as dist
 
 from bigrank.config import Config
 from bigrank.data.manifest import DatasetManifest
-from bigrank.devices import worker_device
-from bigrank.distributed.groups import init_control_group
+from bigrank.train.bootstrap import require_process_group, start_worker
 from bigrank.train.checkpoint import Checkpointer, latest_checkpoint
 from bigrank.train.evaluate import write_eval_json
 from bigrank.train.evaluator import Evaluator
 from bigrank.train.model import Model, build_model, dataset_manifest, model_identity
 from bigrank.train.state import CatalogWeights, TowerState
-from bigrank.train.trainer import Trainer, as_config, require_process_group
+from bigrank.train.trainer import Trainer, as_config
 
 __all__ = ["evaluate_worker", "export_worker", "load_trained_model", "train_worker"]
 
@@ -41,17 +41,11 @@ def load_trained_model(
     """The model of a checkpoint (default: the run's newest) on this process group, any worker count
     (collective), for the dataset of ``manifest`` (default: read from ``data.root``). Returns ``(model,
     trainer.json of the checkpoint, its path)``."""
-    from bigrank.memory import keep_freed_memory
-    from bigrank.model.sharding import silence_torchrec_step_warnings
-
-    keep_freed_memory()  # evaluation batches free and re-allocate the same score blocks (bigrank.memory)
-    group, _, _ = require_process_group()
-    silence_torchrec_step_warnings()
+    worker = start_worker(config)  # device, seed, control group, allocator (bigrank.train.bootstrap)
     path = Path(checkpoint) if checkpoint else latest_checkpoint(config.run_dir)
     if path is None:
         raise FileNotFoundError(f"no complete checkpoint in {Path(config.run_dir) / 'checkpoints'}")
-    device = worker_device(config.train.device)
-    init_control_group()
+    group, device = worker.group, worker.device
     # Evaluation and export read each table by the rows a rank owns: the sharded layout holds exactly those
     # (a checkpoint loads into any layout), without a replica of every table on every worker.
     config = dataclasses.replace(config, model=dataclasses.replace(config.model, layout="sharded"))

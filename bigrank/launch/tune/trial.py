@@ -20,21 +20,17 @@ from bigrank.launch.tune.space import (
 )
 
 
-def _train_rank(config: Config, threads: int, log_path: str | None, manifest=None) -> dict:
-    """One training process of a trial: ``train_worker`` with the trial's thread budget, output to the run's log
-    (``manifest``: the dataset's, read by the trial's pre-flight).
-    It ends with the trial's actor (Tune ends stopped trials' actors, a kill skipping any clean-up there): the
-    local launcher's workers get SIGTERM when their parent dies (``bigrank.train.launcher``)."""
-    import torch
-
-    torch.set_num_threads(max(1, threads))
+def _train_rank(config: Config, log_path: str | None, manifest=None) -> dict:
+    """One training process of a trial: ``train_worker`` with its output in the run's log (``manifest``: the
+    dataset's, read by the trial's pre-flight). The local launcher set the process up
+    (``bigrank.train.bootstrap``: the trial's threads, the process group). It ends with the trial's actor (Tune
+    ends stopped trials' actors, a kill skipping any clean-up there): the local launcher's workers get SIGTERM
+    when their parent dies."""
     if log_path:
         log = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
         os.dup2(log, 1)
         os.dup2(log, 2)
         os.close(log)
-    import torchrec  # noqa: F401 - registers fbgemm/torchrec operators before the trainer uses them
-
     from bigrank.train.workers import train_worker
 
     return train_worker(config, manifest)
@@ -55,9 +51,13 @@ class _Training(threading.Thread):
         from bigrank.train.launcher import launch_local
 
         try:
-            args = (self.config, self.threads, str(self.log_path), self.manifest)
+            args = (self.config, str(self.log_path), self.manifest)
             backend = process_group_backend(self.device_type)  # as bigrank train's local launcher chooses it
-            self.summary = launch_local(_train_rank, self.config.workers, args, backend=backend)[0]
+            restarts = self.config.train.max_restarts
+            summary = launch_local(
+                _train_rank, self.config.workers, args, backend=backend, threads=self.threads, max_restarts=restarts
+            )
+            self.summary = summary[0]
         except BaseException as error:  # noqa: BLE001 - re-raised in the trial's thread
             self.error = error
 

@@ -1,0 +1,162 @@
+"""One worker bootstrap: what every bigrank worker process sets up before it runs a job, whoever started it.
+
+Two steps, each in one place:
+
+1. The process, once, by the launcher that started it (the launchers differ in what they already did):
+
+   * :func:`start_local_process` — a process of the local launcher (``bigrank.train.launcher``, on torch
+     elastic): it ends with its launcher (``prctl(PR_SET_PDEATHSIG)``), SIGINT and SIGTERM end it where it is
+     (see below), ``threads`` torch threads, gloo on the loopback interface, and the default process group
+     (on the store of torch elastic's agent, named by ``MASTER_ADDR``/``MASTER_PORT``, one key prefix per
+     attempt of the group) with the backend the run layer chose for the workers' devices
+     (``bigrank.devices.process_group_backend``).
+   * :func:`start_ray_process` — a Ray Train worker: Ray Train has created the process group (with the same
+     backend choice, ``bigrank.launch.ray_train``) and owns the actor's signals; the torch threads follow the
+     CPUs Ray gave the worker.
+
+2. The job, by every worker function (train, evaluate, export, a tune trial's training) under either
+   launcher: :func:`start_worker` — the process group checked, the CPU control group, the device, the seed, the
+   allocator settings and torchrec's per-step warnings silenced. The Trainer and ``load_trained_model`` call it.
+
+Signals in a local worker. SIGINT and SIGTERM keep (or get back) their default action, ending the worker at
+once: the launcher forwards the signal it got to every worker (torch elastic's agent) and reports the stop; a
+terminal's Ctrl+C reaches the workers directly too. A worker stops where it is; the run resumes from its last
+complete checkpoint (checkpoints are renamed into place only once complete). A Python handler (the default
+KeyboardInterrupt) would instead unwind through ``torch.multiprocessing``'s wrapper, which exits with status 0
+without a result, and the launcher could not tell a stop from a success. A signal the launching command
+ignores (a shell's background job ignores SIGINT) stays ignored in its workers and is not forwarded.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+import signal
+import sys
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+__all__ = [
+    "PROCESS_GROUP_TIMEOUT",
+    "Worker",
+    "require_process_group",
+    "start_local_process",
+    "start_ray_process",
+    "start_worker",
+]
+
+# A collective that waits longer than this fails (a peer hung): long enough for a slow checkpoint or evaluation.
+PROCESS_GROUP_TIMEOUT = datetime.timedelta(minutes=30)
+_PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+
+
+@dataclass(frozen=True)
+class Worker:
+    """A started worker: its process group, rank and world size, and its device."""
+
+    group: dist.ProcessGroup
+    rank: int
+    world_size: int
+    device: torch.device
+
+
+def start_local_process(backend: str = "gloo", threads: int | None = None, parent_pid: int | None = None) -> None:
+    """Set up a process of the local launcher (see the module docstring) and join the default process group.
+
+    ``backend``: ``gloo``, or ``cpu:gloo,cuda:nccl`` for workers on GPUs. ``threads``: torch threads (None:
+    torch's default). ``parent_pid``: the launcher's pid; the process exits at once when it is already gone.
+    """
+    if parent_pid is not None:
+        _exit_with_parent(parent_pid)
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        if signal.getsignal(signum) is not signal.SIG_IGN:  # ignored by the caller (a background job): kept so
+            signal.signal(signum, signal.SIG_DFL)
+    if threads is not None:
+        torch.set_num_threads(max(1, threads))
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # one machine: gloo's sockets stay on the loopback
+    if dist.is_initialized():
+        return
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        dist.init_process_group(backend, init_method="env://", timeout=PROCESS_GROUP_TIMEOUT)
+        return
+    # torch elastic's agent hosts one store for every attempt of the group; env:// would use it unprefixed, and a
+    # restarted group then reads the previous attempt's addresses and fails to connect (torch issue #135712).
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    agent_store = dist.TCPStore(
+        os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, timeout=PROCESS_GROUP_TIMEOUT
+    )
+    dist.init_process_group(
+        backend,
+        store=dist.PrefixStore(f"bigrank/attempt-{attempt}", agent_store),
+        rank=int(os.environ["RANK"]),
+        world_size=int(os.environ["WORLD_SIZE"]),
+        timeout=PROCESS_GROUP_TIMEOUT,
+    )
+
+
+def start_ray_process() -> None:
+    """Set up a Ray Train worker process (its process group is Ray Train's): torch threads as many as the CPUs
+    Ray gave the worker (Ray sets ``OMP_NUM_THREADS``, which torch may have read before), and the root logger
+    back to WARNING (Ray Train sets it to INFO, where fbgemm logs every library it loads and every table's full
+    argument list)."""
+    logging.getLogger().setLevel(logging.WARNING)
+    threads = int(os.environ.get("OMP_NUM_THREADS") or 0)
+    if threads > 0:
+        torch.set_num_threads(threads)
+
+
+def start_worker(config) -> Worker:
+    """Set up this rank for a job of ``config`` (a :class:`~bigrank.config.Config`) on the initialised process
+    group; collective (every rank calls it at the same point). Returns the :class:`Worker`.
+
+    The CPU control group (``bigrank.distributed.groups``), the device (``bigrank.devices.worker_device``: sets
+    the current CUDA device; raises DeviceError when a requested GPU is missing), the torch seed
+    ``seed * 1000 + rank``, glibc's allocator thresholds (``bigrank.memory``) and torchrec's per-step warnings
+    off. Raises RuntimeError when no process group is initialised.
+    """
+    group, rank, world_size = require_process_group()
+    import torchrec  # noqa: F401 - registers fbgemm/torchrec operators before the model uses them
+
+    from bigrank.devices import worker_device
+    from bigrank.distributed.groups import init_control_group
+    from bigrank.memory import keep_freed_memory
+    from bigrank.model.sharding import silence_torchrec_step_warnings
+
+    keep_freed_memory()  # every step frees and re-allocates the same buffers (bigrank.memory)
+    silence_torchrec_step_warnings()
+    device = worker_device(config.train.device)
+    init_control_group()
+    torch.manual_seed(config.seed * 1_000 + rank)
+    return Worker(group, rank, world_size, device)
+
+
+def require_process_group():
+    """``(group, rank, world_size)`` of the initialised default process group (RuntimeError when none)."""
+    if not dist.is_initialized():
+        raise RuntimeError(
+            "bigrank's workers need an initialised torch.distributed process group: start them with "
+            "bigrank.train.launcher.launch_local (or Ray Train)"
+        )
+    group = dist.group.WORLD
+    return group, dist.get_rank(group), dist.get_world_size(group)
+
+
+def _exit_with_parent(parent_pid: int) -> None:
+    """Have the kernel send this process SIGTERM when its parent dies (Linux ``prctl(PR_SET_PDEATHSIG)``), so
+    the workers of a launcher killed without clean-up (SIGKILL, the OOM killer) do not train on as orphans.
+    Exits at once when the parent is already gone (it died while this process started). Elsewhere than on
+    Linux: nothing."""
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0)
+    except (OSError, AttributeError):  # no prctl in this libc: the launcher's own clean-up still applies
+        return
+    if os.getppid() != parent_pid:
+        os._exit(1)
