@@ -73,11 +73,20 @@ def set_ingress_environment(ingress: str) -> None:
 
 
 def _free_port() -> int:
+    """A port free on every interface (HAProxy binds 0.0.0.0), drawn from 20000-32767: outside the kernel's
+    ephemeral range (32768-60999), where the port could be taken by an outgoing connection of one of Ray's
+    many processes before HAProxy binds it, and above Ray's worker ports (10002-19999)."""
+    import random
     import socket
 
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    for port in random.sample(range(20000, 32768), 200):
+        with socket.socket() as sock:
+            try:
+                sock.bind(("0.0.0.0", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no free port in 20000-32767 for HAProxy's stats and metrics listeners")
 
 
 @dataclass
