@@ -159,6 +159,29 @@ def test_sigterm_stops_every_worker_and_the_same_command_resumes(run_config, tmp
     assert len(kept) == 2 and all((path / "trainer.json").is_file() for path in kept), kept
 
 
+def test_sigterm_stops_a_ray_launched_run_with_143_and_its_checkpoint_resumes(run_config, tmp_path):
+    """`bigrank train --launcher ray` (an embedded runtime): SIGTERM once a checkpoint exists ends the command
+    with 143 and every process it started (the Ray runtime and its Train workers) within 10 s; the run resumes
+    from the checkpoint it left."""
+    config, run_dir = run_config
+    log = tmp_path / "ray.log"
+    proc = _start_command(log, "train", str(config), "--launcher", "ray")
+    try:
+        _wait_for_checkpoint(proc, run_dir, log, timeout=240)
+        proc.send_signal(signal.SIGTERM)
+        sent = time.monotonic()
+        assert proc.wait(timeout=60) == 143, log.read_text()
+        left = _gone_within(proc.pid, 10.0 - min(10.0, time.monotonic() - sent))
+        assert not left, f"processes of the Ray run still alive after SIGTERM: {left}"
+    finally:
+        _kill_group(proc.pid)
+    output = log.read_text()
+    assert "stopped by SIGTERM" in output and "run the same command again to resume" in output, output
+    stopped_at = latest_checkpoint(run_dir)
+    done = bigrank("train", config, "--launcher", "local")  # the same run, finished by the other launcher
+    assert f"resuming from {stopped_at}" in done.stdout, done.stdout
+
+
 @pytest.mark.parametrize("command", ["evaluate", "export"])
 def test_sigterm_stops_evaluate_and_export_with_every_worker(run_config, tmp_path, command):
     """SIGTERM while `bigrank evaluate` / `bigrank export` start their 2 workers: exit 143, nothing left."""

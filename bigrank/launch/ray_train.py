@@ -50,6 +50,7 @@ from typing import Any
 from bigrank.config import Config
 from bigrank.errors import CommandError
 from bigrank.launch.jobs import read_auth_token
+from bigrank.signals import graceful_stop, raise_for
 
 __all__ = [
     "RayConnectionError",
@@ -236,24 +237,32 @@ def train_on_ray(config: Config, worker: Callable[[dict], dict], *, address: str
     Raises RayConnectionError when the cluster cannot be reached (naming the address) and RayTrainingError
     when the training fails after its allowed restarts (both CommandErrors: the CLI prints them plainly).
     """
-    import ray
-    from ray.train import CheckpointConfig, FailureConfig, LoggingConfig, RunConfig, ScalingConfig
-    from ray.train.torch import TorchConfig, TorchTrainer
-
-    from bigrank.devices import check_ray_gpus, process_group_backend
-
     address = resolve_address(config, address)
     use_gpu = config.ray.gpus_per_worker > 0
     resources = {"CPU": config.ray.cpus_per_worker}
     if use_gpu:
         resources["GPU"] = config.ray.gpus_per_worker
     storage_path = config.ray.storage_path or str(Path(config.run_dir) / "ray")
-    started = time.perf_counter()
-    owns_runtime = init_ray(config, address)
-    check_ray_gpus(config, ray.cluster_resources().get("GPU", 0))  # else Ray would wait for GPUs forever
-    ray_start_seconds = time.perf_counter() - started
-    print(f"ray ready in {ray_start_seconds:.1f} s", flush=True)
+    with graceful_stop(raise_for) as stop:  # SIGINT / SIGTERM: KeyboardInterrupt / Terminated, now
+        started = time.perf_counter()
+        owns_runtime = init_ray(config, address)
+        stop.reinstall()  # ray.init's own SIGTERM handler would exit 1 (or abort) without a word
+        return _fit(config, worker, address, storage_path, resources, use_gpu, owns_runtime, started)
+
+
+def _fit(config, worker, address, storage_path, resources, use_gpu, owns_runtime, started) -> dict[str, Any]:
+    """The Ray Train run of :func:`train_on_ray` on the runtime ``init_ray`` gave; shuts an owned runtime down
+    however it ends (a signal included: its workers end with it, their last finished checkpoint stays)."""
+    import ray
+    from ray.train import CheckpointConfig, FailureConfig, LoggingConfig, RunConfig, ScalingConfig
+    from ray.train.torch import TorchConfig, TorchTrainer
+
+    from bigrank.devices import check_ray_gpus, process_group_backend
+
     try:
+        check_ray_gpus(config, ray.cluster_resources().get("GPU", 0))  # else Ray would wait for GPUs forever
+        ray_start_seconds = time.perf_counter() - started
+        print(f"ray ready in {ray_start_seconds:.1f} s", flush=True)
         if address is not None:
             where = f"the Ray cluster at {address}"
         else:
