@@ -26,14 +26,16 @@ def test_a_failed_group_restarts_up_to_max_restarts_and_the_signal_handlers_come
     def handler(signum, frame):
         pass
 
-    previous = signal.signal(signal.SIGTERM, handler)
+    # Handlers of the caller's own (whatever the test run inherited: a background run ignores SIGINT).
+    previous = {signum: signal.signal(signum, handler) for signum in (signal.SIGTERM, signal.SIGINT)}
     try:
         assert launch_local(_fail_once_on_rank_one, 2, max_restarts=1, timeout=180) == [1, 1]
         # torch elastic's agent installs its own SIGTERM/SIGINT handlers and leaves them: the launcher restores.
         assert signal.getsignal(signal.SIGTERM) is handler
-        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+        assert signal.getsignal(signal.SIGINT) is handler
         assert "TORCHELASTIC_SIGNALS_TO_HANDLE" not in os.environ
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for signum, old in previous.items():
+            signal.signal(signum, old)
     with pytest.raises(WorkerError, match="rank 1 failed: ValueError: first attempt fails on purpose"):
         launch_local(_fail_once_on_rank_one, 2, max_restarts=0, timeout=180)
