@@ -165,7 +165,8 @@ def test_sigterm_stops_a_ray_launched_run_with_143_and_its_checkpoint_resumes(ru
     from the checkpoint it left."""
     config, run_dir = run_config
     log = tmp_path / "ray.log"
-    proc = _start_command(log, "train", str(config), "--launcher", "ray")
+    longer = ("--set", "train.max_steps=1500")  # Ray's start-up makes the first checkpoint come late
+    proc = _start_command(log, "train", str(config), "--launcher", "ray", *longer)
     try:
         _wait_for_checkpoint(proc, run_dir, log, timeout=240)
         proc.send_signal(signal.SIGTERM)
@@ -178,7 +179,7 @@ def test_sigterm_stops_a_ray_launched_run_with_143_and_its_checkpoint_resumes(ru
     output = log.read_text()
     assert "stopped by SIGTERM" in output and "run the same command again to resume" in output, output
     stopped_at = latest_checkpoint(run_dir)
-    done = bigrank("train", config, "--launcher", "local")  # the same run, finished by the other launcher
+    done = bigrank("train", config, "--launcher", "local", *longer)  # the same run, finished by the other launcher
     assert f"resuming from {stopped_at}" in done.stdout, done.stdout
 
 

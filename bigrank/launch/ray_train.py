@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import functools
 import os
+import signal
 import socket
 import time
 from collections.abc import Callable
@@ -48,9 +49,9 @@ from pathlib import Path
 from typing import Any
 
 from bigrank.config import Config
-from bigrank.errors import CommandError
+from bigrank.errors import CommandError, Terminated
 from bigrank.launch.jobs import read_auth_token
-from bigrank.signals import graceful_stop, raise_for
+from bigrank.signals import graceful_stop
 
 __all__ = [
     "RayConnectionError",
@@ -243,11 +244,23 @@ def train_on_ray(config: Config, worker: Callable[[dict], dict], *, address: str
     if use_gpu:
         resources["GPU"] = config.ray.gpus_per_worker
     storage_path = config.ray.storage_path or str(Path(config.run_dir) / "ray")
-    with graceful_stop(raise_for) as stop:  # SIGINT / SIGTERM: KeyboardInterrupt / Terminated, now
+    # A signal raises KeyboardInterrupt: the one exception a blocking ray.get lets through (Ray's check_signals
+    # swallows any other); SIGTERM's becomes Terminated (exit 143) once out of Ray. Ray Train's fit() puts its
+    # own SIGINT handler in place (a graceful abort of the run), so Ctrl+C ends as Ray Train ends it.
+    with graceful_stop(_interrupt) as stop:
         started = time.perf_counter()
-        owns_runtime = init_ray(config, address)
-        stop.reinstall()  # ray.init's own SIGTERM handler would exit 1 (or abort) without a word
-        return _fit(config, worker, address, storage_path, resources, use_gpu, owns_runtime, started)
+        try:
+            owns_runtime = init_ray(config, address)
+            stop.reinstall()  # ray.init's own SIGTERM handler would exit 1 (or abort) without a word
+            return _fit(config, worker, address, storage_path, resources, use_gpu, owns_runtime, started)
+        except KeyboardInterrupt:
+            if stop.signum is not None and stop.signum != signal.SIGINT:
+                raise Terminated(stop.signum) from None
+            raise
+
+
+def _interrupt(signum: int) -> None:
+    raise KeyboardInterrupt
 
 
 def _fit(config, worker, address, storage_path, resources, use_gpu, owns_runtime, started) -> dict[str, Any]:
