@@ -16,7 +16,8 @@ same run of this script, so that the figure does not depend on how busy the mach
 
 Measured 2026-11-25 (2 cores, load 2): step 0.158 s; evaluate 48.2 s certified bf16 (305 steps), 48.6 s fp32
 (308 steps), identical metrics: above the 150-step target (the issue's first figure: 92 s = 444 steps). The
-ranking is not what costs here (bf16 saves under 1 %): loading the model and the evaluation data is.
+ranking is not what costs here (bf16 saves under 1 %); where the rest goes (start-up, loading, exclusions) is
+not profiled yet.
 """
 
 from __future__ import annotations
