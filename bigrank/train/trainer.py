@@ -153,9 +153,8 @@ class Trainer:
         self.manifest = manifest = dataset_manifest(config, manifest)
         self.model = model = build_model(config, self.group, self.manifest, self.device)
         if self.rank == 0:
-            precision = f"precision {self.precision.describe()}"
-            print(f"training on {self.device} ({self.world_size} workers, {precision})", flush=True)
-            plan_text = f"{precision}\n{model.layout_plan}\n\n{format_plan(model.plan)}"
+            print(f"training on {self.device} ({self.world_size} workers, precision {self.precision.name})", flush=True)
+            plan_text = f"precision {self.precision.describe()}\n{model.layout_plan}\n\n{format_plan(model.plan)}"
             print(f"sharding plan ({self.world_size} workers):\n{plan_text}", flush=True)
             write_text_atomic(self.run_dir / PLAN_TEXT, plan_text + "\n")
             write_plan(model.plan, self.run_dir / PLAN_JSON)
