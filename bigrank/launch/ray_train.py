@@ -41,7 +41,6 @@ from __future__ import annotations
 
 import functools
 import os
-import signal
 import socket
 import time
 from collections.abc import Callable
@@ -49,7 +48,7 @@ from pathlib import Path
 from typing import Any
 
 from bigrank.config import Config
-from bigrank.errors import CommandError, Terminated
+from bigrank.errors import CommandError
 from bigrank.launch.jobs import read_auth_token
 from bigrank.signals import graceful_stop
 
@@ -254,8 +253,7 @@ def train_on_ray(config: Config, worker: Callable[[dict], dict], *, address: str
             stop.reinstall()  # ray.init's own SIGTERM handler would exit 1 (or abort) without a word
             return _fit(config, worker, address, storage_path, resources, use_gpu, owns_runtime, started)
         except KeyboardInterrupt:
-            if stop.signum is not None and stop.signum != signal.SIGINT:
-                raise Terminated(stop.signum) from None
+            stop.raise_if_stopped()  # Terminated for SIGTERM, KeyboardInterrupt for SIGINT
             raise
 
 
