@@ -47,7 +47,7 @@ $(STAMP): requirements.txt pyproject.toml
 test: setup
 	$(BIN)/ruff check bigrank tests benchmarks pipelines
 	$(BIN)/ruff format --check bigrank tests benchmarks pipelines
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q --durations=15
 
 lint: setup
 	$(BIN)/ruff check bigrank tests benchmarks pipelines
