@@ -7,13 +7,18 @@ already left, they re-enter it. This script counts that walk on a real construct
 
 How it counts. ``sys.setprofile`` sees every Python ``call`` event of the main thread while ``Trainer(config)``
 runs. An event counts when its code is defined in a file of the ``bigrank`` package (functions, methods,
-nested functions and lambdas alike); the module is the file's dotted name. Left out: comprehensions and
-generator expressions (part of the expression that holds them, not a call a reader follows; Python 3.12
-inlines comprehensions, PEP 709, so counting their frames would make the figure depend on the version), calls into other packages (torch, torchrec, pyarrow: they are transparent, but a
-call they make back into bigrank counts), code that runs while a module is being imported (importlib's and
-``<module>`` frames and everything under them: a lazy import is not part of the walk), the resumption of a generator (it is
-entered when it starts), code generated at run time (dataclasses' ``__init__``/``__eq__``, whose file is not
-a bigrank file; a ``__post_init__`` is) and other threads (the stream's prefetch thread).
+nested functions and lambdas alike); the module is the file's dotted name. Left out:
+
+* comprehensions and generator expressions: part of the expression that holds them, not a call a reader
+  follows (Python 3.12 inlines comprehensions, PEP 709: counting their frames would make the figure depend
+  on the Python version);
+* calls into other packages (torch, torchrec, pyarrow): transparent, but a call they make back into bigrank
+  (torchrec's sharding calling ``UserTower.reset_parameters``) counts;
+* code run while a module is imported (importlib's and ``<module>`` frames and everything under them): a lazy
+  import is not part of the walk;
+* the resumption of a generator (it is entered once, when it starts), so the count does not grow with the data;
+* code generated at run time (dataclasses' ``__init__``/``__eq__``: their file is not a bigrank file; a
+  ``__post_init__`` is) and other threads (the stream's prefetch thread).
 
 The sequence is the module of each counted call in order; consecutive calls in one module are one visit. A
 module's *entries* are its visits; a *re-entry* is a visit to a module that had been visited before (the walk
