@@ -65,7 +65,8 @@ class Walk:
     def __init__(self):
         self.calls: list[tuple[str, str]] = []
         self._importing = 0  # import frames (importlib's, a module's body) being executed
-        self._started: set[int] = set()  # generator frames already entered (by id; kept alive while running)
+        # Generator frames already entered, held (not their ids: a finished frame's id can be reused).
+        self._started: set = set()
         self._modules: dict[str, str | None] = {}
 
     def __call__(self, frame, event, arg):
@@ -83,9 +84,9 @@ class Walk:
         if module is None:
             return
         if code.co_flags & GENERATOR_FLAGS:
-            if id(frame) in self._started:
+            if frame in self._started:
                 return
-            self._started.add(id(frame))
+            self._started.add(frame)
         self.calls.append((module, code.co_qualname))
 
     def visits(self) -> list[tuple[str, str]]:
