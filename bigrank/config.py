@@ -51,6 +51,11 @@ __all__ = [
 ]
 
 
+# ``train.device`` and ``train.precision``: the one list of each (``bigrank.devices`` imports them: it imports
+# torch, which this module must not).
+DEVICES = ("auto", "cpu", "cuda")
+PRECISIONS = ("auto", "fp32", "tf32", "bf16")
+
 # The tables whose layout ``model.layout`` sets, and the layouts (bigrank.model.layout decides "auto").
 LAYOUT_TABLES = ("catalog", "user_table", "history_table")
 LAYOUTS = ("replicated", "sharded")
@@ -196,12 +201,12 @@ class TrainConfig:
     progress: bool = True  # tqdm bar on rank 0
     # One device per worker: cuda:LOCAL_RANK (local launcher) or Ray's GPU; auto = cuda when
     # ray.gpus_per_worker > 0 (Ray) or the local launcher sees a GPU (bigrank.devices).
-    device: str = field(default="auto", metadata=_choices("auto", "cpu", "cuda"))
+    device: str = field(default="auto", metadata=_choices(*DEVICES))
     # Score GEMM: fp32; tf32 (CUDA tensor cores, fp32 tensors); bf16 (bf16 scores, fp32 parameters and
     # gradients); the losses' statistics (thresholds, sums, log-sum-exp) are accumulated in float64 always.
     # auto: bf16 on a CPU with bf16 GEMM units, else fp32 (bigrank.devices.resolve_precision; the log and
     # plan.txt say which and why).
-    precision: str = field(default="auto", metadata=_choices("auto", "fp32", "tf32", "bf16"))
+    precision: str = field(default="auto", metadata=_choices(*PRECISIONS))
     # Resuming a run whose saved config differs in a key that alters its trajectory (TRAJECTORY_KEYS):
     # auto = refuse, naming the changes; force = go on with the new settings (they become the run's config).
     resume: str = field(default="auto", metadata=_choices("auto", "force"))

@@ -30,6 +30,8 @@ from dataclasses import dataclass
 
 import torch
 
+from bigrank.config import DEVICES, PRECISIONS
+
 __all__ = [
     "DEVICES",
     "PRECISIONS",
@@ -46,8 +48,6 @@ __all__ = [
     "worker_device",
 ]
 
-DEVICES = ("auto", "cpu", "cuda")
-PRECISIONS = ("auto", "fp32", "tf32", "bf16")
 LAUNCHERS = ("local", "ray")
 
 

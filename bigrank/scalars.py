@@ -7,11 +7,13 @@ A leaf module (it imports only ``bigrank.errors``), so the loss registry can use
 from __future__ import annotations
 
 import re
+import types
+import typing
 from typing import Any
 
 from bigrank.errors import ConfigError
 
-__all__ = ["EXPONENT_NUMBER", "SCALAR_TYPES", "convert_scalar"]
+__all__ = ["EXPONENT_NUMBER", "SCALAR_TYPES", "convert_param", "convert_scalar"]
 
 # Numbers in exponent notation without a dot ("1e-3"), which YAML 1.1 (PyYAML) leaves as strings.
 EXPONENT_NUMBER = re.compile(r"[-+]?[0-9]+(\.[0-9]*)?[eE][-+]?[0-9]+")
@@ -42,3 +44,18 @@ def convert_scalar(value: Any, tp: type, key: str) -> Any:
             raise ConfigError(f"{key} must be a string, got {value!r}")
         return value
     raise ValueError(f"{key}: {tp!r} is not a scalar type")  # a bug in the caller's schema
+
+
+def convert_param(value: Any, tp, key: str) -> Any:
+    """``value`` checked against a loss parameter's annotation (``int``, ``float``, ``str`` or ``X | None``,
+    ``bigrank.losses.params``); raises ConfigError naming ``key``."""
+    if typing.get_origin(tp) in (typing.Union, types.UnionType):
+        options = [option for option in typing.get_args(tp) if option is not type(None)]
+        if value is None:
+            return None
+        (tp,) = options
+    if value is None:
+        raise ConfigError(f"{key} must not be null")
+    if tp in (int, float, str):
+        return convert_scalar(value, tp, key)
+    raise ConfigError(f"{key}: unsupported parameter type {tp}")  # a bug in bigrank.losses.params

@@ -113,7 +113,7 @@ def _train_and_hold(config):
     root logger (``held["root warnings"]``) and the run's layout."""
     import logging
 
-    from bigrank.model.sharding import local_table_rows
+    from bigrank.model.tables import local_table_rows
     from bigrank.train.trainer import Trainer
 
     class Collect(logging.Handler):

@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 import torch
 
-from bigrank.model.sharding import fused_params, local_user_rows, shard_row_wise
+from bigrank.model.sharding import fused_params, shard_row_wise
+from bigrank.model.tables import local_user_rows
 from bigrank.model.towers import (
     HISTORY_TABLE,
     INIT_BLOCK_ROWS,
@@ -128,7 +129,7 @@ CASES = [("sgd", 0.0, False), ("adagrad", 0.0, True), ("rowwise_adagrad", 0.0, T
 
 
 def _sharded_steps(rank, world_size, group, checkpoint_root):
-    from bigrank.model.sharding import silence_torchrec_step_warnings
+    from bigrank.train.bootstrap import silence_torchrec_step_warnings
 
     silence_torchrec_step_warnings()
     results = {
@@ -141,7 +142,8 @@ def _sharded_steps(rank, world_size, group, checkpoint_root):
 
 def _padded_uneven_batches(rank):
     """Ranks with batches of 5 and 2 users, both padded to 5: forward and backward work, padding is inert."""
-    from bigrank.model.sharding import full_user_table, shard_row_wise
+    from bigrank.model.sharding import shard_row_wise
+    from bigrank.model.tables import full_user_table
 
     tower = UserTower(NUM_USERS, DIM, num_items=NUM_ITEMS, history=True, seed=SEED, device="meta")
     dmp, _ = shard_row_wise(tower, optimizer="sgd", lr=LR)
@@ -154,13 +156,8 @@ def _padded_uneven_batches(rank):
 
 
 def _sharded_step(optimizer, weight_decay, checkpoint_dir):
-    from bigrank.model.sharding import (
-        full_table,
-        load_tower_state,
-        save_tower_state,
-        set_fused_learning_rate,
-        shard_row_wise,
-    )
+    from bigrank.model.sharding import load_tower_state, save_tower_state, set_fused_learning_rate, shard_row_wise
+    from bigrank.model.tables import full_table
 
     rank = torch.distributed.get_rank()
     tower = UserTower(NUM_USERS, DIM, num_items=NUM_ITEMS, history=True, seed=SEED, device="meta")

@@ -27,15 +27,10 @@ def test_torchrec_and_fbgemm_import_and_run_an_fbgemm_cpu_op():
 def _train_row_wise(rank, world_size, group, plan_dir):
     from torchrec import EmbeddingCollection, EmbeddingConfig
 
-    from bigrank.model.sharding import (
-        format_plan,
-        local_user_rows,
-        plan_to_dict,
-        shard_row_wise,
-        silence_torchrec_step_warnings,
-        write_plan,
-    )
+    from bigrank.model.sharding import format_plan, plan_to_dict, shard_row_wise, write_plan
+    from bigrank.model.tables import local_user_rows
     from bigrank.model.towers import UserTower
+    from bigrank.train.bootstrap import silence_torchrec_step_warnings
 
     silence_torchrec_step_warnings()
     tower = UserTower(NUM_USERS, DIM, seed=0, device="meta")

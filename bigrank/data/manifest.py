@@ -371,6 +371,17 @@ class DatasetManifest:
         return self
 
 
+def dataset_manifest(root: str | Path, manifest: DatasetManifest | None = None) -> DatasetManifest:
+    """The manifest of the dataset at ``root`` (a run's ``data.root``): ``manifest`` when given (read once by the
+    caller: the run's pre-flight, a worker's entry), else read now. ValueError when ``manifest`` is another
+    dataset's."""
+    if manifest is None:
+        return DatasetManifest.load(root)
+    if manifest.root.resolve() != Path(root).resolve():
+        raise ValueError(f"the dataset manifest given is of {manifest.root}, but data.root is {root}")
+    return manifest
+
+
 def as_manifest(dataset: DatasetManifest | str | Path) -> DatasetManifest:
     """``dataset`` itself when it is a :class:`DatasetManifest`, else the manifest of the dataset directory it names
     (read now): lets the readers take either, the run passing the one it read."""

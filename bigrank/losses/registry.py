@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
-import types
 import typing
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -43,7 +42,7 @@ from bigrank.losses.params import (
     SoftNDCGParams,
     SparsemaxParams,
 )
-from bigrank.scalars import convert_scalar
+from bigrank.scalars import convert_param
 
 __all__ = [
     "CANDIDATE",
@@ -145,20 +144,6 @@ FULL_CATALOG_LOSSES = tuple(name for name, spec in LOSSES.items() if spec.kind =
 CANDIDATE_LOSSES = tuple(name for name, spec in LOSSES.items() if spec.kind == CANDIDATE)
 
 
-def _typed(value: Any, tp, where: str) -> Any:
-    """``value`` checked against a Params field annotation (int, float, str, X | None)."""
-    if typing.get_origin(tp) in (typing.Union, types.UnionType):
-        options = [option for option in typing.get_args(tp) if option is not type(None)]
-        if value is None:
-            return None
-        (tp,) = options
-    if value is None:
-        raise ConfigError(f"{where} must not be null")
-    if tp in (int, float, str):
-        return convert_scalar(value, tp, where)
-    raise ConfigError(f"{where}: unsupported parameter type {tp}")  # a bug in bigrank.losses.params
-
-
 def parse_params(name: str, raw: dict[str, Any], key: str = "loss.params") -> dict[str, Any]:
     """``raw`` (a config's ``params`` mapping of loss ``name``) merged over the loss's defaults and checked.
 
@@ -173,7 +158,7 @@ def parse_params(name: str, raw: dict[str, Any], key: str = "loss.params") -> di
             accepted = ", ".join(fields) or "no parameters"
             raise ConfigError(f"unknown key {f'{key}.{param}'!r}: loss {name!r} accepts {accepted}")
     hints = typing.get_type_hints(spec.params)
-    values = {param: _typed(value, hints[param], f"{key}.{param}") for param, value in raw.items()}
+    values = {param: convert_param(value, hints[param], f"{key}.{param}") for param, value in raw.items()}
     params = spec.params(**values)
     try:
         params.check()

@@ -1,4 +1,5 @@
-"""Row-wise sharding of torchrec embedding tables, on CPU/gloo and CUDA/nccl; plans, shard access, checkpoints.
+"""Row-wise sharding of torchrec embedding tables, on CPU/gloo and CUDA/nccl; plans and checkpoints (the rows a
+rank holds afterwards: ``bigrank.model.tables.local_table_rows``).
 
 On CUDA the stock torchrec sharders are used as they are (they offer ``row_wise``), the planner's topology is
 ``compute_device="cuda"`` with the device's real memory (``hbm_cap``) in its storage estimate, and the
@@ -28,8 +29,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-
-from bigrank.model.tables import USER_TABLE
 
 FUSED_OPTIMIZERS = ("sgd", "adagrad", "rowwise_adagrad", "adam")
 _CPU_FUSED_OPTIMIZERS = ("sgd", "adagrad", "rowwise_adagrad")
@@ -198,34 +197,6 @@ def quiet_torchrec() -> Iterator[None]:
         logger.setLevel(level)
 
 
-def silence_torchrec_step_warnings() -> None:
-    """Process-wide filters for the deprecation warnings torchrec's collectives print on the first step.
-
-    (``reduce_scatter_tensor``/``all_gather_into_tensor`` deprecated, ShardedTensor → DTensor.) Call once in
-    each worker if the log should stay clean; they are harmless.
-    """
-    warnings.filterwarnings("ignore", message=r".*reduce_scatter_tensor.*is deprecated", category=FutureWarning)
-    warnings.filterwarnings("ignore", message=r".*all_gather_into_tensor.*is deprecated", category=FutureWarning)
-    warnings.filterwarnings("ignore", message=r".*deprecating ShardedTensor.*", category=FutureWarning)
-    # fbgemm's CPU dense lookup (data-parallel tables) computes its gradient inside the CPU kernel, so autograd
-    # warns that no Autograd-key kernel is registered; the gradients are right (tests/test_layout.py compares
-    # them with the row-wise sharded tables').
-    warnings.filterwarnings("ignore", message=r"fbgemm::dense_embedding_codegen_lookup_function: an autograd kernel")
-    logging.getLogger("torchrec").setLevel(logging.ERROR)
-    # torch.fx logs "is_fx_tracing will return true …" once when torchrec's forward checks for tracing.
-    logging.getLogger("torch.fx._symbolic_trace").setLevel(logging.ERROR)
-    # torchrec's plan check logs "Sharding spec not found for …" on the root logger for every data-parallel
-    # (replicated) table: such a table has no sharding spec by design.
-    root = logging.getLogger()
-    if not any(isinstance(f, _DataParallelSpecFilter) for f in root.filters):
-        root.addFilter(_DataParallelSpecFilter())
-
-
-class _DataParallelSpecFilter(logging.Filter):
-    def filter(self, record: logging.LogRecord) -> bool:
-        return not str(record.msg).startswith("Sharding spec not found for ")
-
-
 def shard_row_wise(
     module: nn.Module,
     *,
@@ -359,20 +330,6 @@ def _check_sharding(plan, wanted: dict[str, str]) -> None:
         raise RuntimeError(f"the planner did not shard these tables as asked ({wanted}): {wrong}")
 
 
-def replicated_table_parameters(module: nn.Module) -> dict[str, torch.Tensor]:
-    """The parameter of each data-parallel (replicated) table of a sharded module, by table name: float[n, d]
-    views of torchrec's dense kernel weights (writable in place under ``no_grad``; ``.grad`` after backward)."""
-    from torch.distributed._shard.sharded_tensor import ShardedTensor
-
-    state = module.state_dict()
-    found = {}
-    for name, parameter in module.named_parameters():
-        # Row-wise sharded tables show up here too (fused, never a .grad): their state is a ShardedTensor.
-        if name.endswith(".weight") and ".embedding_bags." in name and not isinstance(state.get(name), ShardedTensor):
-            found[name.removesuffix(".weight").rsplit(".", 1)[1]] = parameter
-    return found
-
-
 def _plan_entries(plan):
     for module_path, module_plan in plan.plan.items():
         for table, sharding in module_plan.items():
@@ -425,65 +382,6 @@ def write_plan(plan, path: str | os.PathLike) -> None:
     from bigrank.atomic import write_json_atomic
 
     write_json_atomic(path, plan_to_dict(plan), indent=2)
-
-
-# ---------------------------------------------------------------------------------------------------------
-# Access to the rows a rank holds
-
-
-def _table_weight(module: nn.Module, table: str):
-    suffix = f"embedding_bags.{table}.weight"
-    seq_suffix = f"embeddings.{table}.weight"
-    for key, value in module.state_dict().items():
-        if key.endswith(suffix) or key.endswith(seq_suffix):
-            return value
-    raise KeyError(f"no embedding table named {table!r} in {type(module).__name__}")
-
-
-def local_table_rows(module: nn.Module, table: str) -> tuple[int, int, torch.Tensor]:
-    """This rank's rows of ``table``: ``(row_start, row_stop, weight float32[row_stop-row_start, d])``.
-
-    Works on a plain module (all rows) and on a row-wise sharded one (the local shard, no communication).
-    ``weight`` is a view of the live table (writing to it under ``torch.no_grad()`` changes the model);
-    clone it to keep a snapshot while training goes on.
-    """
-    from torch.distributed._shard.sharded_tensor import ShardedTensor
-
-    weight = _table_weight(module, table)
-    if isinstance(weight, ShardedTensor):
-        shards = weight.local_shards()
-        if not shards:
-            rows = weight.size(0)
-            return rows, rows, torch.empty(0, weight.size(1))
-        if len(shards) != 1 or shards[0].metadata.shard_offsets[1] != 0:
-            raise ValueError(f"table {table!r} is not row-wise sharded (local shards: {len(shards)})")
-        start = int(shards[0].metadata.shard_offsets[0])
-        return start, start + shards[0].tensor.size(0), shards[0].tensor
-    if isinstance(weight, torch.Tensor):
-        return 0, weight.size(0), weight.detach()
-    raise TypeError(f"unsupported weight type {type(weight).__name__} for table {table!r}")
-
-
-def local_user_rows(module: nn.Module) -> tuple[int, int, torch.Tensor]:
-    """This rank's shard of the user table: ``(row_start, row_stop, float32[rows, d])`` (a live view)."""
-    return local_table_rows(module, USER_TABLE)
-
-
-def full_table(module: nn.Module, table: str, group: dist.ProcessGroup | None = None) -> torch.Tensor:
-    """All rows of ``table`` on every rank, float32[n, d] on the CPU — gathers the whole table; for tests and
-    tiny tables."""
-    start, stop, rows = local_table_rows(module, table)
-    if not dist.is_initialized():
-        return rows.detach().cpu().clone()
-    pieces: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(pieces, (start, stop, rows.detach().cpu().clone()), group=group)
-    pieces.sort(key=lambda piece: piece[0])
-    return torch.cat([piece[2] for piece in pieces if piece[1] > piece[0]])
-
-
-def full_user_table(module: nn.Module, group: dist.ProcessGroup | None = None) -> torch.Tensor:
-    """The whole user table float32[num_users, d] on every rank (a gather: tests only)."""
-    return full_table(module, USER_TABLE, group)
 
 
 # ---------------------------------------------------------------------------------------------------------

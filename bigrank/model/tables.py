@@ -1,7 +1,9 @@
-"""The tables of the user tower: feature and table names, and their deterministic initial rows.
+"""The tables of the user tower: feature and table names, their deterministic initial rows, and the rows a rank
+holds once sharded (``local_table_rows``: a row-wise shard or the whole table; ``replicated_table_parameters``).
 
-A leaf module (torch only) shared by ``bigrank.model.towers`` (which builds the tables) and
-``bigrank.model.sharding`` (which shards and reads them), so neither imports the other's internals.
+A leaf module (torch only), read by ``bigrank.model.towers`` (which builds and initialises the tables), the
+model assembly (``bigrank.train.model``) and export; ``bigrank.model.sharding`` shards the tables and imports
+neither.
 
 Initial weights are a pure function of ``(seed, table, global row)``: rows are drawn in fixed blocks of
 ``INIT_BLOCK_ROWS``, each from its own generator, so a rank that owns rows ``[a, b)`` draws exactly the
@@ -10,9 +12,25 @@ values the single-process module holds there, whatever the world size (resume an
 
 from __future__ import annotations
 
-import torch
+from typing import Any
 
-__all__ = ["HISTORY_FEATURE", "HISTORY_TABLE", "INIT_BLOCK_ROWS", "USER_FEATURE", "USER_TABLE", "deterministic_rows"]
+import torch
+import torch.distributed as dist
+from torch import nn
+
+__all__ = [
+    "HISTORY_FEATURE",
+    "HISTORY_TABLE",
+    "INIT_BLOCK_ROWS",
+    "USER_FEATURE",
+    "USER_TABLE",
+    "deterministic_rows",
+    "full_table",
+    "full_user_table",
+    "local_table_rows",
+    "local_user_rows",
+    "replicated_table_parameters",
+]
 
 USER_FEATURE = "user_id"
 HISTORY_FEATURE = "history"
@@ -46,3 +64,76 @@ def deterministic_rows(
         lo, hi = max(row_start, block_start), min(row_stop, block_start + block_rows)
         out[lo - row_start : hi - row_start] = values[lo - block_start : hi - block_start]
     return out
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The rows a rank holds (after bigrank.model.sharding.shard_row_wise, or of a plain module: all of them)
+
+
+def _table_weight(module: nn.Module, table: str):
+    suffix = f"embedding_bags.{table}.weight"
+    seq_suffix = f"embeddings.{table}.weight"
+    for key, value in module.state_dict().items():
+        if key.endswith(suffix) or key.endswith(seq_suffix):
+            return value
+    raise KeyError(f"no embedding table named {table!r} in {type(module).__name__}")
+
+
+def local_table_rows(module: nn.Module, table: str) -> tuple[int, int, torch.Tensor]:
+    """This rank's rows of ``table``: ``(row_start, row_stop, weight float32[row_stop-row_start, d])``.
+
+    Works on a plain module (all rows) and on a row-wise sharded one (the local shard, no communication).
+    ``weight`` is a view of the live table (writing to it under ``torch.no_grad()`` changes the model);
+    clone it to keep a snapshot while training goes on.
+    """
+    from torch.distributed._shard.sharded_tensor import ShardedTensor
+
+    weight = _table_weight(module, table)
+    if isinstance(weight, ShardedTensor):
+        shards = weight.local_shards()
+        if not shards:
+            rows = weight.size(0)
+            return rows, rows, torch.empty(0, weight.size(1))
+        if len(shards) != 1 or shards[0].metadata.shard_offsets[1] != 0:
+            raise ValueError(f"table {table!r} is not row-wise sharded (local shards: {len(shards)})")
+        start = int(shards[0].metadata.shard_offsets[0])
+        return start, start + shards[0].tensor.size(0), shards[0].tensor
+    if isinstance(weight, torch.Tensor):
+        return 0, weight.size(0), weight.detach()
+    raise TypeError(f"unsupported weight type {type(weight).__name__} for table {table!r}")
+
+
+def local_user_rows(module: nn.Module) -> tuple[int, int, torch.Tensor]:
+    """This rank's shard of the user table: ``(row_start, row_stop, float32[rows, d])`` (a live view)."""
+    return local_table_rows(module, USER_TABLE)
+
+
+def full_table(module: nn.Module, table: str, group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """All rows of ``table`` on every rank, float32[n, d] on the CPU — gathers the whole table; for tests and
+    tiny tables."""
+    start, stop, rows = local_table_rows(module, table)
+    if not dist.is_initialized():
+        return rows.detach().cpu().clone()
+    pieces: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(pieces, (start, stop, rows.detach().cpu().clone()), group=group)
+    pieces.sort(key=lambda piece: piece[0])
+    return torch.cat([piece[2] for piece in pieces if piece[1] > piece[0]])
+
+
+def full_user_table(module: nn.Module, group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """The whole user table float32[num_users, d] on every rank (a gather: tests only)."""
+    return full_table(module, USER_TABLE, group)
+
+
+def replicated_table_parameters(module: nn.Module) -> dict[str, torch.Tensor]:
+    """The parameter of each data-parallel (replicated) table of a sharded module, by table name: float[n, d]
+    views of torchrec's dense kernel weights (writable in place under ``no_grad``; ``.grad`` after backward)."""
+    from torch.distributed._shard.sharded_tensor import ShardedTensor
+
+    state = module.state_dict()
+    found = {}
+    for name, parameter in module.named_parameters():
+        # Row-wise sharded tables show up here too (fused, never a .grad): their state is a ShardedTensor.
+        if name.endswith(".weight") and ".embedding_bags." in name and not isinstance(state.get(name), ShardedTensor):
+            found[name.removesuffix(".weight").rsplit(".", 1)[1]] = parameter
+    return found

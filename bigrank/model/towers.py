@@ -22,7 +22,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from bigrank.model.sharding import local_table_rows, quiet_torchrec
+from bigrank.model.sharding import quiet_torchrec
 from bigrank.model.tables import (  # noqa: F401 - re-exported: the tower's public names
     HISTORY_FEATURE,
     HISTORY_TABLE,
@@ -30,6 +30,7 @@ from bigrank.model.tables import (  # noqa: F401 - re-exported: the tower's publ
     USER_FEATURE,
     USER_TABLE,
     deterministic_rows,
+    local_table_rows,
 )
 
 

@@ -34,6 +34,7 @@ import logging
 import os
 import signal
 import sys
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -43,6 +44,7 @@ __all__ = [
     "PROCESS_GROUP_TIMEOUT",
     "Worker",
     "require_process_group",
+    "silence_torchrec_step_warnings",
     "start_local_process",
     "start_ray_process",
     "start_worker",
@@ -115,7 +117,7 @@ def start_worker(config) -> Worker:
     The CPU control group (``bigrank.distributed.groups``), the device (``bigrank.devices.worker_device``: sets
     the current CUDA device; raises DeviceError when a requested GPU is missing), the torch seed
     ``seed * 1000 + rank``, glibc's allocator thresholds (``bigrank.memory``) and torchrec's per-step warnings
-    off. Raises RuntimeError when no process group is initialised.
+    off (:func:`silence_torchrec_step_warnings`). Raises RuntimeError when no process group is initialised.
     """
     group, rank, world_size = require_process_group()
     import torchrec  # noqa: F401 - registers fbgemm/torchrec operators before the model uses them
@@ -123,14 +125,42 @@ def start_worker(config) -> Worker:
     from bigrank.devices import worker_device
     from bigrank.distributed.groups import init_control_group
     from bigrank.memory import keep_freed_memory
-    from bigrank.model.sharding import silence_torchrec_step_warnings
 
-    keep_freed_memory()  # every step frees and re-allocates the same buffers (bigrank.memory)
     silence_torchrec_step_warnings()
-    device = worker_device(config.train.device)
+    keep_freed_memory()  # every step frees and re-allocates the same buffers (bigrank.memory)
     init_control_group()
+    device = worker_device(config.train.device)
     torch.manual_seed(config.seed * 1_000 + rank)
     return Worker(group, rank, world_size, device)
+
+
+def silence_torchrec_step_warnings() -> None:
+    """Process-wide filters for the deprecation warnings torchrec's collectives print on the first step.
+
+    (``reduce_scatter_tensor``/``all_gather_into_tensor`` deprecated, ShardedTensor → DTensor.) :func:`start_worker`
+    calls it in every worker (a script or test that shards tables itself may too); they are harmless. One-off
+    notices around torchrec's imports and planner are ``bigrank.model.sharding.quiet_torchrec``'s.
+    """
+    warnings.filterwarnings("ignore", message=r".*reduce_scatter_tensor.*is deprecated", category=FutureWarning)
+    warnings.filterwarnings("ignore", message=r".*all_gather_into_tensor.*is deprecated", category=FutureWarning)
+    warnings.filterwarnings("ignore", message=r".*deprecating ShardedTensor.*", category=FutureWarning)
+    # fbgemm's CPU dense lookup (data-parallel tables) computes its gradient inside the CPU kernel, so autograd
+    # warns that no Autograd-key kernel is registered; the gradients are right (tests/test_layout.py compares
+    # them with the row-wise sharded tables').
+    warnings.filterwarnings("ignore", message=r"fbgemm::dense_embedding_codegen_lookup_function: an autograd kernel")
+    logging.getLogger("torchrec").setLevel(logging.ERROR)
+    # torch.fx logs "is_fx_tracing will return true …" once when torchrec's forward checks for tracing.
+    logging.getLogger("torch.fx._symbolic_trace").setLevel(logging.ERROR)
+    # torchrec's plan check logs "Sharding spec not found for …" on the root logger for every data-parallel
+    # (replicated) table: such a table has no sharding spec by design.
+    root = logging.getLogger()
+    if not any(isinstance(f, _DataParallelSpecFilter) for f in root.filters):
+        root.addFilter(_DataParallelSpecFilter())
+
+
+class _DataParallelSpecFilter(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith("Sharding spec not found for ")
 
 
 def require_process_group():

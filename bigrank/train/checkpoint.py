@@ -52,6 +52,7 @@ __all__ = [
     "latest_checkpoint",
     "list_checkpoints",
     "load_parts",
+    "model_identity",
     "read_trainer_state",
     "remove_partial_checkpoints",
     "row_sharded",
@@ -220,6 +221,20 @@ def load_parts(path: str | os.PathLike, parts: Mapping[str, Stateful]) -> None:
 
 
 # ----------------------------------------------------------------------------------------- checkpointer
+def model_identity(config, model) -> dict[str, Any]:
+    """The settings a checkpoint's tensors depend on (a resume with other values cannot load them): the
+    :class:`Checkpointer`'s ``identity`` for the run of ``config`` (a :class:`~bigrank.config.Config`) and its
+    ``model`` (a :class:`~bigrank.train.model.Model`)."""
+    return {
+        "model.dim": config.model.dim,
+        "model.history": config.model.history,
+        "dataset users": model.num_users,
+        "dataset items": model.num_items,
+        "optim.user_optimizer": config.optim.user_optimizer,
+        "optim.item_optimizer": config.optim.item_optimizer,
+    }
+
+
 class Checkpointer:
     """Decides when to checkpoint, writes checkpoints atomically, finds and loads the newest one.
 

@@ -7,7 +7,7 @@ from typing import Any
 from bigrank.config import Config
 from bigrank.data.manifest import DatasetManifest
 from bigrank.train.evaluate import EvaluationData, evaluate_model, evaluation_data
-from bigrank.train.model import Model, dataset_manifest, user_vectors_fn
+from bigrank.train.model import Model, user_vectors_fn
 
 __all__ = ["Evaluator"]
 
@@ -17,12 +17,12 @@ class Evaluator:
 
     The users, relevant items and excluded (train) items of a split are read from the dataset the first time
     the split is evaluated and reused afterwards (keyed by the user sample), so evaluating every epoch costs
-    the scoring only. ``manifest``: the dataset's (default: read from ``data.root``).
+    the scoring only. ``manifest``: the run's dataset (``bigrank.data.manifest.dataset_manifest``).
     """
 
-    def __init__(self, config: Config, model: Model, group, manifest: DatasetManifest | None = None):
+    def __init__(self, config: Config, model: Model, group, manifest: DatasetManifest):
         self.config, self.model, self.group = config, model, group
-        self.manifest = dataset_manifest(config, manifest)
+        self.manifest = manifest
         self._data: dict[tuple[str, int | None], EvaluationData] = {}
 
     def due(self, epoch: int, *, epoch_end: bool, last: bool) -> bool:

@@ -15,7 +15,6 @@ measured at start-up).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -29,10 +28,8 @@ from bigrank.model.catalog import CatalogShard
 __all__ = [
     "Model",
     "build_model",
-    "dataset_manifest",
     "history_bags",
     "history_generator",
-    "model_identity",
     "user_vectors",
     "user_vectors_fn",
 ]
@@ -60,31 +57,21 @@ class Model:
         return self.tower.module
 
 
-def dataset_manifest(config: Config, manifest: DatasetManifest | None = None) -> DatasetManifest:
-    """The manifest of the run's dataset (``data.root``): ``manifest`` when given (read once by the caller: the
-    run's pre-flight, a worker's entry), else read now. ValueError when ``manifest`` is another dataset's."""
-    if manifest is None:
-        return DatasetManifest.load(config.data.root)
-    if manifest.root.resolve() != Path(config.data.root).resolve():
-        raise ValueError(f"the dataset manifest given is of {manifest.root}, but data.root is {config.data.root}")
-    return manifest
-
-
 def build_model(
     config: Config,
     group,
-    manifest: DatasetManifest | None = None,
+    manifest: DatasetManifest,
     device: torch.device | str = "cpu",
     explain_layout: bool = True,
 ) -> Model:
     """Build the sharded user tower and this rank's catalog shard on ``device`` (this worker's device from
-    ``bigrank.devices.worker_device``) for the dataset of ``manifest`` (default: read from ``data.root``);
-    collective. ``explain_layout``: see :func:`decide_layout`."""
+    ``bigrank.devices.worker_device``) for the dataset of ``manifest`` (the run's, from
+    ``bigrank.data.manifest.dataset_manifest``); collective. ``explain_layout``: see :func:`decide_layout`."""
     from bigrank.data.stream import read_user_items
-    from bigrank.model.sharding import replicated_table_parameters, shard_row_wise
+    from bigrank.model.sharding import shard_row_wise
+    from bigrank.model.tables import replicated_table_parameters
     from bigrank.model.towers import HISTORY_TABLE, USER_TABLE, UserTower
 
-    manifest = dataset_manifest(config, manifest)
     model_cfg = config.model
     device = torch.device(device)
     layout, layout_plan = decide_layout(config, manifest, group, device, explain_layout)
@@ -105,6 +92,7 @@ def build_model(
         device=device,
         data_parallel_tables=[t for t in (USER_TABLE, HISTORY_TABLE) if layout.get(t) == "replicated"],
     )
+    replicated_tables = replicated_table_parameters(dmp)
     shard = CatalogShard(
         manifest.num_items,
         model_cfg.dim,
@@ -125,7 +113,7 @@ def build_model(
         device,
         layout,
         layout_plan,
-        replicated_table_parameters(dmp),
+        replicated_tables,
     )
 
 
@@ -161,18 +149,6 @@ def decide_layout(
     link = measure_link(group, device)
     chosen = choose_layouts(shape, requested, link)
     return chosen, format_layout_plan(shape, requested, chosen, link)
-
-
-def model_identity(config: Config, model: Model) -> dict[str, Any]:
-    """The settings a checkpoint's tensors depend on (a resume with other values cannot load them)."""
-    return {
-        "model.dim": config.model.dim,
-        "model.history": config.model.history,
-        "dataset users": model.num_users,
-        "dataset items": model.num_items,
-        "optim.user_optimizer": config.optim.user_optimizer,
-        "optim.item_optimizer": config.optim.item_optimizer,
-    }
 
 
 def history_bags(

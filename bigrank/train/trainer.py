@@ -36,7 +36,7 @@ import torch.distributed as dist
 
 from bigrank.atomic import write_text_atomic
 from bigrank.config import Config, config_from_dict, save_config
-from bigrank.data.manifest import DatasetManifest
+from bigrank.data.manifest import DatasetManifest, dataset_manifest
 from bigrank.data.stream import ParquetStream
 from bigrank.devices import setup_precision
 from bigrank.distributed.collectives import all_gather_replicated, all_gather_rows_with_ids, all_reduce_no_grad
@@ -52,11 +52,11 @@ from bigrank.records import (
     write_eval_json,
 )
 from bigrank.train.bootstrap import start_worker
-from bigrank.train.checkpoint import Checkpointer, latest_checkpoint, remove_partial_checkpoints
+from bigrank.train.checkpoint import Checkpointer, latest_checkpoint, model_identity, remove_partial_checkpoints
 from bigrank.train.evaluator import Evaluator
 from bigrank.train.item_optim import RowOptimizer
 from bigrank.train.losses import StepLoss
-from bigrank.train.model import build_model, dataset_manifest, history_generator, model_identity, user_vectors
+from bigrank.train.model import build_model, history_generator, user_vectors
 from bigrank.train.regularization import user_l2_penalty
 from bigrank.train.replicas import ReplicaSync
 from bigrank.train.schedule import LearningRateSchedule
@@ -136,6 +136,7 @@ class Trainer:
             worker.world_size,
             worker.device,
         )
+        self.precision = setup_precision(config.train.precision, self.device)  # how this device scores
         train_cfg = config.train
         if train_cfg.batch_size % self.world_size:
             raise ValueError(
@@ -147,17 +148,16 @@ class Trainer:
             save_config(config, self.run_dir / "config.yaml")
             remove_partial_checkpoints(self.run_dir)
         dist.barrier(self.group)
-        self.precision = setup_precision(config.train.precision, self.device)
 
         # The dataset's manifest, read once in this process (or by the run's pre-flight) and passed down.
-        self.manifest = manifest = dataset_manifest(config, manifest)
+        self.manifest = manifest = dataset_manifest(config.data.root, manifest)
         self.model = model = build_model(config, self.group, self.manifest, self.device)
         if self.rank == 0:
             print(f"training on {self.device} ({self.world_size} workers, precision {self.precision.name})", flush=True)
             plan_text = f"precision {self.precision.describe()}\n{model.layout_plan}\n\n{format_plan(model.plan)}"
             print(f"sharding plan ({self.world_size} workers):\n{plan_text}", flush=True)
-            write_text_atomic(self.run_dir / PLAN_TEXT, plan_text + "\n")
             write_plan(model.plan, self.run_dir / PLAN_JSON)
+            write_text_atomic(self.run_dir / PLAN_TEXT, plan_text + "\n")
         self.local_batch = train_cfg.batch_size // self.world_size
         self.stream = ParquetStream(
             manifest,
@@ -170,10 +170,12 @@ class Trainer:
             drop_last=train_cfg.drop_last,
             prefetch=config.data.prefetch,
         )
-        if self.stream.steps_per_epoch() < 1:
+        steps_per_epoch = self.stream.steps_per_epoch()
+        if steps_per_epoch < 1:
             raise ValueError(f"train split too small: no full step of {train_cfg.batch_size} rows (train.batch_size)")
         shard = model.shard
         optim = config.optim
+        by_popularity = config.loss.sampler == "popularity" and config.loss.candidates == "sampled"
         self.item_optimizer = RowOptimizer(
             shard.weight, optim.item_optimizer, optim.item_lr, weight_decay=optim.weight_decay
         )
@@ -182,11 +184,16 @@ class Trainer:
             num_items=model.num_items,
             shard_start=shard.start,
             shard_stop=shard.stop,
-            item_counts=_item_counts(manifest, shard.start, shard.stop) if self._needs_counts() else None,
+            item_counts=_item_counts(manifest, shard.start, shard.stop) if by_popularity else None,
             seed=config.seed,
             rank=self.rank,
             score_dtype=self.precision.score_dtype,
         )
+        # A loss whose k follows each row's label set (rankmax, loss.params.k_fraction) reads every user's
+        # number of train items: int64[num_users], 8 bytes a user.
+        self.user_positives = None
+        if self.step_loss.needs_positives:
+            self.user_positives = _user_counts(manifest, model.num_users)
         self.replicas = ReplicaSync(
             model,
             self.item_optimizer,
@@ -196,13 +203,8 @@ class Trainer:
             full_catalog=config.loss.candidates != "sampled",
             max_touched_rows=self.local_batch + self.step_loss.num_samples,
         )
-        # A loss whose k follows each row's label set (rankmax, loss.params.k_fraction) reads every user's
-        # number of train items: int64[num_users], 8 bytes a user.
-        self.user_positives = None
-        if self.step_loss.needs_positives:
-            self.user_positives = _user_counts(manifest, model.num_users)
         self.state = TrainState()
-        run_steps = train_cfg.epochs * self.stream.steps_per_epoch()
+        run_steps = train_cfg.epochs * steps_per_epoch
         if train_cfg.max_steps is not None:
             run_steps = min(run_steps, train_cfg.max_steps)
         self.lr_schedule = LearningRateSchedule.from_config(optim, run_steps)
@@ -228,9 +230,6 @@ class Trainer:
         )
         self.evaluator = Evaluator(config, model, self.group, manifest)
         self.eval_history: list[dict] = []
-
-    def _needs_counts(self) -> bool:
-        return self.config.loss.sampler == "popularity" and self.config.loss.candidates == "sampled"
 
     # ----- the loop -----
     def train(self) -> dict[str, Any]:

@@ -16,12 +16,12 @@ from typing import Any
 import torch.distributed as dist
 
 from bigrank.config import Config
-from bigrank.data.manifest import DatasetManifest
+from bigrank.data.manifest import DatasetManifest, dataset_manifest
 from bigrank.train.bootstrap import require_process_group, start_worker
-from bigrank.train.checkpoint import Checkpointer, latest_checkpoint
+from bigrank.train.checkpoint import Checkpointer, latest_checkpoint, model_identity
 from bigrank.train.evaluate import write_eval_json
 from bigrank.train.evaluator import Evaluator
-from bigrank.train.model import Model, build_model, dataset_manifest, model_identity
+from bigrank.train.model import Model, build_model
 from bigrank.train.state import CatalogWeights, TowerState
 from bigrank.train.trainer import Trainer, as_config
 
@@ -45,6 +45,7 @@ def load_trained_model(
     path = Path(checkpoint) if checkpoint else latest_checkpoint(config.run_dir)
     if path is None:
         raise FileNotFoundError(f"no complete checkpoint in {Path(config.run_dir) / 'checkpoints'}")
+    manifest = dataset_manifest(config.data.root, manifest)
     group, device = worker.group, worker.device
     # Evaluation and export read each table by the rows a rank owns: the sharded layout holds exactly those
     # (a checkpoint loads into any layout), without a replica of every table on every worker.
@@ -66,7 +67,7 @@ def evaluate_worker(
     """Evaluate a checkpoint (default: the newest) on ``splits`` (default ``eval.splits``); rank 0 writes
     ``RUN_DIR/eval.json`` with one section per split. Collective. Returns the sections."""
     config = as_config(config)
-    manifest = dataset_manifest(config, manifest)
+    manifest = dataset_manifest(config.data.root, manifest)
     model, meta, path = load_trained_model(config, checkpoint, manifest)
     group, rank, _ = require_process_group()
     evaluator = Evaluator(config, model, group, manifest)
@@ -94,11 +95,10 @@ def export_worker(
     ``bigrank.export.writer.export_embeddings``, each rank its own rows (``seen``: also the seen-items
     table). Collective; returns the export manifest (rank 0) or None."""
     from bigrank.export.writer import export_embeddings
-    from bigrank.model.sharding import local_table_rows, local_user_rows
-    from bigrank.model.towers import HISTORY_TABLE
+    from bigrank.model.tables import HISTORY_TABLE, local_table_rows, local_user_rows
 
     config = as_config(config)
-    manifest = dataset_manifest(config, manifest)
+    manifest = dataset_manifest(config.data.root, manifest)
     model, meta, path = load_trained_model(config, checkpoint, manifest)
     group, rank, world_size = require_process_group()
     user_start, user_stop, user_rows = local_user_rows(model.user_module)
