@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -123,12 +124,12 @@ def _gone_within(pgid: int, seconds: float) -> list[int]:
     return left
 
 
-def _stop_half_way(config, run_dir, log, send, status: int) -> None:
+def _stop_half_way(config, run_dir, log, send, status: int, *overrides: str) -> Path:
     """Start the run, ``send(proc)`` a signal once a checkpoint exists, then assert the exit ``status`` and
-    that no process of the run is left 10 s after the signal."""
-    proc = _start(config, log)
+    that no process of the run is left 10 s after the signal. Returns the checkpoint seen before the signal."""
+    proc = _start(config, log, *overrides)
     try:
-        _wait_for_checkpoint(proc, run_dir, log)
+        periodic = _wait_for_checkpoint(proc, run_dir, log)
         assert len(_group(proc.pid)) >= 3, "the command, 2 workers (and the resource tracker) are running"
         send(proc)
         sent = time.monotonic()
@@ -137,21 +138,41 @@ def _stop_half_way(config, run_dir, log, send, status: int) -> None:
         assert not left, f"processes of the run still alive 10 s after the signal: {left}"
     finally:
         _kill_group(proc.pid)
+    return periodic
 
 
-def test_sigterm_stops_every_worker_and_the_same_command_resumes(run_config, tmp_path):
+def _stopped_at_boundary(output: str, run_dir: Path, signame: str, after: Path) -> Path:
+    """The final checkpoint the workers wrote at the step they stopped at (rank 0's line names both): the run's
+    newest, later than ``after`` (the periodic checkpoint seen before the signal)."""
+    found = re.search(rf"stopped by {signame} at step (\d+): checkpoint (\S+)", output)
+    assert found, output
+    step, path = int(found[1]), Path(found[2])
+    assert step > int(after.name.split("-")[1]) and path.name == f"step-{step:08d}", output
+    assert latest_checkpoint(run_dir) == path, output
+    return path
+
+
+# Periodic checkpoints every 50 steps: the first one shows that training runs, the next would come well after the
+# signal; the checkpoint of the step the workers stop at is then their final one.
+SPARSE_CHECKPOINTS = "train.checkpoint_every=50"
+
+
+def test_sigterm_stops_every_worker_at_a_step_boundary_and_the_same_command_resumes(run_config, tmp_path):
+    """SIGTERM: the workers agree on a step, write a final checkpoint there and end; exit 143; the same command
+    resumes from that checkpoint and finishes."""
     config, run_dir = run_config
     log = tmp_path / "first.log"
-    _stop_half_way(config, run_dir, log, lambda proc: proc.send_signal(signal.SIGTERM), 143)
+    send = lambda proc: proc.send_signal(signal.SIGTERM)  # noqa: E731
+    periodic = _stop_half_way(config, run_dir, log, send, 143, SPARSE_CHECKPOINTS)
     output = log.read_text()
     assert "stopped by SIGTERM" in output and "run the same command again to resume" in output, output
-    assert f"bigrank train {config} --launcher local" in output, output
-    assert "leaked" not in output, output  # the stopped workers left nothing for the resource tracker to clean
-    stopped_at = latest_checkpoint(run_dir)
-    assert stopped_at is not None and not (run_dir / "checkpoints" / "step-00000600").exists()
+    assert f"bigrank train {config} --launcher local --set {SPARSE_CHECKPOINTS}" in output, output
+    assert "leaked" not in output and "Traceback" not in output, output
+    stopped_at = _stopped_at_boundary(output, run_dir, "SIGTERM", periodic)
+    assert f"the last complete checkpoint is {stopped_at}" in output, output
 
-    # The same command again resumes from the last complete checkpoint and finishes.
-    done = bigrank("train", config, "--launcher", "local")
+    # The same command again resumes from the final checkpoint and finishes.
+    done = bigrank("train", config, "--launcher", "local", "--set", SPARSE_CHECKPOINTS)
     assert f"resuming from {stopped_at}" in done.stdout, done.stdout
     assert "steps          600 " in done.stdout, done.stdout
     assert latest_checkpoint(run_dir).name == "step-00000600"
@@ -230,14 +251,17 @@ def test_a_metrics_line_cut_short_by_a_kill_is_dropped_on_resume(tmp_path):
     assert (tmp_path / "metrics.jsonl").read_text().splitlines() == lines[:2]
 
 
-def test_ctrl_c_stops_every_worker_with_status_130(run_config, tmp_path):
+def test_ctrl_c_stops_every_worker_at_a_step_boundary_with_status_130(run_config, tmp_path):
+    """As a terminal's Ctrl+C: SIGINT to the whole foreground process group, so each worker gets it twice (from
+    the terminal and forwarded by the launcher); that is still one request to stop at a step boundary."""
     config, run_dir = run_config
     log = tmp_path / "interrupted.log"
-    # As a terminal's Ctrl+C: SIGINT to the whole foreground process group.
-    _stop_half_way(config, run_dir, log, lambda proc: os.killpg(proc.pid, signal.SIGINT), 130)
+    send = lambda proc: os.killpg(proc.pid, signal.SIGINT)  # noqa: E731
+    periodic = _stop_half_way(config, run_dir, log, send, 130, SPARSE_CHECKPOINTS)
     output = log.read_text()
     assert "bigrank train: interrupted; run the same command again to resume" in output, output
     assert "failed" not in output and "Traceback" not in output, output
+    _stopped_at_boundary(output, run_dir, "SIGINT", periodic)
 
 
 def test_a_run_dir_in_use_is_refused_naming_the_holder_until_it_ends(run_config, tmp_path):
