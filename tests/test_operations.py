@@ -163,16 +163,17 @@ def test_sigterm_stops_every_worker_at_a_step_boundary_and_the_same_command_resu
     config, run_dir = run_config
     log = tmp_path / "first.log"
     send = lambda proc: proc.send_signal(signal.SIGTERM)  # noqa: E731
-    periodic = _stop_half_way(config, run_dir, log, send, 143, SPARSE_CHECKPOINTS)
+    periodic = _stop_half_way(config, run_dir, log, send, 143, SPARSE_CHECKPOINTS, "model.layout=replicated")
     output = log.read_text()
     assert "stopped by SIGTERM" in output and "run the same command again to resume" in output, output
-    assert f"bigrank train {config} --launcher local --set {SPARSE_CHECKPOINTS}" in output, output
+    assert f"bigrank train {config} --launcher local --set {SPARSE_CHECKPOINTS} --set" in output, output
     assert "leaked" not in output and "Traceback" not in output, output
     stopped_at = _stopped_at_boundary(output, run_dir, "SIGTERM", periodic)
     assert f"the last complete checkpoint is {stopped_at}" in output, output
 
     # The same command again resumes from the final checkpoint and finishes.
-    done = bigrank("train", config, "--launcher", "local", "--set", SPARSE_CHECKPOINTS)
+    same = ("--set", SPARSE_CHECKPOINTS, "--set", "model.layout=replicated")
+    done = bigrank("train", config, "--launcher", "local", *same)
     assert f"resuming from {stopped_at}" in done.stdout, done.stdout
     assert "steps          600 " in done.stdout, done.stdout
     assert latest_checkpoint(run_dir).name == "step-00000600"
@@ -253,11 +254,13 @@ def test_a_metrics_line_cut_short_by_a_kill_is_dropped_on_resume(tmp_path):
 
 def test_ctrl_c_stops_every_worker_at_a_step_boundary_with_status_130(run_config, tmp_path):
     """As a terminal's Ctrl+C: SIGINT to the whole foreground process group, so each worker gets it twice (from
-    the terminal and forwarded by the launcher); that is still one request to stop at a step boundary."""
+    the terminal and forwarded by the launcher); that is still one request to stop at a step boundary. Sharded
+    tables here (the stop requests travel in the step's all-gather), replicated ones in the SIGTERM test (in its
+    all-reduce)."""
     config, run_dir = run_config
     log = tmp_path / "interrupted.log"
     send = lambda proc: os.killpg(proc.pid, signal.SIGINT)  # noqa: E731
-    periodic = _stop_half_way(config, run_dir, log, send, 130, SPARSE_CHECKPOINTS)
+    periodic = _stop_half_way(config, run_dir, log, send, 130, SPARSE_CHECKPOINTS, "model.layout=sharded")
     output = log.read_text()
     assert "bigrank train: interrupted; run the same command again to resume" in output, output
     assert "failed" not in output and "Traceback" not in output, output
