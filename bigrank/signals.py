@@ -3,8 +3,17 @@
 ``graceful_stop(on_signal)`` turns the first SIGINT (Ctrl+C) or SIGTERM (``kill``, a Kubernetes pod's deletion,
 systemd) into a call of ``on_signal(signum)`` that starts an orderly stop (Tune checkpoints its state and ends
 its trials; a server drains its requests) and records the signal; the command then finishes that stop and
-reports it. A second signal while the stop runs raises at once (:func:`raise_for`: KeyboardInterrupt for
-SIGINT, :class:`~bigrank.errors.Terminated` for SIGTERM), as torchrun and Ray Tune do on a second Ctrl+C.
+reports it. A second signal while the stop runs raises at once (KeyboardInterrupt for SIGINT,
+:class:`~bigrank.errors.Terminated` for SIGTERM: :func:`stop_exception`), as torchrun and Ray Tune do on a
+second Ctrl+C.
+
+Stopping at once inside Ray. While ``ray.get`` waits (inside ``ray.init``, ``serve.start``, ``serve.run``,
+``TorchTrainer.fit``, ``Tuner.fit``), Ray runs the Python signal handlers from its ``check_signals`` and lets only
+KeyboardInterrupt and SystemExit through: it swallows any other exception, so a Terminated raised there waits
+until the call returns. So every stop at once (the second signal; :func:`raise_in_ray` as or inside
+``on_signal`` for the first) raises KeyboardInterrupt, and :func:`graceful_stop` turns a KeyboardInterrupt that
+leaves its block back into the exception of the signal that raised it. Every command that blocks in Ray (``train``
+with the Ray launcher, ``serve --ray``, ``tune``) stops this way.
 
 ``bigrank.cli`` turns those exceptions into exit status 130 / 143 and a line saying how to resume.
 
@@ -31,6 +40,7 @@ __all__ = [
     "defer_stop_signals",
     "graceful_stop",
     "raise_for",
+    "raise_in_ray",
     "signal_name",
     "step_boundaries",
     "stop_exception",
@@ -54,6 +64,13 @@ def raise_for(signum: int) -> None:
     raise stop_exception(signum)
 
 
+def raise_in_ray(signum: int) -> None:
+    """Stop at once from a :func:`graceful_stop` handler, also inside a blocking Ray call: raise KeyboardInterrupt
+    (the module docstring says why), which :func:`graceful_stop` turns into :func:`stop_exception` of ``signum``
+    when it leaves the block."""
+    raise KeyboardInterrupt
+
+
 class StopRequest:
     """The signal that asked for a stop (``signum``, None until one came); ``event`` is set when one came."""
 
@@ -69,25 +86,23 @@ class StopRequest:
             for signum in STOP_SIGNALS:
                 signal.signal(signum, self._handler)
 
-    def raise_if_stopped(self) -> None:
-        """:func:`raise_for` the signal that came, if one did."""
-        if self.signum is not None:
-            raise_for(self.signum)
-
 
 @contextlib.contextmanager
 def graceful_stop(on_signal: Callable[[int], None] | None = None) -> Iterator[StopRequest]:
     """While the block runs, the first SIGINT/SIGTERM records itself in the yielded StopRequest, sets its event
     and calls ``on_signal(signum)`` (in the main thread, between two Python bytecodes: it must only start the
-    stop, never wait for it); a second one raises (:func:`raise_for`). The previous handlers come back on exit.
+    stop, never wait for it, or stop at once with :func:`raise_in_ray`); a second one stops at once. A stop at
+    once leaves the block as :func:`stop_exception` of its signal. The previous handlers come back on exit.
 
     Off the main thread (where Python cannot take signals) it installs nothing.
     """
     request = StopRequest()
+    raised: list[int] = []  # the signal whose handler raised KeyboardInterrupt to stop at once
 
     def handle(signum, frame) -> None:
         if request.signum is not None:
-            raise_for(signum)  # a second signal: stop now
+            raised.append(signum)
+            raise_in_ray(signum)  # a second signal: stop now
         request.signum = signum
         request.event.set()
         if on_signal is not None:
@@ -100,6 +115,12 @@ def graceful_stop(on_signal: Callable[[int], None] | None = None) -> Iterator[St
     previous = {signum: signal.signal(signum, handle) for signum in STOP_SIGNALS}
     try:
         yield request
+    except KeyboardInterrupt:
+        # Raised by the handler (see the module docstring): the exception of the signal it stands for.
+        signum = raised[-1] if raised else request.signum
+        if signum is None or signum == signal.SIGINT:
+            raise
+        raise stop_exception(signum) from None
     finally:
         for signum, handler in previous.items():
             signal.signal(signum, handler if handler is not None else signal.SIG_DFL)

@@ -559,3 +559,54 @@ def test_serve_ray_drains_and_exits_0_on_sigterm_leaving_no_process(tiny_export,
     output = log.read_text()
     assert "bigrank serve: SIGTERM: draining the replicas" in output and "bigrank serve: stopped in" in output, output
     assert "SIGTERM received" not in output and "Traceback" not in output, output
+
+
+@pytest.mark.slow
+@pytest.mark.filterwarnings("ignore:Using extra keyword arguments on `Field`")
+def test_serve_ray_stops_at_once_on_sigterm_during_start_up(tiny_export, tmp_path):
+    """SIGTERM while `bigrank serve --ray` deploys (serve.start / serve.run wait in ray.get, where Ray swallows any
+    exception but KeyboardInterrupt): the command stops there, exit 143, without serving and leaving no process."""
+    pytest.importorskip("ray.serve")
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    log = tmp_path / "serve-ray-start.log"
+    proc = _start_command(log, "serve", str(tiny_export), "--ray", "--port", str(port), "--replica-cpus", "0.5")
+    try:
+        _wait_for_line(proc, log, "deploying", timeout=300)  # Ray runs; Serve and the replicas start
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 143, log.read_text()
+        left = _gone_within(proc.pid, 10.0)
+        assert not left, f"processes of bigrank serve --ray still alive after SIGTERM: {left}"
+    finally:
+        _kill_group(proc.pid)
+    output = log.read_text()
+    assert "bigrank serve: stopped by SIGTERM" in output and "/recommend?user=0" not in output, output
+    assert "SIGTERM received" not in output and "Traceback" not in output, output
+
+
+def test_a_stop_at_once_leaves_graceful_stop_as_the_exception_of_its_signal():
+    """raise_in_ray (a first signal) and a second signal raise KeyboardInterrupt, the one exception Ray's blocking
+    calls let through; out of the block it is Terminated for SIGTERM, KeyboardInterrupt for SIGINT."""
+    from bigrank.errors import Terminated
+    from bigrank.signals import graceful_stop, raise_in_ray
+
+    def wait_for_the_handler():
+        for _ in range(500):  # the handler runs between two bytecodes, soon after the signal
+            time.sleep(0.01)
+        pytest.fail("the signal handler did not run")
+
+    with pytest.raises(Terminated):
+        with graceful_stop(raise_in_ray):
+            os.kill(os.getpid(), signal.SIGTERM)
+            wait_for_the_handler()
+    with pytest.raises(Terminated):
+        with graceful_stop() as stop:
+            os.kill(os.getpid(), signal.SIGTERM)
+            assert stop.event.wait(5) and stop.signum == signal.SIGTERM  # the first only records itself
+            os.kill(os.getpid(), signal.SIGTERM)
+            wait_for_the_handler()
+    with pytest.raises(KeyboardInterrupt):
+        with graceful_stop(raise_in_ray):
+            os.kill(os.getpid(), signal.SIGINT)
+            wait_for_the_handler()
