@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
@@ -103,3 +105,39 @@ def test_a_second_signal_stops_the_workers_at_once(tmp_path):
     _signal_when(tmp_path, ["requested-0"], signal.SIGTERM)
     with pytest.raises(Terminated):
         launch_local(_steps_until_stopped, 1, (str(tmp_path), False), timeout=180, stop_grace=600)
+
+
+# ------------------------------------------------------------------------------------------------ loopback only
+def _listening_addresses() -> list[str]:
+    """The local addresses (hex, as /proc/net/tcp* write them) of the TCP sockets listening in this worker and in
+    its parent (the launcher, which runs torch elastic's agent)."""
+    import torch.distributed as dist
+
+    dist.barrier()  # every store and peer is up
+    inodes = set()
+    for pid in (os.getpid(), os.getppid()):
+        for fd in Path(f"/proc/{pid}/fd").iterdir():
+            try:
+                target = os.readlink(fd)
+            except OSError:
+                continue
+            if target.startswith("socket:["):
+                inodes.add(target[8:-1])
+    found = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            fields = line.split()
+            if fields[3] == "0A" and fields[9] in inodes:  # LISTEN
+                found.append(fields[1].split(":")[0])
+    dist.barrier()  # no store goes away before every rank has looked
+    return found
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_the_launcher_and_its_workers_listen_on_the_loopback_only():
+    """torch's TCPStore server listens on every interface; the rendezvous store and the group's store must not."""
+    loopback = {"0100007F", "00000000000000000000000001000000"}  # 127.0.0.1, ::1
+    found = launch_local(_listening_addresses, 2, timeout=180)
+    assert found[0], "rank 0 hosts the group's store and the launcher the rendezvous store: something listens"
+    for rank, addresses in enumerate(found):
+        assert set(addresses) <= loopback, f"rank {rank} or the launcher listens beyond the loopback: {addresses}"

@@ -372,13 +372,21 @@ def start_local_ray() -> None:
 def _shut_down(owns_ray: bool) -> None:
     """Delete the application (its replicas drain) and, when this process started Ray, Serve and Ray too."""
     import ray
-    from ray import serve
 
     if not ray.is_initialized():
         return
     try:
-        serve.delete(APP_NAME)
+        from ray import serve  # imported again when a stop cut the first import short
+        from ray.serve.exceptions import RayServeException
+
+        try:
+            serve.delete(APP_NAME)
+        except RayServeException as error:
+            if "no Serve instance" not in str(error):
+                raise  # else a stop before Serve started: nothing to delete
+        finally:
+            if owns_ray:
+                serve.shutdown()
     finally:
         if owns_ray:
-            serve.shutdown()
             ray.shutdown()

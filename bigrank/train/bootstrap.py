@@ -35,6 +35,7 @@ import datetime
 import logging
 import os
 import signal
+import socket
 import sys
 from dataclasses import dataclass
 
@@ -46,6 +47,7 @@ from bigrank.signals import defer_stop_signals
 __all__ = [
     "PROCESS_GROUP_TIMEOUT",
     "Worker",
+    "loopback_store",
     "require_process_group",
     "start_local_process",
     "start_ray_process",
@@ -55,6 +57,7 @@ __all__ = [
 # A collective that waits longer than this fails (a peer hung): long enough for a slow checkpoint or evaluation.
 PROCESS_GROUP_TIMEOUT = datetime.timedelta(minutes=30)
 _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+_LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
 
 @dataclass(frozen=True)
@@ -81,8 +84,17 @@ def start_local_process(backend: str = "gloo", threads: int | None = None, paren
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # one machine: gloo's sockets stay on the loopback
     if dist.is_initialized():
         return
+    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
-        dist.init_process_group(backend, init_method="env://", timeout=PROCESS_GROUP_TIMEOUT)
+        # The group's store, on rank 0 (bigrank.train.launcher has torch elastic's agent keep none for the
+        # workers): on a loopback address it listens there only; torch's own TCPStore server listens on every
+        # interface whatever its host name.
+        address, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+        if rank == 0 and address in _LOOPBACK:
+            store = loopback_store(port, PROCESS_GROUP_TIMEOUT, address)
+        else:
+            store = dist.TCPStore(address, port, is_master=rank == 0, timeout=PROCESS_GROUP_TIMEOUT)
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=PROCESS_GROUP_TIMEOUT)
         return
     # torch elastic's agent hosts one store for every attempt of the group; env:// would use it unprefixed, and a
     # restarted group then reads the previous attempt's addresses and fails to connect (torch issue #135712).
@@ -93,10 +105,28 @@ def start_local_process(backend: str = "gloo", threads: int | None = None, paren
     dist.init_process_group(
         backend,
         store=dist.PrefixStore(f"bigrank/attempt-{attempt}", agent_store),
-        rank=int(os.environ["RANK"]),
-        world_size=int(os.environ["WORLD_SIZE"]),
+        rank=rank,
+        world_size=world_size,
         timeout=PROCESS_GROUP_TIMEOUT,
     )
+
+
+def loopback_store(port: int, timeout: datetime.timedelta, address: str = "127.0.0.1") -> dist.TCPStore:
+    """A TCPStore server listening on ``address:port`` only (``port`` 0: a free one). torch's TCPStore binds its
+    server to every interface whatever ``host_name`` says; handed a socket already bound (``master_listen_fd``),
+    it listens on that one."""
+    family = socket.AF_INET6 if ":" in address else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((address, port))
+        sock.listen(socket.SOMAXCONN)
+        port = sock.getsockname()[1]
+    except OSError:
+        sock.close()
+        raise
+    # The store owns the descriptor from here on (detach: Python's socket object would close it when collected).
+    return dist.TCPStore(address, port, is_master=True, timeout=timeout, master_listen_fd=sock.detach())
 
 
 def start_ray_process() -> None:

@@ -2,7 +2,9 @@
 
 ``launch_local(fn, world_size, args)`` runs ``fn(*args)`` in ``world_size`` processes started by torch elastic's
 agent (``torch.distributed.launcher.api.elastic_launch``, what ``torchrun --standalone`` runs: spawned
-processes, a c10d rendezvous on a free port of 127.0.0.1, ``max_restarts`` restarts of the whole group). Each
+processes, a c10d rendezvous on a free port of 127.0.0.1, ``max_restarts`` restarts of the whole group). Its
+rendezvous store and the workers' group store listen on 127.0.0.1 only (torch's TCPStore server would listen on
+every interface: :func:`_loopback_rendezvous`, ``bigrank.train.bootstrap.loopback_store``). Each
 process is set up by ``bigrank.train.bootstrap.start_local_process`` (process group, threads, signals) before
 ``fn`` runs, and the per-rank results come back. When any rank raises or dies (even by ``os._exit``), the
 agent stops the others at once (they would otherwise wait forever in a collective) and, once the restarts are
@@ -30,6 +32,7 @@ bigrank reports a failure once, as :class:`WorkerError`. Set ``LOGLEVEL`` (torch
 from __future__ import annotations
 
 import contextlib
+import datetime
 import gc
 import json
 import logging
@@ -58,6 +61,11 @@ STOP_GRACE_SECONDS = 10
 _STOP_FILE = "stop"
 _PID_FILES = "pid-*"
 _ELASTIC_LOGGERS = ("torch.distributed.elastic", "torch.distributed.launcher", "torch.multiprocessing")
+_SIGNALS_ENV = "TORCHELASTIC_SIGNALS_TO_HANDLE"
+# The agent keeps no store of its own for the workers (it would listen on every interface): rank 0 hosts the
+# group's store on the loopback (bigrank.train.bootstrap.start_local_process), a fresh one each attempt.
+_ELASTIC_ENV = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+_RENDEZVOUS = "bigrank-loopback"
 
 
 class WorkerError(RuntimeError):
@@ -126,7 +134,7 @@ def launch_local(
         max_nodes=1,
         nproc_per_node=world_size,
         run_id=f"bigrank-{uuid.uuid4().hex[:12]}",
-        rdzv_backend="c10d",
+        rdzv_backend=_register_loopback_rendezvous(),
         rdzv_endpoint=f"127.0.0.1:{free_port()}",
         local_addr="127.0.0.1",
         max_restarts=max_restarts,
@@ -302,9 +310,11 @@ class _StopForwarder:
 def _caller_signals(main_thread: bool, timeout: float | None, stop: _StopForwarder) -> Iterator[None]:
     """While the workers run (on the main thread; off it Python takes no signals): SIGINT and SIGTERM go to
     ``stop`` (unless the caller ignores them: a shell's background job ignores SIGINT); SIGALRM after ``timeout``
-    seconds raises TimeoutError. Afterwards the caller's handlers (and ``TORCHELASTIC_SIGNALS_TO_HANDLE``, which
-    torch elastic sets for the whole process) are back."""
-    variable = os.environ.get("TORCHELASTIC_SIGNALS_TO_HANDLE")
+    seconds raises TimeoutError; torch elastic's agent reads ``_ELASTIC_ENV``. Afterwards the caller's handlers
+    and environment (``TORCHELASTIC_SIGNALS_TO_HANDLE`` too, which torch elastic sets for the whole process)
+    are back."""
+    saved = {name: os.environ.get(name) for name in (*_ELASTIC_ENV, _SIGNALS_ENV)}
+    os.environ.update(_ELASTIC_ENV)
     signums = (*STOP_SIGNALS, signal.SIGALRM) if main_thread else ()
     previous = {signum: signal.getsignal(signum) for signum in signums}
 
@@ -324,10 +334,38 @@ def _caller_signals(main_thread: bool, timeout: float | None, stop: _StopForward
             signal.setitimer(signal.ITIMER_REAL, 0)
         for signum, handler in previous.items():
             signal.signal(signum, handler if handler is not None else signal.SIG_DFL)
-        if variable is None:
-            os.environ.pop("TORCHELASTIC_SIGNALS_TO_HANDLE", None)
-        else:
-            os.environ["TORCHELASTIC_SIGNALS_TO_HANDLE"] = variable
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
+def _loopback_rendezvous(params):
+    """torch elastic's c10d rendezvous (``torchrun --standalone``'s) on a store that listens on the endpoint's
+    loopback address only: torch's own c10d backend creates a TCPStore server, which listens on every interface."""
+    from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRendezvousBackend
+    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import create_handler
+    from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
+
+    from bigrank.train.bootstrap import loopback_store
+
+    class LoopbackBackend(C10dRendezvousBackend):
+        @property
+        def name(self) -> str:  # the registry checks that the handler's backend has the requested name
+            return _RENDEZVOUS
+
+    host, port = parse_rendezvous_endpoint(params.endpoint, default_port=0)
+    store = loopback_store(port, datetime.timedelta(seconds=params.get_as_int("read_timeout", 60)), host)
+    return create_handler(store, LoopbackBackend(store, params.run_id), params)
+
+
+def _register_loopback_rendezvous() -> str:
+    """The name of :func:`_loopback_rendezvous` in torch elastic's rendezvous registry (registered once)."""
+    from torch.distributed.elastic.rendezvous import rendezvous_handler_registry
+
+    rendezvous_handler_registry.register(_RENDEZVOUS, _loopback_rendezvous)  # the same creator again: no-op
+    return _RENDEZVOUS
 
 
 @contextlib.contextmanager
