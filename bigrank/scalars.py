@@ -6,6 +6,7 @@ A leaf module (it imports only ``bigrank.errors``), so the loss registry can use
 
 from __future__ import annotations
 
+import math
 import re
 import types
 import typing
@@ -23,7 +24,8 @@ SCALAR_TYPES = (bool, int, float, str)
 def convert_scalar(value: Any, tp: type, key: str) -> Any:
     """``value`` checked against ``tp`` (bool, int, float or str); raises ConfigError naming ``key``.
 
-    ``int`` refuses booleans; ``float`` takes integers and exponent strings ("1e-3") and returns a float.
+    ``int`` refuses booleans; ``float`` takes integers and exponent strings ("1e-3") and returns a float, and
+    refuses infinities and NaN.
     """
     if tp is bool:
         if not isinstance(value, bool):
@@ -38,7 +40,15 @@ def convert_scalar(value: Any, tp: type, key: str) -> Any:
             value = float(value)  # YAML 1.1 reads 1e-3 (no dot) as a string
         if isinstance(value, bool) or not isinstance(value, int | float):
             raise ConfigError(f"{key} must be a number, got {value!r}")
-        return float(value)
+        try:
+            number = float(value)
+        except OverflowError:  # an integer beyond float's range
+            number = math.inf
+        # YAML's .inf / .nan: no setting of bigrank takes them, and an infinite learning rate or weight would
+        # only show up as a NaN loss steps later.
+        if not math.isfinite(number):
+            raise ConfigError(f"{key} must be a finite number, got {value!r}")
+        return number
     if tp is str:
         if not isinstance(value, str):
             raise ConfigError(f"{key} must be a string, got {value!r}")

@@ -3,22 +3,48 @@
 ``graceful_stop(on_signal)`` turns the first SIGINT (Ctrl+C) or SIGTERM (``kill``, a Kubernetes pod's deletion,
 systemd) into a call of ``on_signal(signum)`` that starts an orderly stop (Tune checkpoints its state and ends
 its trials; a server drains its requests) and records the signal; the command then finishes that stop and
-reports it. A second signal while the stop runs raises at once (:func:`raise_for`: KeyboardInterrupt for
-SIGINT, :class:`~bigrank.errors.Terminated` for SIGTERM), as torchrun and Ray Tune do on a second Ctrl+C.
+reports it. A second signal while the stop runs raises at once (KeyboardInterrupt for SIGINT,
+:class:`~bigrank.errors.Terminated` for SIGTERM: :func:`stop_exception`), as torchrun and Ray Tune do on a
+second Ctrl+C.
+
+Stopping at once inside Ray. While ``ray.get`` waits (inside ``ray.init``, ``serve.start``, ``serve.run``,
+``TorchTrainer.fit``, ``Tuner.fit``), Ray runs the Python signal handlers from its ``check_signals`` and lets only
+KeyboardInterrupt and SystemExit through: it swallows any other exception, so a Terminated raised there waits
+until the call returns. So every stop at once (the second signal; :func:`raise_in_ray` as or inside
+``on_signal`` for the first) raises KeyboardInterrupt, and :func:`graceful_stop` turns a KeyboardInterrupt that
+leaves its block back into the exception of the signal that raised it. Every command that blocks in Ray (``train``
+with the Ray launcher, ``serve --ray``, ``tune``) stops this way.
 
 ``bigrank.cli`` turns those exceptions into exit status 130 / 143 and a line saying how to resume.
+
+Workers of the local launcher stop at a step boundary instead (:func:`defer_stop_signals`, :func:`step_boundaries`):
+there a signal only records itself while a training loop runs; the loop agrees with its peers on the step to stop
+at, writes a checkpoint and raises :class:`Stopped`. The launcher, which sees each signal once, enforces the
+deadline and makes a second signal stop the workers at once (``bigrank.train.launcher``).
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
 import signal
 import threading
 from collections.abc import Callable, Iterator
 
 from bigrank.errors import Terminated
 
-__all__ = ["STOP_SIGNALS", "StopRequest", "graceful_stop", "raise_for", "signal_name"]
+__all__ = [
+    "STOP_SIGNALS",
+    "StopRequest",
+    "Stopped",
+    "defer_stop_signals",
+    "graceful_stop",
+    "raise_for",
+    "raise_in_ray",
+    "signal_name",
+    "step_boundaries",
+    "stop_exception",
+]
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
@@ -28,11 +54,21 @@ def signal_name(signum: int) -> str:
     return signal.Signals(signum).name
 
 
+def stop_exception(signum: int) -> BaseException:
+    """What a stop by ``signum`` raises in bigrank: KeyboardInterrupt (SIGINT) or Terminated (others)."""
+    return KeyboardInterrupt() if signum == signal.SIGINT else Terminated(signum)
+
+
 def raise_for(signum: int) -> None:
-    """Raise what a stop by ``signum`` raises in bigrank: KeyboardInterrupt (SIGINT) or Terminated (others)."""
-    if signum == signal.SIGINT:
-        raise KeyboardInterrupt
-    raise Terminated(signum)
+    """Raise :func:`stop_exception` of ``signum``."""
+    raise stop_exception(signum)
+
+
+def raise_in_ray(signum: int) -> None:
+    """Stop at once from a :func:`graceful_stop` handler, also inside a blocking Ray call: raise KeyboardInterrupt
+    (the module docstring says why), which :func:`graceful_stop` turns into :func:`stop_exception` of ``signum``
+    when it leaves the block."""
+    raise KeyboardInterrupt
 
 
 class StopRequest:
@@ -50,25 +86,23 @@ class StopRequest:
             for signum in STOP_SIGNALS:
                 signal.signal(signum, self._handler)
 
-    def raise_if_stopped(self) -> None:
-        """:func:`raise_for` the signal that came, if one did."""
-        if self.signum is not None:
-            raise_for(self.signum)
-
 
 @contextlib.contextmanager
 def graceful_stop(on_signal: Callable[[int], None] | None = None) -> Iterator[StopRequest]:
     """While the block runs, the first SIGINT/SIGTERM records itself in the yielded StopRequest, sets its event
     and calls ``on_signal(signum)`` (in the main thread, between two Python bytecodes: it must only start the
-    stop, never wait for it); a second one raises (:func:`raise_for`). The previous handlers come back on exit.
+    stop, never wait for it, or stop at once with :func:`raise_in_ray`); a second one stops at once. A stop at
+    once leaves the block as :func:`stop_exception` of its signal. The previous handlers come back on exit.
 
     Off the main thread (where Python cannot take signals) it installs nothing.
     """
     request = StopRequest()
+    raised: list[int] = []  # the signal whose handler raised KeyboardInterrupt to stop at once
 
     def handle(signum, frame) -> None:
         if request.signum is not None:
-            raise_for(signum)  # a second signal: stop now
+            raised.append(signum)
+            raise_in_ray(signum)  # a second signal: stop now
         request.signum = signum
         request.event.set()
         if on_signal is not None:
@@ -81,6 +115,79 @@ def graceful_stop(on_signal: Callable[[int], None] | None = None) -> Iterator[St
     previous = {signum: signal.signal(signum, handle) for signum in STOP_SIGNALS}
     try:
         yield request
+    except KeyboardInterrupt:
+        # Raised by the handler (see the module docstring): the exception of the signal it stands for.
+        signum = raised[-1] if raised else request.signum
+        if signum is None or signum == signal.SIGINT:
+            raise
+        raise stop_exception(signum) from None
     finally:
         for signum, handler in previous.items():
             signal.signal(signum, handler if handler is not None else signal.SIG_DFL)
+
+
+# ------------------------------------------------------------------------------- workers: stop at a step boundary
+class Stopped(BaseException):
+    """A worker's job ended early at the request of signal ``signum``, at a point it resumes from (a training loop
+    after its final checkpoint). A BaseException, as KeyboardInterrupt: no ``except Exception`` swallows it."""
+
+    def __init__(self, signum: int = signal.SIGTERM):
+        super().__init__(signum)
+        self.signum = signum
+
+    def __str__(self) -> str:
+        return f"stopped by {signal_name(self.signum)}"
+
+
+class _DeferredStop(StopRequest):
+    """This process's stop request while :func:`step_boundaries` runs (``active``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.active = False
+
+
+_deferred: _DeferredStop | None = None
+
+
+def defer_stop_signals() -> None:
+    """In a worker process whose launcher forwards SIGINT/SIGTERM to it and enforces a deadline: from now on, while
+    a job that checks for them at its step boundaries runs (:func:`step_boundaries`), these signals only record
+    themselves, every one of them (a terminal's Ctrl+C and systemd's SIGTERM reach the workers directly and again
+    through the launcher: counting them here would take one stop for two). Outside such a job (start-up,
+    evaluation, export) a signal ends the process at once by its default action, as before. A signal the process
+    ignores stays ignored. Main thread only (Python takes signals there); elsewhere it does nothing."""
+    global _deferred
+    if threading.current_thread() is not threading.main_thread():
+        return
+    request = _DeferredStop()
+
+    def handle(signum, frame) -> None:
+        if not request.active:  # nothing would look at the request: the default action, now
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+            return
+        if request.signum is None:
+            request.signum = signum
+            request.event.set()
+
+    for signum in STOP_SIGNALS:
+        if signal.getsignal(signum) is not signal.SIG_IGN:
+            signal.signal(signum, handle)
+    _deferred = request
+
+
+@contextlib.contextmanager
+def step_boundaries() -> Iterator[StopRequest | None]:
+    """While the block (a training loop) runs, SIGINT/SIGTERM wait for it in the yielded StopRequest, which the
+    loop checks at each step boundary. Yields None in a process without :func:`defer_stop_signals` (a Ray Train
+    worker, a test's process): there signals keep their own handling and the loop never stops early."""
+    request = _deferred
+    if request is None:
+        yield None
+        return
+    request.active = True
+    try:
+        yield request
+    finally:
+        request.active = False

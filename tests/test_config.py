@@ -88,7 +88,7 @@ def test_resolved_config_round_trips_through_yaml(tmp_path):
         (_minimal(), ["model.dim=30"], "model.dim must be a positive multiple of 4"),
         (_minimal(), ["model.history=true", "model.history_dropout=1"], "model.history_dropout must lie in [0, 1)"),
         (_minimal(), ["model.history=true", "model.history_dropout=-0.1"], "model.history_dropout must lie in"),
-        (_minimal(), ["model.history=true", "model.history_dropout=.nan"], "model.history_dropout must lie in"),
+        (_minimal(), ["model.history=true", "model.history_dropout=.nan"], "model.history_dropout must be a finite"),
         (_minimal(), ["model.history_dropout=0.5"], "model.history_dropout needs model.history: true"),
         (_minimal(), ["model.history=true", "model.history_sample_size=0"], "model.history_sample_size must be >= 1"),
         (_minimal(), ["model.history_sample_size=8"], "model.history_sample_size needs model.history: true"),
@@ -117,6 +117,31 @@ def test_bad_config_is_an_error_naming_the_key(tmp_path, raw, overrides, message
     with pytest.raises(ConfigError) as error:
         load_config(_write(tmp_path, raw), overrides)
     assert message in str(error.value)
+
+
+@pytest.mark.parametrize(
+    "override",
+    [
+        "optim.user_lr=.inf",
+        "optim.item_lr=.inf",
+        "optim.item_lr=.nan",
+        "optim.item_lr=1e999",  # an exponent string: a float overflowing to inf
+        "optim.weight_decay=.inf",
+        "optim.user_l2=.inf",
+        "model.item_init_std=.inf",
+        "model.init_std=-.inf",
+        "loss.beta=.inf",
+        "ray.cpus_per_worker=.inf",
+        "loss.params.temperature=.inf",  # softmax's parameter (bigrank.losses.registry)
+        "loss.params.margin=.nan",  # rankmax's
+    ],
+)
+def test_an_infinite_or_nan_number_is_an_error_naming_the_key(tmp_path, override):
+    key, value = override.split("=")
+    name = "rankmax" if key == "loss.params.margin" else "softmax"
+    with pytest.raises(ConfigError) as error:
+        load_config(_write(tmp_path, _minimal()), [f"loss.name={name}", override])
+    assert f"{key} must be a finite number, got" in str(error.value)
 
 
 def test_apply_overrides_creates_sections_and_parses_yaml_scalars():

@@ -6,9 +6,14 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
+import threading
+import time
+from pathlib import Path
 
 import pytest
 
+from bigrank.errors import Terminated
 from bigrank.train.launcher import WorkerError, launch_local
 
 
@@ -39,3 +44,100 @@ def test_a_failed_group_restarts_up_to_max_restarts_and_the_signal_handlers_come
             signal.signal(signum, old)
     with pytest.raises(WorkerError, match="rank 1 failed: ValueError: first attempt fails on purpose"):
         launch_local(_fail_once_on_rank_one, 2, max_restarts=0, timeout=180)
+
+
+# ------------------------------------------------------------------------------------ stopping at a step boundary
+def _steps_until_stopped(flags: str, agree: bool):
+    """A training loop in miniature: marks itself ready, then steps until a stop is requested. ``agree``: the
+    ranks agree on the step in an all-reduce of their requests and stop there (as the Trainer does), else the
+    loop ignores the request (a step that never ends)."""
+    import time
+    from pathlib import Path
+
+    import torch
+    import torch.distributed as dist
+
+    from bigrank.signals import Stopped, step_boundaries
+
+    rank = dist.get_rank()
+    with step_boundaries() as stop:
+        (Path(flags) / f"ready-{rank}").touch()
+        while True:
+            if stop.signum is not None:
+                (Path(flags) / f"requested-{rank}").touch()
+            if agree:
+                requests = torch.tensor([float(stop.signum is not None)])
+                dist.all_reduce(requests)
+                if requests.item() > 0:
+                    raise Stopped(stop.signum or signal.SIGTERM)
+            time.sleep(0.01)
+
+
+def _signal_when(flags, names: list[str], signum: int) -> threading.Thread:
+    """A thread that sends ``signum`` to this process once every file of ``names`` exists in ``flags``."""
+
+    def send():
+        while not all((flags / name).exists() for name in names):
+            time.sleep(0.02)
+        os.kill(os.getpid(), signum)
+
+    thread = threading.Thread(target=send, daemon=True)
+    thread.start()
+    return thread
+
+
+def test_sigterm_is_forwarded_and_the_workers_stop_where_they_agree(tmp_path):
+    """The launcher forwards SIGTERM; each worker records it, the workers stop at a step they agree on
+    (:class:`~bigrank.signals.Stopped`) and the launcher raises Terminated; its handlers are the caller's again."""
+    before = signal.getsignal(signal.SIGTERM)
+    _signal_when(tmp_path, ["ready-0", "ready-1"], signal.SIGTERM)
+    with pytest.raises(Terminated):
+        launch_local(_steps_until_stopped, 2, (str(tmp_path), True), timeout=180, stop_grace=600)
+    assert sorted(path.name for path in tmp_path.glob("requested-*")) == ["requested-0", "requested-1"]
+    assert signal.getsignal(signal.SIGTERM) is before
+
+
+def test_a_second_signal_stops_the_workers_at_once(tmp_path):
+    """Workers that do not stop after the first SIGTERM (a step that does not end) are killed at the second, long
+    before the grace period (600 s here; the launch's own timeout, 180 s, would raise TimeoutError instead).
+    SIGTERM, not SIGINT: a test run in the background has SIGINT ignored."""
+    _signal_when(tmp_path, ["ready-0"], signal.SIGTERM)
+    _signal_when(tmp_path, ["requested-0"], signal.SIGTERM)
+    with pytest.raises(Terminated):
+        launch_local(_steps_until_stopped, 1, (str(tmp_path), False), timeout=180, stop_grace=600)
+
+
+# ------------------------------------------------------------------------------------------------ loopback only
+def _listening_addresses() -> list[str]:
+    """The local addresses (hex, as /proc/net/tcp* write them) of the TCP sockets listening in this worker and in
+    its parent (the launcher, which runs torch elastic's agent)."""
+    import torch.distributed as dist
+
+    dist.barrier()  # every store and peer is up
+    inodes = set()
+    for pid in (os.getpid(), os.getppid()):
+        for fd in Path(f"/proc/{pid}/fd").iterdir():
+            try:
+                target = os.readlink(fd)
+            except OSError:
+                continue
+            if target.startswith("socket:["):
+                inodes.add(target[8:-1])
+    found = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            fields = line.split()
+            if fields[3] == "0A" and fields[9] in inodes:  # LISTEN
+                found.append(fields[1].split(":")[0])
+    dist.barrier()  # no store goes away before every rank has looked
+    return found
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_the_launcher_and_its_workers_listen_on_the_loopback_only():
+    """torch's TCPStore server listens on every interface; the rendezvous store and the group's store must not."""
+    loopback = {"0100007F", "00000000000000000000000001000000"}  # 127.0.0.1, ::1
+    found = launch_local(_listening_addresses, 2, timeout=180)
+    assert found[0], "rank 0 hosts the group's store and the launcher the rendezvous store: something listens"
+    for rank, addresses in enumerate(found):
+        assert set(addresses) <= loopback, f"rank {rank} or the launcher listens beyond the loopback: {addresses}"

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -123,12 +124,12 @@ def _gone_within(pgid: int, seconds: float) -> list[int]:
     return left
 
 
-def _stop_half_way(config, run_dir, log, send, status: int) -> None:
+def _stop_half_way(config, run_dir, log, send, status: int, *overrides: str) -> Path:
     """Start the run, ``send(proc)`` a signal once a checkpoint exists, then assert the exit ``status`` and
-    that no process of the run is left 10 s after the signal."""
-    proc = _start(config, log)
+    that no process of the run is left 10 s after the signal. Returns the checkpoint seen before the signal."""
+    proc = _start(config, log, *overrides)
     try:
-        _wait_for_checkpoint(proc, run_dir, log)
+        periodic = _wait_for_checkpoint(proc, run_dir, log)
         assert len(_group(proc.pid)) >= 3, "the command, 2 workers (and the resource tracker) are running"
         send(proc)
         sent = time.monotonic()
@@ -137,21 +138,42 @@ def _stop_half_way(config, run_dir, log, send, status: int) -> None:
         assert not left, f"processes of the run still alive 10 s after the signal: {left}"
     finally:
         _kill_group(proc.pid)
+    return periodic
 
 
-def test_sigterm_stops_every_worker_and_the_same_command_resumes(run_config, tmp_path):
+def _stopped_at_boundary(output: str, run_dir: Path, signame: str, after: Path) -> Path:
+    """The final checkpoint the workers wrote at the step they stopped at (rank 0's line names both): the run's
+    newest, later than ``after`` (the periodic checkpoint seen before the signal)."""
+    found = re.search(rf"stopped by {signame} at step (\d+): checkpoint (\S+)", output)
+    assert found, output
+    step, path = int(found[1]), Path(found[2])
+    assert step > int(after.name.split("-")[1]) and path.name == f"step-{step:08d}", output
+    assert latest_checkpoint(run_dir) == path, output
+    return path
+
+
+# Periodic checkpoints every 50 steps: the first one shows that training runs, the next would come well after the
+# signal; the checkpoint of the step the workers stop at is then their final one.
+SPARSE_CHECKPOINTS = "train.checkpoint_every=50"
+
+
+def test_sigterm_stops_every_worker_at_a_step_boundary_and_the_same_command_resumes(run_config, tmp_path):
+    """SIGTERM: the workers agree on a step, write a final checkpoint there and end; exit 143; the same command
+    resumes from that checkpoint and finishes."""
     config, run_dir = run_config
     log = tmp_path / "first.log"
-    _stop_half_way(config, run_dir, log, lambda proc: proc.send_signal(signal.SIGTERM), 143)
+    send = lambda proc: proc.send_signal(signal.SIGTERM)  # noqa: E731
+    periodic = _stop_half_way(config, run_dir, log, send, 143, SPARSE_CHECKPOINTS, "model.layout=replicated")
     output = log.read_text()
     assert "stopped by SIGTERM" in output and "run the same command again to resume" in output, output
-    assert f"bigrank train {config} --launcher local" in output, output
-    assert "leaked" not in output, output  # the stopped workers left nothing for the resource tracker to clean
-    stopped_at = latest_checkpoint(run_dir)
-    assert stopped_at is not None and not (run_dir / "checkpoints" / "step-00000600").exists()
+    assert f"bigrank train {config} --launcher local --set {SPARSE_CHECKPOINTS} --set" in output, output
+    assert "leaked" not in output and "Traceback" not in output, output
+    stopped_at = _stopped_at_boundary(output, run_dir, "SIGTERM", periodic)
+    assert f"the last complete checkpoint is {stopped_at}" in output, output
 
-    # The same command again resumes from the last complete checkpoint and finishes.
-    done = bigrank("train", config, "--launcher", "local")
+    # The same command again resumes from the final checkpoint and finishes.
+    same = ("--set", SPARSE_CHECKPOINTS, "--set", "model.layout=replicated")
+    done = bigrank("train", config, "--launcher", "local", *same)
     assert f"resuming from {stopped_at}" in done.stdout, done.stdout
     assert "steps          600 " in done.stdout, done.stdout
     assert latest_checkpoint(run_dir).name == "step-00000600"
@@ -230,14 +252,19 @@ def test_a_metrics_line_cut_short_by_a_kill_is_dropped_on_resume(tmp_path):
     assert (tmp_path / "metrics.jsonl").read_text().splitlines() == lines[:2]
 
 
-def test_ctrl_c_stops_every_worker_with_status_130(run_config, tmp_path):
+def test_ctrl_c_stops_every_worker_at_a_step_boundary_with_status_130(run_config, tmp_path):
+    """As a terminal's Ctrl+C: SIGINT to the whole foreground process group, so each worker gets it twice (from
+    the terminal and forwarded by the launcher); that is still one request to stop at a step boundary. Sharded
+    tables here (the stop requests travel in the step's all-gather), replicated ones in the SIGTERM test (in its
+    all-reduce)."""
     config, run_dir = run_config
     log = tmp_path / "interrupted.log"
-    # As a terminal's Ctrl+C: SIGINT to the whole foreground process group.
-    _stop_half_way(config, run_dir, log, lambda proc: os.killpg(proc.pid, signal.SIGINT), 130)
+    send = lambda proc: os.killpg(proc.pid, signal.SIGINT)  # noqa: E731
+    periodic = _stop_half_way(config, run_dir, log, send, 130, SPARSE_CHECKPOINTS, "model.layout=sharded")
     output = log.read_text()
     assert "bigrank train: interrupted; run the same command again to resume" in output, output
     assert "failed" not in output and "Traceback" not in output, output
+    _stopped_at_boundary(output, run_dir, "SIGINT", periodic)
 
 
 def test_a_run_dir_in_use_is_refused_naming_the_holder_until_it_ends(run_config, tmp_path):
@@ -532,3 +559,54 @@ def test_serve_ray_drains_and_exits_0_on_sigterm_leaving_no_process(tiny_export,
     output = log.read_text()
     assert "bigrank serve: SIGTERM: draining the replicas" in output and "bigrank serve: stopped in" in output, output
     assert "SIGTERM received" not in output and "Traceback" not in output, output
+
+
+@pytest.mark.slow
+@pytest.mark.filterwarnings("ignore:Using extra keyword arguments on `Field`")
+def test_serve_ray_stops_at_once_on_sigterm_during_start_up(tiny_export, tmp_path):
+    """SIGTERM while `bigrank serve --ray` deploys (serve.start / serve.run wait in ray.get, where Ray swallows any
+    exception but KeyboardInterrupt): the command stops there, exit 143, without serving and leaving no process."""
+    pytest.importorskip("ray.serve")
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    log = tmp_path / "serve-ray-start.log"
+    proc = _start_command(log, "serve", str(tiny_export), "--ray", "--port", str(port), "--replica-cpus", "0.5")
+    try:
+        _wait_for_line(proc, log, "deploying", timeout=300)  # Ray runs; Serve and the replicas start
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 143, log.read_text()
+        left = _gone_within(proc.pid, 10.0)
+        assert not left, f"processes of bigrank serve --ray still alive after SIGTERM: {left}"
+    finally:
+        _kill_group(proc.pid)
+    output = log.read_text()
+    assert "bigrank serve: stopped by SIGTERM" in output and "/recommend?user=0" not in output, output
+    assert "SIGTERM received" not in output and "Traceback" not in output, output
+
+
+def test_a_stop_at_once_leaves_graceful_stop_as_the_exception_of_its_signal():
+    """raise_in_ray (a first signal) and a second signal raise KeyboardInterrupt, the one exception Ray's blocking
+    calls let through; out of the block it is Terminated for SIGTERM, KeyboardInterrupt for SIGINT."""
+    from bigrank.errors import Terminated
+    from bigrank.signals import graceful_stop, raise_in_ray
+
+    def wait_for_the_handler():
+        for _ in range(500):  # the handler runs between two bytecodes, soon after the signal
+            time.sleep(0.01)
+        pytest.fail("the signal handler did not run")
+
+    with pytest.raises(Terminated):
+        with graceful_stop(raise_in_ray):
+            os.kill(os.getpid(), signal.SIGTERM)
+            wait_for_the_handler()
+    with pytest.raises(Terminated):
+        with graceful_stop() as stop:
+            os.kill(os.getpid(), signal.SIGTERM)
+            assert stop.event.wait(5) and stop.signum == signal.SIGTERM  # the first only records itself
+            os.kill(os.getpid(), signal.SIGTERM)
+            wait_for_the_handler()
+    with pytest.raises(KeyboardInterrupt):
+        with graceful_stop(raise_in_ray):
+            os.kill(os.getpid(), signal.SIGINT)
+            wait_for_the_handler()

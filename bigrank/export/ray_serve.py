@@ -31,7 +31,7 @@ from bigrank.export import api
 from bigrank.export.format import index_name
 from bigrank.export.recommend import Recommender
 from bigrank.export.seen import SeenItems
-from bigrank.signals import graceful_stop, raise_for, signal_name
+from bigrank.signals import graceful_stop, raise_in_ray, signal_name
 
 APP_NAME = "bigrank"
 DEPLOYMENT_NAME = "Recommend"
@@ -317,14 +317,15 @@ def run_ray_serve(args) -> int:
         search_threads=args.search_threads,
     )
     port = args.port or 8000
-    # Stopping: a signal while Ray and the application start stops at once (130 / 143); once serving, the
-    # first SIGTERM / SIGINT deletes the application the way Serve does it (each replica stops taking requests
-    # and finishes those it has, up to graceful_shutdown_timeout_s) and shuts Ray down: exit status 0.
+    # Stopping: a signal while Ray and the application start stops at once (130 / 143), also while serve.start
+    # and serve.run block in Ray (bigrank.signals.raise_in_ray); once serving, the first SIGTERM / SIGINT deletes
+    # the application the way Serve does it (each replica stops taking requests and finishes those it has, up
+    # to graceful_shutdown_timeout_s) and shuts Ray down: exit status 0.
     serving = False
 
     def on_signal(signum: int) -> None:
         if not serving:
-            raise_for(signum)
+            raise_in_ray(signum)
 
     with graceful_stop(on_signal) as stop:
         try:
@@ -333,6 +334,7 @@ def run_ray_serve(args) -> int:
                     set_ingress_environment(args.ingress)  # before Ray (and Serve's constants) start
                 start_local_ray()
                 stop.reinstall()  # ray.init's own SIGTERM handler aborts the process instead of draining
+            print(f"deploying {args.export} on Ray Serve", file=sys.stderr, flush=True)
             url = deploy(settings, args.host, port, args.address)
             replicas = f"autoscaled {settings.autoscale}" if settings.autoscale else f"{settings.replicas} replica(s)"
             index = index_name(settings.index, settings.quantize)
@@ -370,13 +372,21 @@ def start_local_ray() -> None:
 def _shut_down(owns_ray: bool) -> None:
     """Delete the application (its replicas drain) and, when this process started Ray, Serve and Ray too."""
     import ray
-    from ray import serve
 
     if not ray.is_initialized():
         return
     try:
-        serve.delete(APP_NAME)
+        from ray import serve  # imported again when a stop cut the first import short
+        from ray.serve.exceptions import RayServeException
+
+        try:
+            serve.delete(APP_NAME)
+        except RayServeException as error:
+            if "no Serve instance" not in str(error):
+                raise  # else a stop before Serve started: nothing to delete
+        finally:
+            if owns_ray:
+                serve.shutdown()
     finally:
         if owns_ray:
-            serve.shutdown()
             ray.shutdown()

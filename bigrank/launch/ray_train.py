@@ -50,7 +50,7 @@ from typing import Any
 from bigrank.config import Config
 from bigrank.errors import CommandError
 from bigrank.launch.jobs import read_auth_token
-from bigrank.signals import graceful_stop
+from bigrank.signals import graceful_stop, raise_in_ray
 
 __all__ = [
     "RayConnectionError",
@@ -243,22 +243,14 @@ def train_on_ray(config: Config, worker: Callable[[dict], dict], *, address: str
     if use_gpu:
         resources["GPU"] = config.ray.gpus_per_worker
     storage_path = config.ray.storage_path or str(Path(config.run_dir) / "ray")
-    # A signal raises KeyboardInterrupt: the one exception a blocking ray.get lets through (Ray's check_signals
-    # swallows any other); SIGTERM's becomes Terminated (exit 143) once out of Ray. Ray Train's fit() puts its
-    # own SIGINT handler in place (a graceful abort of the run), so Ctrl+C ends as Ray Train ends it.
-    with graceful_stop(_interrupt) as stop:
+    # A signal stops at once, also inside Ray's blocking calls (bigrank.signals: KeyboardInterrupt inside Ray,
+    # Terminated for SIGTERM once out of the block). Ray Train's fit() puts its own SIGINT handler in place (a
+    # graceful abort of the run), so Ctrl+C ends as Ray Train ends it.
+    with graceful_stop(raise_in_ray) as stop:
         started = time.perf_counter()
-        try:
-            owns_runtime = init_ray(config, address)
-            stop.reinstall()  # ray.init's own SIGTERM handler would exit 1 (or abort) without a word
-            return _fit(config, worker, address, storage_path, resources, use_gpu, owns_runtime, started)
-        except KeyboardInterrupt:
-            stop.raise_if_stopped()  # Terminated for SIGTERM, KeyboardInterrupt for SIGINT
-            raise
-
-
-def _interrupt(signum: int) -> None:
-    raise KeyboardInterrupt
+        owns_runtime = init_ray(config, address)
+        stop.reinstall()  # ray.init's own SIGTERM handler would exit 1 (or abort) without a word
+        return _fit(config, worker, address, storage_path, resources, use_gpu, owns_runtime, started)
 
 
 def _fit(config, worker, address, storage_path, resources, use_gpu, owns_runtime, started) -> dict[str, Any]:

@@ -5,11 +5,11 @@ Two steps, each in one place:
 1. The process, once, by the launcher that started it (the launchers differ in what they already did):
 
    * :func:`start_local_process` — a process of the local launcher (``bigrank.train.launcher``, on torch
-     elastic): it ends with its launcher (``prctl(PR_SET_PDEATHSIG)``), SIGINT and SIGTERM end it where it is
-     (see below), ``threads`` torch threads, gloo on the loopback interface, and the default process group
-     (on the store of torch elastic's agent, named by ``MASTER_ADDR``/``MASTER_PORT``, one key prefix per
-     attempt of the group) with the backend the run layer chose for the workers' devices
-     (``bigrank.devices.process_group_backend``).
+     elastic): it ends with its launcher (``prctl(PR_SET_PDEATHSIG)``), SIGINT and SIGTERM stop a training
+     loop at a step boundary and end anything else at once (see below), ``threads`` torch threads, gloo on the
+     loopback interface, and the default process group (on the store of torch elastic's agent, named by
+     ``MASTER_ADDR``/``MASTER_PORT``, one key prefix per attempt of the group) with the backend the run layer
+     chose for the workers' devices (``bigrank.devices.process_group_backend``).
    * :func:`start_ray_process` — a Ray Train worker: Ray Train has created the process group (with the same
      backend choice, ``bigrank.launch.ray_train``) and owns the actor's signals; the torch threads follow the
      CPUs Ray gave the worker.
@@ -18,13 +18,15 @@ Two steps, each in one place:
    launcher: :func:`start_worker` — the process group checked, the CPU control group, the device, the seed, the
    allocator settings and torchrec's per-step warnings silenced. The Trainer and ``load_trained_model`` call it.
 
-Signals in a local worker. SIGINT and SIGTERM keep (or get back) their default action, ending the worker at
-once: the launcher forwards the signal it got to every worker (torch elastic's agent) and reports the stop; a
-terminal's Ctrl+C reaches the workers directly too. A worker stops where it is; the run resumes from its last
-complete checkpoint (checkpoints are renamed into place only once complete). A Python handler (the default
-KeyboardInterrupt) would instead unwind through ``torch.multiprocessing``'s wrapper, which exits with status 0
-without a result, and the launcher could not tell a stop from a success. A signal the launching command
-ignores (a shell's background job ignores SIGINT) stays ignored in its workers and is not forwarded.
+Signals in a local worker. While a training loop runs, SIGINT and SIGTERM only ask it to stop: every rank
+records the request, the ranks agree on the step to stop at inside a collective the step makes anyway, write a
+final checkpoint there and raise :class:`~bigrank.signals.Stopped` (``bigrank.signals.step_boundaries``,
+``bigrank.train.trainer``). Elsewhere (start-up, evaluation, export) they keep their default action, ending the
+worker at once; a run resumes from its last complete checkpoint (checkpoints are renamed into place only once
+complete). The launcher forwards the signal it got to every worker, SIGKILLs them when they are not done within
+its grace period or at a second signal, and reports the stop. A Python KeyboardInterrupt would instead unwind
+through ``torch.multiprocessing``'s wrapper, which exits with status 0 without a result. A signal the launching
+command ignores (a shell's background job ignores SIGINT) stays ignored in its workers and is not forwarded.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ import datetime
 import logging
 import os
 import signal
+import socket
 import sys
 import warnings
 from dataclasses import dataclass
@@ -40,9 +43,12 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from bigrank.signals import defer_stop_signals
+
 __all__ = [
     "PROCESS_GROUP_TIMEOUT",
     "Worker",
+    "loopback_store",
     "require_process_group",
     "silence_torchrec_step_warnings",
     "start_local_process",
@@ -53,6 +59,7 @@ __all__ = [
 # A collective that waits longer than this fails (a peer hung): long enough for a slow checkpoint or evaluation.
 PROCESS_GROUP_TIMEOUT = datetime.timedelta(minutes=30)
 _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+_LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
 
 @dataclass(frozen=True)
@@ -73,16 +80,23 @@ def start_local_process(backend: str = "gloo", threads: int | None = None, paren
     """
     if parent_pid is not None:
         _exit_with_parent(parent_pid)
-    for signum in (signal.SIGINT, signal.SIGTERM):
-        if signal.getsignal(signum) is not signal.SIG_IGN:  # ignored by the caller (a background job): kept so
-            signal.signal(signum, signal.SIG_DFL)
+    defer_stop_signals()  # SIGINT/SIGTERM wait for a training loop's step boundary (a signal ignored stays so)
     if threads is not None:
         torch.set_num_threads(max(1, threads))
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # one machine: gloo's sockets stay on the loopback
     if dist.is_initialized():
         return
+    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
-        dist.init_process_group(backend, init_method="env://", timeout=PROCESS_GROUP_TIMEOUT)
+        # The group's store, on rank 0 (bigrank.train.launcher has torch elastic's agent keep none for the
+        # workers): on a loopback address it listens there only; torch's own TCPStore server listens on every
+        # interface whatever its host name.
+        address, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+        if rank == 0 and address in _LOOPBACK:
+            store = loopback_store(port, PROCESS_GROUP_TIMEOUT, address)
+        else:
+            store = dist.TCPStore(address, port, is_master=rank == 0, timeout=PROCESS_GROUP_TIMEOUT)
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=PROCESS_GROUP_TIMEOUT)
         return
     # torch elastic's agent hosts one store for every attempt of the group; env:// would use it unprefixed, and a
     # restarted group then reads the previous attempt's addresses and fails to connect (torch issue #135712).
@@ -93,10 +107,28 @@ def start_local_process(backend: str = "gloo", threads: int | None = None, paren
     dist.init_process_group(
         backend,
         store=dist.PrefixStore(f"bigrank/attempt-{attempt}", agent_store),
-        rank=int(os.environ["RANK"]),
-        world_size=int(os.environ["WORLD_SIZE"]),
+        rank=rank,
+        world_size=world_size,
         timeout=PROCESS_GROUP_TIMEOUT,
     )
+
+
+def loopback_store(port: int, timeout: datetime.timedelta, address: str = "127.0.0.1") -> dist.TCPStore:
+    """A TCPStore server listening on ``address:port`` only (``port`` 0: a free one). torch's TCPStore binds its
+    server to every interface whatever ``host_name`` says; handed a socket already bound (``master_listen_fd``),
+    it listens on that one."""
+    family = socket.AF_INET6 if ":" in address else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((address, port))
+        sock.listen(socket.SOMAXCONN)
+        port = sock.getsockname()[1]
+    except OSError:
+        sock.close()
+        raise
+    # The store owns the descriptor from here on (detach: Python's socket object would close it when collected).
+    return dist.TCPStore(address, port, is_master=True, timeout=timeout, master_listen_fd=sock.detach())
 
 
 def start_ray_process() -> None:
@@ -175,8 +207,10 @@ def require_process_group():
 
 
 def _exit_with_parent(parent_pid: int) -> None:
-    """Have the kernel send this process SIGTERM when its parent dies (Linux ``prctl(PR_SET_PDEATHSIG)``), so
-    the workers of a launcher killed without clean-up (SIGKILL, the OOM killer) do not train on as orphans.
+    """Have the kernel SIGKILL this process when its parent dies (Linux ``prctl(PR_SET_PDEATHSIG)``), so the
+    workers of a launcher killed without clean-up (SIGKILL, the OOM killer) do not train on as orphans. SIGKILL,
+    not SIGTERM: a training worker takes SIGTERM as a request to stop at its next step boundary, and without
+    the launcher nothing would bound how long that takes.
     Exits at once when the parent is already gone (it died while this process started). Elsewhere than on
     Linux: nothing."""
     if not sys.platform.startswith("linux"):
@@ -185,7 +219,7 @@ def _exit_with_parent(parent_pid: int) -> None:
 
     try:
         libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(_PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0)
+        libc.prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
     except (OSError, AttributeError):  # no prctl in this libc: the launcher's own clean-up still applies
         return
     if os.getppid() != parent_pid:

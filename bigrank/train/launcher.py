@@ -2,7 +2,9 @@
 
 ``launch_local(fn, world_size, args)`` runs ``fn(*args)`` in ``world_size`` processes started by torch elastic's
 agent (``torch.distributed.launcher.api.elastic_launch``, what ``torchrun --standalone`` runs: spawned
-processes, a c10d rendezvous on a free port of 127.0.0.1, ``max_restarts`` restarts of the whole group). Each
+processes, a c10d rendezvous on a free port of 127.0.0.1, ``max_restarts`` restarts of the whole group). Its
+rendezvous store and the workers' group store listen on 127.0.0.1 only (torch's TCPStore server would listen on
+every interface: :func:`_loopback_rendezvous`, ``bigrank.train.bootstrap.loopback_store``). Each
 process is set up by ``bigrank.train.bootstrap.start_local_process`` (process group, threads, signals) before
 ``fn`` runs, and the per-rank results come back. When any rank raises or dies (even by ``os._exit``), the
 agent stops the others at once (they would otherwise wait forever in a collective) and, once the restarts are
@@ -10,14 +12,18 @@ spent, :class:`WorkerError` is raised naming the rank that caused it, with its t
 this module on clusters; the worker functions (``bigrank.train.workers``) are the same.
 
 Stopping, as torchrun and Kubernetes do it. SIGINT (Ctrl+C) or SIGTERM (``kill``, a pod's deletion) to the
-launching process: the agent forwards the signal to every worker, waits up to ``stop_grace`` seconds for them
-to exit and SIGKILLs what is left; then :func:`launch_local` raises KeyboardInterrupt (SIGINT) or
-:class:`~bigrank.errors.Terminated` (SIGTERM). The workers end at the signal where they are (the bootstrap keeps
-its default action), and the run resumes from its last complete checkpoint. A launching process that dies
-without running any handler (SIGKILL, the OOM killer) takes its workers with it: on Linux each worker asks the
-kernel for SIGTERM when its parent dies (``prctl(PR_SET_PDEATHSIG)``). Signal handlers are those of the caller
-again when :func:`launch_local` returns or raises. Off the main thread (a tune trial's training thread) Python
-takes no signals: the caller's own shutdown (the end of its process) stops the workers.
+launching process: the launcher forwards the signal to every worker, SIGKILLs those still running ``stop_grace``
+seconds later, and raises KeyboardInterrupt (SIGINT) or :class:`~bigrank.errors.Terminated` (SIGTERM) once the
+workers are gone. A training worker stops at its next step boundary, all ranks at the same step, after writing a
+final checkpoint (``bigrank.signals.step_boundaries``); any other job ends at once. A second signal SIGKILLs the
+workers at once. The launcher, not torch elastic's agent, takes the signals (the agent is given none): the
+agent would wait its whole ``shutdown_timeout`` after a second signal, and only the launching process sees each
+signal once (a terminal's Ctrl+C, systemd's SIGTERM reach the workers directly too, so the workers cannot count
+them). Workers the agent starts after the signal (a restart) end at once, before their job. A launching process
+that dies without running any handler (SIGKILL, the OOM killer) takes its workers with it: on Linux each worker
+asks the kernel for SIGKILL when its parent dies (``prctl(PR_SET_PDEATHSIG)``). Signal handlers are those of the
+caller again when :func:`launch_local` returns or raises. Off the main thread (a tune trial's training thread)
+Python takes no signals: the caller's own shutdown (the end of its process) stops the workers.
 
 torch elastic's own log lines (its agent's start-up, "closing process" and failure reports) are kept quiet:
 bigrank reports a failure once, as :class:`WorkerError`. Set ``LOGLEVEL`` (torch elastic's variable) to see them.
@@ -26,6 +32,8 @@ bigrank reports a failure once, as :class:`WorkerError`. Set ``LOGLEVEL`` (torch
 from __future__ import annotations
 
 import contextlib
+import datetime
+import gc
 import json
 import logging
 import multiprocessing
@@ -42,17 +50,22 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from bigrank.errors import Terminated
+from bigrank.signals import STOP_SIGNALS, Stopped, stop_exception
 
 __all__ = ["STOP_GRACE_SECONDS", "WorkerError", "free_port", "launch_local"]
 
 # Seconds the workers get to exit after SIGTERM before they are SIGKILLed: shorter than the 30 s a Kubernetes pod
 # gets before its own SIGKILL (terminationGracePeriodSeconds), so the launcher finishes its clean-up in time.
 STOP_GRACE_SECONDS = 10
-# The signals torch elastic's agent forwards to the workers (others keep the caller's handling), unless the
-# caller ignores them (a shell's background job ignores SIGINT).
-_FORWARDED = (signal.SIGTERM, signal.SIGINT)
+# Worker files in the launch's reports directory: the stop request (the signal's number), each worker's pid.
+_STOP_FILE = "stop"
+_PID_FILES = "pid-*"
 _ELASTIC_LOGGERS = ("torch.distributed.elastic", "torch.distributed.launcher", "torch.multiprocessing")
+_SIGNALS_ENV = "TORCHELASTIC_SIGNALS_TO_HANDLE"
+# The agent keeps no store of its own for the workers (it would listen on every interface): rank 0 hosts the
+# group's store on the loopback (bigrank.train.bootstrap.start_local_process), a fresh one each attempt.
+_ELASTIC_ENV = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+_RENDEZVOUS = "bigrank-loopback"
 
 
 class WorkerError(RuntimeError):
@@ -115,43 +128,58 @@ def launch_local(
     workdir = Path(tempfile.mkdtemp(prefix="bigrank-launch-"))
     reports = workdir / "reports"
     reports.mkdir()
+    stop = _StopForwarder(reports, stop_grace)
     config = LaunchConfig(
         min_nodes=1,
         max_nodes=1,
         nproc_per_node=world_size,
         run_id=f"bigrank-{uuid.uuid4().hex[:12]}",
-        rdzv_backend="c10d",
+        rdzv_backend=_register_loopback_rendezvous(),
         rdzv_endpoint=f"127.0.0.1:{free_port()}",
         local_addr="127.0.0.1",
         max_restarts=max_restarts,
         monitor_interval=0.1,
         start_method="spawn",
         logs_specs=DefaultLogsSpecs(log_dir=str(workdir / "elastic")),
-        signals_to_handle=",".join(sig.name for sig in _forwarded(main_thread)),
+        signals_to_handle="",  # the launcher takes them (_StopForwarder); the agent logs that it got none
         shutdown_timeout=int(stop_grace),
     )
     entry = (fn, tuple(args), backend, threads, os.getpid(), str(reports))
     before = set(multiprocessing.active_children())
     try:
-        with _caller_signals(main_thread, timeout), _quiet_elastic_logs():
+        with _caller_signals(main_thread, timeout, stop), _quiet_elastic_logs():
             results = elastic_launch(config, _run_rank)(*entry)
-        return [results[rank] for rank in range(world_size)]
     except ChildFailedError as failed:
+        if stop.signum is not None:  # workers ended by the signal (or SIGKILLed after the grace period)
+            raise stop_exception(stop.signum) from None
         raise _cause(failed, reports, world_size) from None
-    except SignalException as stop:
-        raise (KeyboardInterrupt() if stop.sigval == signal.SIGINT else Terminated(int(stop.sigval))) from None
+    except SignalException as signalled:  # not handled by the agent (signals_to_handle); kept for safety
+        raise stop_exception(int(signalled.sigval)) from None
     finally:
+        stop.cancel()
         _reap(before)
         shutil.rmtree(workdir, ignore_errors=True)
+    stopped = [result.signum for result in results.values() if isinstance(result, _StoppedResult)]
+    if stop.signum is not None or stopped:  # a signal to the launcher, or to the workers alone
+        raise stop_exception(stop.signum if stop.signum is not None else stopped[0])
+    return [results[rank] for rank in range(world_size)]
 
 
 # ------------------------------------------------------------------------------------------ in each worker
+class _StoppedResult:
+    """A worker's result when a signal stopped its job (:class:`~bigrank.signals.Stopped`) or came before it."""
+
+    def __init__(self, signum: int):
+        self.signum = signum
+
+
 def _run_rank(fn, args: tuple, backend: str, threads: int, parent_pid: int, reports: str):
     """What each process runs (under torch elastic's ``record`` wrapper): the bootstrap, then ``fn(*args)``.
 
     A failure is written to ``reports`` (type, message, traceback) before the process group is torn down (the
     teardown makes the peers fail with connection errors; the launcher must find the cause first), then the
-    process exits with status 1.
+    process exits with status 1. A job stopped by a signal (:class:`~bigrank.signals.Stopped`), or a process
+    started after the launcher got one (a restart), returns a :class:`_StoppedResult`.
     """
     import torch.distributed as dist
 
@@ -160,7 +188,14 @@ def _run_rank(fn, args: tuple, backend: str, threads: int, parent_pid: int, repo
     failed = False
     try:
         start_local_process(backend, threads, parent_pid)
-        result = fn(*args)
+        # The pid first, the stop request then (the launcher writes them the other way round): a worker either is
+        # signalled by the launcher or finds the request here.
+        rank = os.environ["RANK"]
+        (Path(reports) / f"pid-{rank}-{os.getpid()}").touch()
+        requested = Path(reports) / _STOP_FILE
+        result = _StoppedResult(int(requested.read_text())) if requested.exists() else fn(*args)
+    except Stopped as stopped:
+        result = _StoppedResult(stopped.signum)
     except BaseException as error:  # noqa: BLE001 - report anything (SystemExit included) to the launcher
         _write_report(Path(reports), error)
         failed = True
@@ -171,6 +206,10 @@ def _run_rank(fn, args: tuple, backend: str, threads: int, parent_pid: int, repo
             pass
     if failed:
         sys.exit(1)
+    # The process ends once the launcher has read the result: the collection of its whole heap at interpreter exit
+    # would only delay that (seconds for a trainer's heap on a busy machine: the stop's deadline). Frozen
+    # objects are left to the OS; files are closed by their owners and by module teardown as before.
+    gc.freeze()
     return result
 
 
@@ -228,31 +267,63 @@ def _is_connection_error(error: WorkerError) -> bool:
     return "connection" in text or "gloo/transport" in text or "broken pipe" in text
 
 
-def _forwarded(main_thread: bool) -> list[signal.Signals]:
-    """The signals torch elastic's agent takes and forwards: SIGTERM and SIGINT, less those the caller ignores."""
-    if not main_thread:
-        return list(_FORWARDED)  # no handlers off the main thread: torch elastic installs none either
-    return [signum for signum in _FORWARDED if signal.getsignal(signum) is not signal.SIG_IGN]
+class _StopForwarder:
+    """The launcher's SIGINT/SIGTERM handler while the workers run: the first signal is recorded (``signum``),
+    written to the reports directory (a worker that starts later stops at once) and forwarded to every worker,
+    whose pids are in that directory; the workers still alive ``grace`` seconds later are SIGKILLed. A second
+    signal SIGKILLs them at once and raises (:func:`~bigrank.signals.stop_exception` of the first)."""
+
+    def __init__(self, reports: Path, grace: float):
+        self.reports, self.grace = reports, grace
+        self.signum: int | None = None
+        self._timer: threading.Timer | None = None
+
+    def handle(self, signum, frame) -> None:
+        if self.signum is not None:
+            self.kill()
+            raise stop_exception(self.signum)
+        self.signum = signum
+        requested = self.reports / _STOP_FILE
+        requested.with_suffix(".tmp").write_text(str(int(signum)))
+        requested.with_suffix(".tmp").replace(requested)
+        self._send(signum)
+        self._timer = threading.Timer(self.grace, self.kill)
+        self._timer.daemon = True
+        self._timer.start()
+
+    def kill(self) -> None:
+        self._send(signal.SIGKILL)
+
+    def cancel(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+
+    def _send(self, signum: int) -> None:
+        for path in self.reports.glob(_PID_FILES):
+            try:
+                os.kill(int(path.name.rsplit("-", 1)[1]), signum)
+            except (ProcessLookupError, PermissionError):  # ended meanwhile
+                pass
 
 
 @contextlib.contextmanager
-def _caller_signals(main_thread: bool, timeout: float | None) -> Iterator[None]:
-    """While the workers run (on the main thread; off it Python takes no signals): SIGTERM raises Terminated
-    until torch elastic's agent installs its own handlers (it forwards SIGINT/SIGTERM to the workers once they
-    exist); SIGALRM after ``timeout`` seconds raises TimeoutError. Afterwards the caller's handlers (and
-    ``TORCHELASTIC_SIGNALS_TO_HANDLE``) are back."""
-    variable = os.environ.get("TORCHELASTIC_SIGNALS_TO_HANDLE")  # launch_agent sets it for the whole process
-    signums = (signal.SIGINT, signal.SIGTERM, signal.SIGALRM) if main_thread else ()
+def _caller_signals(main_thread: bool, timeout: float | None, stop: _StopForwarder) -> Iterator[None]:
+    """While the workers run (on the main thread; off it Python takes no signals): SIGINT and SIGTERM go to
+    ``stop`` (unless the caller ignores them: a shell's background job ignores SIGINT); SIGALRM after ``timeout``
+    seconds raises TimeoutError; torch elastic's agent reads ``_ELASTIC_ENV``. Afterwards the caller's handlers
+    and environment (``TORCHELASTIC_SIGNALS_TO_HANDLE`` too, which torch elastic sets for the whole process)
+    are back."""
+    saved = {name: os.environ.get(name) for name in (*_ELASTIC_ENV, _SIGNALS_ENV)}
+    os.environ.update(_ELASTIC_ENV)
+    signums = (*STOP_SIGNALS, signal.SIGALRM) if main_thread else ()
     previous = {signum: signal.getsignal(signum) for signum in signums}
 
     def alarm(signum, frame):
         raise TimeoutError(f"workers did not finish within {timeout} s")
 
-    def terminated(signum, frame):
-        raise Terminated(signum)
-
-    if main_thread and previous[signal.SIGTERM] is not signal.SIG_IGN:
-        signal.signal(signal.SIGTERM, terminated)
+    for signum in STOP_SIGNALS if main_thread else ():
+        if previous[signum] is not signal.SIG_IGN:
+            signal.signal(signum, stop.handle)
     if main_thread and timeout is not None:
         signal.signal(signal.SIGALRM, alarm)
         signal.setitimer(signal.ITIMER_REAL, timeout)
@@ -263,10 +334,38 @@ def _caller_signals(main_thread: bool, timeout: float | None) -> Iterator[None]:
             signal.setitimer(signal.ITIMER_REAL, 0)
         for signum, handler in previous.items():
             signal.signal(signum, handler if handler is not None else signal.SIG_DFL)
-        if variable is None:
-            os.environ.pop("TORCHELASTIC_SIGNALS_TO_HANDLE", None)
-        else:
-            os.environ["TORCHELASTIC_SIGNALS_TO_HANDLE"] = variable
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
+def _loopback_rendezvous(params):
+    """torch elastic's c10d rendezvous (``torchrun --standalone``'s) on a store that listens on the endpoint's
+    loopback address only: torch's own c10d backend creates a TCPStore server, which listens on every interface."""
+    from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRendezvousBackend
+    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import create_handler
+    from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
+
+    from bigrank.train.bootstrap import loopback_store
+
+    class LoopbackBackend(C10dRendezvousBackend):
+        @property
+        def name(self) -> str:  # the registry checks that the handler's backend has the requested name
+            return _RENDEZVOUS
+
+    host, port = parse_rendezvous_endpoint(params.endpoint, default_port=0)
+    store = loopback_store(port, datetime.timedelta(seconds=params.get_as_int("read_timeout", 60)), host)
+    return create_handler(store, LoopbackBackend(store, params.run_id), params)
+
+
+def _register_loopback_rendezvous() -> str:
+    """The name of :func:`_loopback_rendezvous` in torch elastic's rendezvous registry (registered once)."""
+    from torch.distributed.elastic.rendezvous import rendezvous_handler_registry
+
+    rendezvous_handler_registry.register(_RENDEZVOUS, _loopback_rendezvous)  # the same creator again: no-op
+    return _RENDEZVOUS
 
 
 @contextlib.contextmanager

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import math
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -51,6 +52,7 @@ from bigrank.records import (
     truncate_metrics,
     write_eval_json,
 )
+from bigrank.signals import Stopped, signal_name, step_boundaries
 from bigrank.train.bootstrap import start_worker
 from bigrank.train.checkpoint import Checkpointer, latest_checkpoint, model_identity, remove_partial_checkpoints
 from bigrank.train.evaluator import Evaluator
@@ -63,6 +65,11 @@ from bigrank.train.schedule import LearningRateSchedule
 from bigrank.train.state import CatalogState, LossState, RNGState, StreamState, TowerState, TrainState
 
 __all__ = ["RunLog", "Trainer", "as_config"]
+
+# The sharded step's stop flag travels in the all-gathered item ids: bit 62 of a rank's ids (an item id is < 2**31,
+# the padding -1) says that this rank has a stop request, so every rank reads every rank's request in the one
+# collective the step makes anyway, at no extra byte.
+_STOP_BIT = 1 << 62
 
 
 def as_config(config: Config | dict) -> Config:
@@ -124,6 +131,11 @@ class Trainer:
     :class:`~bigrank.data.manifest.DatasetManifest` when the caller has read it (default: read here, once); the
     model, the stream, the item counts and the evaluator all take it from here.
     """
+
+    # A stop request (bigrank.signals.step_boundaries) while train() runs, and whether this step's collective
+    # carried one from any rank: then every rank stops after this step.
+    stop_request = None
+    stopping = False
 
     def __init__(self, config: Config | dict, manifest: DatasetManifest | None = None):
         from bigrank.model.sharding import format_plan, write_plan
@@ -239,30 +251,34 @@ class Trainer:
         progress = self._progress_bar()
         window, examples, train_seconds = _Window(), 0, 0.0
         tick = time.perf_counter()
-        try:
-            while not self.finished():
-                epoch = self.stream.epoch
-                for batch in self.stream:
-                    loss, rows = self.train_step(batch)
-                    seconds = time.perf_counter() - tick
-                    window.add(loss, seconds)
-                    examples, train_seconds = examples + rows, train_seconds + seconds
-                    epoch_end, last = self.stream.epoch != epoch, self.finished()
-                    if self.state.step % self.config.train.log_every == 0 or last:
-                        self._log_train(window, progress)
-                        window = _Window()
-                    progress.update(1)
-                    if self.evaluator.due(self.stream.epoch, epoch_end=epoch_end, last=last):
-                        self._evaluate_during_training()
-                    if self.checkpointer.due(self.state.step, epoch_end=epoch_end, last=last):
-                        self.save_checkpoint()
-                    if last:
-                        break
-                    tick = time.perf_counter()
-            if self.checkpointer.last is None or self.checkpointer.last.name != f"step-{self.state.step:08d}":
-                self.save_checkpoint()
-        finally:
-            progress.close()
+        # SIGINT/SIGTERM wait for a step boundary (local workers); the ranks agree on it in train_step.
+        with step_boundaries() as self.stop_request:
+            try:
+                while not self.finished():
+                    epoch = self.stream.epoch
+                    for batch in self.stream:
+                        loss, rows = self.train_step(batch)
+                        seconds = time.perf_counter() - tick
+                        window.add(loss, seconds)
+                        examples, train_seconds = examples + rows, train_seconds + seconds
+                        epoch_end, last = self.stream.epoch != epoch, self.finished()
+                        if self.state.step % self.config.train.log_every == 0 or last:
+                            self._log_train(window, progress)
+                            window = _Window()
+                        progress.update(1)
+                        if self.stopping:  # every rank at the same step
+                            self._stop_at_boundary()
+                        if self.evaluator.due(self.stream.epoch, epoch_end=epoch_end, last=last):
+                            self._evaluate_during_training()
+                        if self.checkpointer.due(self.state.step, epoch_end=epoch_end, last=last):
+                            self.save_checkpoint()
+                        if last:
+                            break
+                        tick = time.perf_counter()
+                if self.checkpointer.last is None or self.checkpointer.last.name != f"step-{self.state.step:08d}":
+                    self.save_checkpoint()
+            finally:
+                progress.close()
         final_eval = self._final_evaluation(examples)
         self.log.close()
         dist.barrier(self.group)
@@ -309,7 +325,8 @@ class Trainer:
             summed = self.replicas.reduce(touched, stats)
             scale = 1.0
             if stats is not None:  # the shares were taken of the nominal batch: rescale to the real one
-                total_loss, total_rows = summed.tolist()
+                total_loss, total_rows, stops = summed.tolist()
+                self.stopping = stops > 0
                 value, scale, rows = total_loss / max(total_rows, 1), rows / max(total_rows, 1), int(total_rows)
                 self._check_finite(value)
             self.replicas.apply(scale)
@@ -359,9 +376,10 @@ class Trainer:
         (the shares of all ranks add up to the global loss, so their gradients add up to its gradient),
         ``value`` the global mean and ``rows`` the global batch's rows. The loss sum and row count cross ranks
         once so that every rank sees the same value (and the same NaN): folded into the gradient all-reduce
-        after backward when nothing is updated inside backward (``stats`` float32[2] is then this rank's
-        ``[sum, rows]``, ``share`` is taken of the nominal batch and ``value`` is None until the sum arrives),
-        else in a small all-reduce before backward (``stats`` None)."""
+        after backward when nothing is updated inside backward (``stats`` float32[3] is then this rank's
+        ``[sum, rows, stop request]``, ``share`` is taken of the nominal batch and ``value`` is None until the
+        sum arrives), else in a small all-reduce before backward (``stats`` None). Either way the ranks' stop
+        requests travel summed beside the loss and set :attr:`stopping`."""
         rows = items.numel()
         if rows:
             positives = None if self.user_positives is None else self.user_positives[users].to(self.device)
@@ -379,21 +397,31 @@ class Trainer:
             local_sum = local_vectors.sum() * 0.0
         if self.config.debug.nan_at_step == self.state.step + 1:
             local_sum = local_sum * float("nan")
-        totals = torch.stack([local_sum.detach().float(), torch.tensor(float(rows), device=self.device)])
+        # [sum, rows, stop requests]: the ranks' stop requests are summed with the loss (see train()).
+        counts = torch.tensor([float(rows), float(self._stop_requested())], device=self.device)
+        totals = torch.cat([local_sum.detach().float().reshape(1), counts])
         if self.replicas.folds_loss:
             nominal = self.config.train.batch_size
             return local_sum / nominal, None, nominal, totals
-        total_loss, total_rows = all_reduce_no_grad(totals.double(), self.group).tolist()
+        total_loss, total_rows, stops = all_reduce_no_grad(totals.double(), self.group).tolist()
+        self.stopping = stops > 0
         total_rows = max(int(total_rows), 1)
         return local_sum / total_rows, total_loss / total_rows, total_rows, None
 
     def _gather_batch(self, local_vectors: torch.Tensor, items: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The global batch's user vectors float[B', d] and positives int64[B'] in one all-gather (each rank's
-        rows padded to the local batch: the last batch of an epoch can be smaller, even empty)."""
+        rows padded to the local batch: the last batch of an epoch can be smaller, even empty). Sets
+        :attr:`stopping` when any rank's ids carry its stop request (``_STOP_BIT``)."""
+        if self._stop_requested():
+            items = items.to(torch.int64) | _STOP_BIT
         vectors, target = all_gather_rows_with_ids(local_vectors, items, self.local_batch, self.group)
-        valid = target >= 0
-        if bool(valid.all()):
+        low, high = torch.stack(torch.aminmax(target)).tolist()  # one device-to-host read for both checks
+        self.stopping = high >= _STOP_BIT
+        if self.stopping:
+            target = torch.where(target >= _STOP_BIT, target - _STOP_BIT, target)
+        if low >= 0:
             return vectors, target
+        valid = target >= 0
         return vectors[valid], target[valid]
 
     def _gather_positives(self, users: torch.Tensor) -> torch.Tensor | None:
@@ -405,6 +433,22 @@ class Trainer:
         local[: users.numel()] = self.user_positives[users.to(torch.int64)]
         gathered = all_gather_replicated(local.to(self.device), self.group)
         return gathered[gathered >= 0]
+
+    def _stop_requested(self) -> bool:
+        """Whether a signal asked this rank to stop (the ranks then agree on the step in its collective)."""
+        return self.stop_request is not None and self.stop_request.signum is not None
+
+    def _stop_at_boundary(self) -> None:
+        """Every rank, at the step boundary they agreed on: write the final checkpoint (unless this step's is
+        written) and raise :class:`~bigrank.signals.Stopped` (the local launcher reports the stop). A rank whose
+        peers got the signal but not itself stops as by SIGTERM."""
+        last = self.checkpointer.last
+        path = last if last is not None and last.name == f"step-{self.state.step:08d}" else self.save_checkpoint()
+        signum = self.stop_request.signum if self._stop_requested() else signal.SIGTERM
+        if self.rank == 0:
+            print(f"stopped by {signal_name(signum)} at step {self.state.step}: checkpoint {path}", flush=True)
+        self.log.close()
+        raise Stopped(signum)
 
     def finished(self) -> bool:
         max_steps = self.config.train.max_steps

@@ -34,7 +34,7 @@ from bigrank.launch.tune.space import (
     validate_space,
 )
 from bigrank.launch.tune.trial import bigrank_trial
-from bigrank.signals import graceful_stop, raise_for, signal_name
+from bigrank.signals import graceful_stop, raise_in_ray, signal_name
 
 
 def base_point(space: SearchSpace, base: dict) -> dict | None:
@@ -221,8 +221,8 @@ def _end_tune_run(signum: int) -> None:
     """The first SIGINT/SIGTERM of a search: Tune's own graceful end (the handler it installs for SIGUSR1 and,
     unless disabled, SIGINT while ``Tuner.fit`` runs), or a plain stop before Tune runs."""
     tune_handler = signal.getsignal(signal.SIGUSR1)
-    if not callable(tune_handler):  # Tune is not running (yet, or any more)
-        raise_for(signum)
+    if not callable(tune_handler):  # Tune is not running (yet, or any more): stop now, also inside ray.init
+        raise_in_ray(signum)
     print(
         f"{signal_name(signum)}: ending the search; Ray Tune saves its state and stops the running trials "
         "(again to stop at once)",
