@@ -15,9 +15,21 @@ same run of this script, so that the figure does not depend on how busy the mach
     .venv/bin/python -m benchmarks.bench_evaluate_command [--data /work/data/ml1b] [--steps 24] [--keep RUN]
 
 Measured 2026-11-25 (2 cores, load 2): step 0.158 s; evaluate 48.2 s certified bf16 (305 steps), 48.6 s fp32
-(308 steps), identical metrics: above the 150-step target (the issue's first figure: 92 s = 444 steps). The
-ranking is not what costs here (bf16 saves under 1 %); where the rest goes (start-up, loading, exclusions) is
-not profiled yet.
+(308 steps), identical metrics: above the 150-step target (the issue's first figure: 92 s = 444 steps).
+
+Profiled 2026-11-26 (py-spy ``record --subprocesses --idle`` of the command on a kept run, an AMD EPYC VM, 2 cores
+shared with other jobs): each worker spent ~40 % of its time reading the dataset (every rank read all of train's
+~800M rows to find the 10K users' train items, and numpy 2.4's ``np.unique`` of the pairs found cost an eighth of
+that), ~45 % ranking (the fp32 GEMM and candidate selection; the "certified bf16" run ran the fp32 path too:
+``rescoring_is_exact`` was False on this CPU, whose MKL ``bmm`` differs from its GEMM in the last bit), ~7 %
+imports (torch, torchrec), ~4 % building the model and loading the checkpoint. Since then the ranks read
+disjoint shares of the files and exchange the pairs (``bigrank.train.evaluate``), and the candidates are rescored
+by the GEMM itself where ``bmm`` differs (``bigrank.model.topk``). Same kept run, same metrics to the last digit,
+main's code and this version's alternated from the same working directory (same CPU share) on that VM at load 4-9
+(absolute times are not comparable with the figures above): main 159.6 s and 67.1 s wall, 99.6 s and 103.2 s CPU
+(user + sys of the process tree); this version 45.9 s and 38.7 s wall, 73.9 s and 66.2 s CPU. The step times of
+this script's own runs at that load (0.175 s, then 2.8 s) were too unsteady for a figure in steps: to be measured
+on a quiet machine.
 """
 
 from __future__ import annotations

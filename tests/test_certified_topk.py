@@ -81,6 +81,35 @@ def test_rescoring_gives_the_bits_of_the_gemm(dim):
         assert torch.equal(rescore(users[:rows], items, columns), full[:rows].gather(1, columns))
 
 
+def test_a_bmm_with_other_bits_leaves_the_rescoring_to_the_gemm(monkeypatch):
+    """Where ``bmm`` gives other bits than the GEMM (MKL on an AMD EPYC does), the candidates are rescored by
+    the GEMM itself and the certified path still runs, with the fp32 answer."""
+
+    bmm = topk_module._rescore_bmm
+
+    def last_bit_off(*args, **kwargs):  # what such a BLAS does: the same products, another rounding
+        scores = bmm(*args, **kwargs)
+        return torch.nextafter(scores, torch.full_like(scores, float("inf")))
+
+    monkeypatch.setattr(topk_module, "_rescore_bmm", last_bit_off)
+    topk_module._rescoring_kernel.cache_clear()
+    try:
+        dim = 24
+        assert topk_module._rescoring_kernel(dim, torch.get_num_threads()) == "gemm" and rescoring_is_exact(dim)
+        users, items = gaussian((40, dim), 5), gaussian((3000, dim), 6)
+        full = exact_scores(users, items)
+        columns = torch.randint(0, 3000, (37, 900), generator=torch.Generator().manual_seed(7))
+        assert torch.equal(rescore(users[:37], items, columns), full[:37].gather(1, columns))
+        stats = TopKStats()
+        got = exact_topk(users, TopKCatalog.build(items), 20, stats=stats)
+        assert_same(got, brute_force(users, items, 20))
+        if cpu_bf16_gemm():
+            assert stats.bf16_rows == users.shape[0] and stats.rescored > 0
+    finally:
+        monkeypatch.undo()
+        topk_module._rescoring_kernel.cache_clear()
+
+
 # ------------------------------------------------------------------------------------------------ the bound
 def worst_case_rounding(rows: int, dim: int, seed: int) -> torch.Tensor:
     """Positive entries 2^e (1 + 2^-8 - 2^-20): just below a bf16 rounding midpoint, so each loses ~2^-8 of

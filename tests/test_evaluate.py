@@ -10,9 +10,11 @@ import torch
 import torch.distributed as dist
 
 from bigrank.data import manifest as layout
+from bigrank.data.stream import iter_row_groups
 from bigrank.model.catalog import CatalogShard
 from bigrank.train.evaluate import (
     evaluate_model,
+    evaluation_data,
     evaluation_users,
     format_eval_table,
     ranked_batches,
@@ -82,7 +84,7 @@ def embedding_fn(user_table, group, calls: list):
     return user_vectors
 
 
-def _evaluate_body(rank, world_size, group, root, user_table, item_table, sample):
+def _evaluate_body(rank, world_size, group, root, user_table, item_table, sample, bad_root):
     shard = make_shard(item_table, group)
     calls: list[int] = []
     fn = embedding_fn(user_table, group, calls)
@@ -98,7 +100,26 @@ def _evaluate_body(rank, world_size, group, root, user_table, item_table, sample
     results["uneven"] = evaluate_model(fn, uneven, root, "valid", KS, group=group, batch_size=7)
     users = evaluation_users(root, "valid")
     ranked = [top.numpy() for _, _, top in ranked_batches(fn, shard, root, users, NUM_ITEMS, group=group)]
-    return {"results": results, "ranked": np.concatenate(ranked), "users": users, "calls": calls}
+    # The ranks read disjoint row groups: each rank's data equals what one process reading every file finds.
+    shared = evaluation_data(root, "test", (shard.start, shard.stop), sample_users=9, group=group)
+    alone = evaluation_data(root, "test", (shard.start, shard.stop), sample_users=9)
+    arrays = [(data.users, *data.relevant, *data.excluded) for data in (shared, alone)]
+    same_data = all(np.array_equal(a, b) for a, b in zip(*arrays, strict=True))
+    # A bad file only rank 0 reads: rank 0 raises its error, rank 1 a ValueError quoting it (none waits forever).
+    try:
+        evaluation_data(bad_root, "valid", (shard.start, shard.stop), group=group)
+        error = None
+    except ValueError as caught:
+        error = str(caught)
+    return {
+        "results": results,
+        "ranked": np.concatenate(ranked),
+        "users": users,
+        "calls": calls,
+        "same_data": same_data,
+        "excluded_rows": (shared.item_range, len(shared.excluded[1])),
+        "error": error,
+    }
 
 
 @pytest.fixture(scope="module")
@@ -108,10 +129,37 @@ def tiny(tmp_path_factory):
     return root
 
 
-def test_two_ranks_equal_brute_force(tiny):
+def write_bad_dataset(root) -> None:
+    """The tiny dataset with an item id out of range in the first row group of train (read by rank 0 of 2)."""
+    write_tiny_dataset(root)
+    manifest = layout.load_manifest(root)
+    name = manifest["splits"]["train"]["files"][0]
+    bad_pair = {"user_id": np.array([0], np.int32), "item_id": np.array([99], np.int32)}
+    layout.write_parquet_atomic(root / name, bad_pair)
+    # A well-formed file whose ids the manifest does not allow (written, then described, by a buggy tool):
+    # the manifest records the new file, so only the id check can catch it.
+    split_files = {split: manifest["splits"][split]["files"] for split in layout.SPLITS}
+    layout.write_manifest(root, num_users=NUM_USERS, num_items=NUM_ITEMS, split_files=split_files, seed=0,
+                          source="test", generator={"test": "tiny"})  # fmt: skip
+
+
+def test_row_group_shares_partition_the_split(tiny):
+    whole = list(iter_row_groups(tiny, "train"))
+    assert len(whole) > 4  # several files and row groups
+    shares = [list(iter_row_groups(tiny, "train", share=(index, 3))) for index in range(3)]
+    assert [len(share) for share in shares] == [len(whole[i::3]) for i in range(3)]
+    for index, share in enumerate(shares):  # group g of the split's list goes to reader g % 3, in file order
+        for got, want in zip(share, whole[index::3], strict=True):
+            assert all(np.array_equal(got[c], want[c]) for c in ("user_id", "item_id"))
+    with pytest.raises(ValueError, match="share"):
+        next(iter_row_groups(tiny, "train", share=(3, 3)))
+
+
+def test_two_ranks_equal_brute_force(tiny, tmp_path):
     user_table, item_table = tables()
     sample = 13
-    outputs = run_distributed(_evaluate_body, 2, args=(tiny, user_table, item_table, sample))
+    write_bad_dataset(tmp_path)
+    outputs = run_distributed(_evaluate_body, 2, args=(tiny, user_table, item_table, sample, tmp_path))
     assert outputs[0]["results"] == outputs[1]["results"], "results must be replicated on every rank"
     results = outputs[0]["results"]
     users, items = user_table.numpy(), item_table.numpy()
@@ -137,6 +185,15 @@ def test_two_ranks_equal_brute_force(tiny):
     n_valid, n_test = results["valid"]["users"], results["test"]["users"]
     assert outputs[0]["calls"] == chunks(n_valid, 7) + chunks(n_test, 5) + [sample] + chunks(n_valid, 7) + [n_valid]
     assert outputs[1]["calls"] == outputs[0]["calls"]
+
+    # Data read in shares and exchanged equals a single reader's; each rank keeps only its catalog rows.
+    assert outputs[0]["same_data"] and outputs[1]["same_data"]
+    assert outputs[0]["excluded_rows"][0] != outputs[1]["excluded_rows"][0]
+    assert outputs[0]["error"] == f"split 'train' of {tmp_path} has item_id values outside [0, 37) (manifest)"
+    assert (
+        outputs[1]["error"]
+        == f"rank 0 could not read splits ['train'] of {tmp_path}: ValueError: " + (outputs[0]["error"])
+    )
 
     # Exclusion: no train item is ever ranked, and every other item is (k = the whole catalog).
     train = read_pairs(tiny, "train")
@@ -192,16 +249,7 @@ def test_bad_inputs(tiny):
 
 
 def test_ids_outside_the_manifest_are_an_error(tmp_path):
-    write_tiny_dataset(tmp_path)
-    manifest = layout.load_manifest(tmp_path)
-    name = manifest["splits"]["train"]["files"][0]
-    bad_pair = {"user_id": np.array([0], np.int32), "item_id": np.array([99], np.int32)}
-    layout.write_parquet_atomic(tmp_path / name, bad_pair)
-    # A well-formed file whose ids the manifest does not allow (written, then described, by a buggy tool):
-    # the manifest records the new file, so only the id check can catch it.
-    split_files = {split: manifest["splits"][split]["files"] for split in layout.SPLITS}
-    layout.write_manifest(tmp_path, num_users=NUM_USERS, num_items=NUM_ITEMS, split_files=split_files, seed=0,
-                          source="test", generator={"test": "tiny"})  # fmt: skip
+    write_bad_dataset(tmp_path)
     user_table, item_table = tables()
     with pytest.raises(ValueError, match=r"item_id values outside \[0, 37\)"):
         evaluate_model(embedding_fn(user_table, None, []), make_shard(item_table, None), tmp_path, "valid", KS)

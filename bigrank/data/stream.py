@@ -621,24 +621,40 @@ def _drain(source) -> None:
 
 
 def iter_row_groups(
-    dataset: layout.DatasetManifest | str | Path, split: str, columns: Sequence[str] = ("user_id", "item_id")
+    dataset: layout.DatasetManifest | str | Path,
+    split: str,
+    columns: Sequence[str] = ("user_id", "item_id"),
+    share: tuple[int, int] | None = None,
 ):
     """Yield every row group of ``split`` of ``dataset`` (a ``DatasetManifest`` or its directory) in file order as
     a dict of numpy arrays (bounded memory).
+
+    ``share = (index, count)``: only the row groups whose position in the split's list of row groups (file order,
+    as the manifest lists them) is ``index`` modulo ``count``, so ``count`` readers (the ranks of a group) each
+    read a disjoint part and together every row group once; files holding none of them are not opened.
 
     The split's files are checked first (``DatasetManifest.validate``, once per process: sizes and footers, a
     missing or truncated file named before any row is read) and every page is verified as it is read
     (CorruptFileError naming the file and row group)."""
     dataset = layout.as_manifest(dataset)
     root = dataset.root
-    for path in dataset.validate([split]).files(split):
+    index, count = (0, 1) if share is None else (int(share[0]), int(share[1]))
+    if count < 1 or not 0 <= index < count:
+        raise ValueError(f"share {share} is not (index, count) with 0 <= index < count")
+    paths = dataset.validate([split]).files(split)
+    first = 0  # position of the file's first row group in the split's list
+    for path, groups in zip(paths, dataset.split(split)["row_groups"], strict=True):
+        mine = [g for g in range(len(groups)) if (first + g) % count == index]
+        first += len(groups)
+        if not mine:
+            continue
         try:
             parquet = integrity.open_parquet(path)
         except FileNotFoundError as error:
             raise FileNotFoundError(f"dataset file is missing: {path}") from error
         except Exception as error:
             raise ValueError(f"cannot read dataset file {path}: {error}. {layout.repair_advice(root)}") from error
-        for group in range(parquet.num_row_groups):
+        for group in mine:
             table = layout.read_row_group(parquet, path, group, columns, root)  # pages verified
             yield {c: table.column(c).to_numpy() for c in columns}
 

@@ -44,6 +44,7 @@ __all__ = [
     "all_reduce_inplace",
     "all_reduce_no_grad",
     "all_reduce_sum",
+    "all_to_all_no_grad",
     "count_bytes",
     "group_rank",
     "group_size",
@@ -401,3 +402,20 @@ def all_gather_no_grad(
         return x.detach()
     gathered, _ = _all_gather_dim0(x.detach(), group, sizes)
     return gathered
+
+
+def all_to_all_no_grad(
+    x: torch.Tensor, input_sizes: list[int], output_sizes: list[int], group: dist.ProcessGroup | None = None
+) -> torch.Tensor:
+    """Rows ``x[sum(input_sizes[:r]) : sum(input_sizes[:r + 1])]`` go to rank ``r``; returns the rows every rank
+    sent here, in rank order (``sum(output_sizes)`` rows: ``output_sizes[r]`` from rank ``r``, which the caller
+    knows, e.g. from an all-gather of the sizes), without autograd. ``group=None``: ``x`` itself."""
+    if not is_distributed(group):
+        return x.detach()
+    x = x.detach().contiguous()
+    out = x.new_empty((sum(output_sizes), *x.shape[1:]))
+    _counted(
+        "all_to_all", x, dist.all_to_all_single, out, x,
+        output_split_sizes=list(output_sizes), input_split_sizes=list(input_sizes), group=group,
+    )  # fmt: skip
+    return out

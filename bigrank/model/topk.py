@@ -53,9 +53,11 @@ MKL's sgemm does not give the same bits for every shape (measured here, torch 2.
 with 1 or 2 user rows, or with fewer than 4 item columns, takes other kernels with another summation order),
 so the fp32 scores are defined by :func:`exact_scores` (one GEMM with at least 16 rows and 16 columns, padding
 with zeros) and rescored by :func:`rescore` (a batched GEMM of at least 2 rows x ``max(16, 400 // d + 1)``
-candidates, below which ATen switches to its own loop). :func:`rescoring_is_exact` checks the two against each
-other on random data once per (d, threads) and turns certification off when they disagree, so an unexpected
-BLAS gives the fp32 path's answer, never a wrong one.
+candidates, below which ATen switches to its own loop). On an AMD EPYC (MKL 2024.2, 2026-11-26) that ``bmm`` differs
+from the GEMM in the last bit, so there the candidates are rescored by :func:`exact_scores` itself, 16 rows at a time
+against the union of their candidates. :func:`rescoring_is_exact` checks the kernels against the GEMM on random
+data once per (d, threads), uses the first that agrees and turns certification off when none does, so an
+unexpected BLAS gives the fp32 path's answer, never a wrong one.
 
 Exclusions (a user's train items) are (row, column) pairs set to -inf before ranking, as the fp32 path does; a
 row with fewer than K eligible items is padded with -inf / column -1. Users are processed in chunks of
@@ -267,8 +269,20 @@ def rescore(
 ) -> torch.Tensor:
     """fp32 scores ``<users[b], items[columns[b, j]]>`` float32[r, m], bit-identical to :func:`exact_scores`.
 
-    One batched GEMM (``bmm`` of the gathered rows [r, m, d] with the users [r, d, 1]), padded to at least 2
-    rows and :func:`_min_candidates` columns: a single-row batch or a short one takes other kernels.
+    By the kernel :func:`rescoring_is_exact` found exact on this machine for vectors of this dimension: one batched
+    GEMM (``bmm``, :func:`_rescore_bmm`), or where that takes other bits, the GEMM of :func:`exact_scores` itself
+    on groups of rows (:func:`_rescore_gemm`).
+    """
+    if _rescoring_kernel(int(users.shape[1]), torch.get_num_threads()) == "gemm":
+        return _rescore_gemm(users, items, columns, workspace)
+    return _rescore_bmm(users, items, columns, workspace)
+
+
+def _rescore_bmm(
+    users: torch.Tensor, items: torch.Tensor, columns: torch.Tensor, workspace: Workspace | None = None
+) -> torch.Tensor:
+    """:func:`rescore` as one batched GEMM (``bmm`` of the gathered rows [r, m, d] with the users [r, d, 1]), padded
+    to at least 2 rows and :func:`_min_candidates` columns: a single-row batch or a short one takes other kernels.
     """
     rows, width = columns.shape
     if rows == 0 or width == 0:
@@ -289,8 +303,33 @@ def rescore(
     return torch.bmm(gathered, users.unsqueeze(2)).squeeze(2)[:rows, :width]
 
 
-@functools.lru_cache(maxsize=32)
-def _rescoring_probe(dim: int, threads: int) -> bool:
+def _rescore_gemm(
+    users: torch.Tensor, items: torch.Tensor, columns: torch.Tensor, workspace: Workspace | None = None
+) -> torch.Tensor:
+    """:func:`rescore` by :func:`exact_scores` itself: ``CANONICAL_MIN`` rows at a time against the union of their
+    candidates, then each row's own columns picked out. For a BLAS whose ``bmm`` takes other bits than its GEMM
+    (MKL on an AMD EPYC here: the last bit differs); it computes ~``CANONICAL_MIN`` times the products of
+    ``bmm``, at the GEMM's rate."""
+    rows, width = columns.shape
+    out = users.new_zeros((rows, width))
+    if rows == 0 or width == 0:
+        return out
+    for first in range(0, rows, CANONICAL_MIN):
+        last = min(first + CANONICAL_MIN, rows)
+        union, inverse = torch.unique(columns[first:last], return_inverse=True)
+        if workspace is None:
+            gathered = items.index_select(0, union)
+        else:
+            shape = (union.numel(), items.shape[1])
+            gathered = torch.index_select(
+                items, 0, union, out=workspace.get("gather", shape, items.dtype, items.device)
+            )
+        out[first:last] = exact_scores(users[first:last], gathered).gather(1, inverse)
+    return out
+
+
+def _probe(kernel, dim: int) -> bool:
+    """Whether ``kernel`` (a rescoring function) and :func:`exact_scores` give the same bits on random data."""
     generator = torch.Generator().manual_seed(dim)
     users = torch.randn(40, dim, generator=generator)
     items = torch.randn(300, dim, generator=generator)
@@ -300,19 +339,29 @@ def _rescoring_probe(dim: int, threads: int) -> bool:
     same &= torch.equal(exact_scores(users[:1], items), reference[:1])
     same &= torch.equal(exact_scores(users[2:5], items[7:12]), reference[2:5, 7:12])
     same &= torch.equal(exact_scores(users[3:5], items[100:101]), reference[3:5, 100:101])
-    for rows in (1, 2, 3, 40):
+    for rows in (1, 2, 3, 17, 40):
         for width in (1, _min_candidates(dim) - 1, 37, 250):
             columns = torch.randint(0, 300, (rows, width), generator=generator)
             want = reference[:rows].gather(1, columns)
-            same &= torch.equal(rescore(users[:rows], items, columns), want)
-            same &= torch.equal(rescore(users[:rows], items, columns, workspace), want)
+            same &= torch.equal(kernel(users[:rows], items, columns), want)
+            same &= torch.equal(kernel(users[:rows], items, columns, workspace), want)
     return bool(same)
+
+
+@functools.lru_cache(maxsize=32)
+def _rescoring_kernel(dim: int, threads: int) -> str | None:
+    """``"bmm"`` or ``"gemm"``: the first rescoring kernel that gives :func:`exact_scores`'s bits here (None:
+    neither; certification is then off)."""
+    for name, kernel in (("bmm", _rescore_bmm), ("gemm", _rescore_gemm)):
+        if _probe(kernel, dim):
+            return name
+    return None
 
 
 def rescoring_is_exact(dim: int) -> bool:
     """True when :func:`rescore` reproduces :func:`exact_scores` bit for bit on this machine's BLAS for vectors of
     dimension ``dim`` (checked on random data once per (d, thread count)); certification needs it."""
-    return _rescoring_probe(int(dim), torch.get_num_threads())
+    return _rescoring_kernel(int(dim), torch.get_num_threads()) is not None
 
 
 # ------------------------------------------------------------------------------------------------- statistics

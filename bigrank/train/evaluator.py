@@ -17,7 +17,8 @@ class Evaluator:
 
     The users, relevant items and excluded (train) items of a split are read from the dataset the first time
     the split is evaluated and reused afterwards (keyed by the user sample), so evaluating every epoch costs
-    the scoring only. ``manifest``: the run's dataset (``bigrank.data.manifest.dataset_manifest``).
+    the scoring only; the ranks of ``group`` read disjoint shares of the files and exchange what they found.
+    ``manifest``: the run's dataset (``bigrank.data.manifest.dataset_manifest``).
     """
 
     def __init__(self, config: Config, model: Model, group, manifest: DatasetManifest):
@@ -41,6 +42,7 @@ class Evaluator:
                 (shard.start, shard.stop),
                 sample_users=sample_users,
                 seed=self.config.seed,
+                group=self.group,  # the ranks read disjoint shares of the files (collective, as evaluate is)
             )
         return self._data[key]
 
