@@ -530,20 +530,25 @@ def test_two_processes_updating_eval_json_lose_no_section(tmp_path):
     assert json.loads((tmp_path / "eval.json").read_text()) == {"valid": {"step": 300}, "test": {"step": 300}}
 
 
+def _start_serve_ray(export, log: Path):
+    """``bigrank serve EXPORT --ray`` on a free loopback port, output to ``log``: ``(process, log, port)``."""
+    pytest.importorskip("ray.serve")
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    proc = _start_command(log, "serve", str(export), "--ray", "--port", str(port), "--replica-cpus", "0.5")
+    return proc, log, port
+
+
 @pytest.mark.slow
 @pytest.mark.filterwarnings("ignore:Using extra keyword arguments on `Field`")
 def test_serve_ray_drains_and_exits_0_on_sigterm_leaving_no_process(tiny_export, tmp_path):
     """`bigrank serve --ray` (embedded Ray, HAProxy ingress): SIGTERM while serving deletes the application the
     way Ray Serve does (the replicas finish their requests) and shuts Ray down: exit 0, no Ray process of the
     command left (they are in its process group), no abort by Ray's own SIGTERM handler."""
-    pytest.importorskip("ray.serve")
     import urllib.request
 
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    log = tmp_path / "serve-ray.log"
-    proc = _start_command(log, "serve", str(tiny_export), "--ray", "--port", str(port), "--replica-cpus", "0.5")
+    proc, log, port = _start_serve_ray(tiny_export, tmp_path / "serve-ray.log")
     try:
         _wait_for_line(proc, log, "/recommend?user=0", timeout=300)
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/recommend?user=3&k=4", timeout=60) as response:
@@ -566,12 +571,7 @@ def test_serve_ray_drains_and_exits_0_on_sigterm_leaving_no_process(tiny_export,
 def test_serve_ray_stops_at_once_on_sigterm_during_start_up(tiny_export, tmp_path):
     """SIGTERM while `bigrank serve --ray` deploys (serve.start / serve.run wait in ray.get, where Ray swallows any
     exception but KeyboardInterrupt): the command stops there, exit 143, without serving and leaving no process."""
-    pytest.importorskip("ray.serve")
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    log = tmp_path / "serve-ray-start.log"
-    proc = _start_command(log, "serve", str(tiny_export), "--ray", "--port", str(port), "--replica-cpus", "0.5")
+    proc, log, _ = _start_serve_ray(tiny_export, tmp_path / "serve-ray-start.log")
     try:
         _wait_for_line(proc, log, "deploying", timeout=300)  # Ray runs; Serve and the replicas start
         proc.send_signal(signal.SIGTERM)
