@@ -50,6 +50,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from bigrank.atomic import write_text_atomic
 from bigrank.signals import STOP_SIGNALS, Stopped, stop_exception
 
 __all__ = ["STOP_GRACE_SECONDS", "WorkerError", "free_port", "launch_local"]
@@ -283,9 +284,7 @@ class _StopForwarder:
             self.kill()
             raise stop_exception(self.signum)
         self.signum = signum
-        requested = self.reports / _STOP_FILE
-        requested.with_suffix(".tmp").write_text(str(int(signum)))
-        requested.with_suffix(".tmp").replace(requested)
+        write_text_atomic(self.reports / _STOP_FILE, str(int(signum)))  # a worker reads it whole or not at all
         self._send(signum)
         self._timer = threading.Timer(self.grace, self.kill)
         self._timer.daemon = True
