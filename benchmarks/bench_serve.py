@@ -35,7 +35,6 @@ import logging
 import os
 import random
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -48,12 +47,7 @@ import numpy as np
 import torch
 
 from benchmarks.bench_export import clustered_rows
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+from bigrank.train.launcher import free_port
 
 
 def make_export(out: Path, args) -> dict:

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from bigrank.errors import Terminated
-from bigrank.train.launcher import WorkerError, launch_local
+from bigrank.train.launcher import WorkerError, free_ports, launch_local
 
 
 def _fail_once_on_rank_one():
@@ -141,3 +141,14 @@ def test_the_launcher_and_its_workers_listen_on_the_loopback_only():
     assert found[0], "rank 0 hosts the group's store and the launcher the rendezvous store: something listens"
     for rank, addresses in enumerate(found):
         assert set(addresses) <= loopback, f"rank {rank} or the launcher listens beyond the loopback: {addresses}"
+
+
+def test_ports_drawn_together_are_distinct_and_free():
+    """Ray refuses to start when two of its components get one port; one-at-a-time draws can repeat one."""
+    import socket
+
+    ports = free_ports(40)
+    assert len(set(ports)) == 40
+    for port in ports:
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", port))  # free: nothing kept it

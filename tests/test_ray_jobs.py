@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from bigrank.train.launcher import free_port
+from bigrank.train.launcher import free_port, free_ports
 from tests.conftest import TINY_ITEMS, brute_force_metrics, checkpoint_parameters
 
 pytestmark = pytest.mark.slow
@@ -67,7 +67,8 @@ def ray_head():
     """A real Ray head on loopback (`ray start --head --block`); its process group is ended in teardown,
     whatever the tests did. Yields its addresses (``Head``)."""
     temp_dir = tempfile.mkdtemp(prefix="bigrank-ray-", dir="/tmp")  # short: Ray's socket paths are limited
-    dashboard_port, gcs_port = free_port(), free_port()
+    # Drawn together so that no two components get the same port (Ray refuses to start then).
+    dashboard_port, gcs_port, *ports = free_ports(9)
     command = [
         str(BIN / "ray"),
         "start",
@@ -77,15 +78,24 @@ def ray_head():
         "--dashboard-host=127.0.0.1",
         f"--port={gcs_port}",
         f"--dashboard-port={dashboard_port}",
-        f"--ray-client-server-port={free_port()}",
         # Fixed default ports (52365, 8076, ...) clash with any other Ray on the machine: the head would
         # then run without a job agent ("No available agent to submit job").
-        f"--dashboard-agent-listen-port={free_port()}",
-        f"--dashboard-agent-grpc-port={free_port()}",
-        f"--runtime-env-agent-port={free_port()}",
-        f"--metrics-export-port={free_port()}",
-        f"--node-manager-port={free_port()}",
-        f"--object-manager-port={free_port()}",
+        *(
+            f"--{name}={port}"
+            for name, port in zip(
+                (
+                    "ray-client-server-port",
+                    "dashboard-agent-listen-port",
+                    "dashboard-agent-grpc-port",
+                    "runtime-env-agent-port",
+                    "metrics-export-port",
+                    "node-manager-port",
+                    "object-manager-port",
+                ),
+                ports,
+                strict=True,
+            )
+        ),
         f"--temp-dir={temp_dir}",
         "--num-cpus=2",
         "--include-dashboard=true",

@@ -7,7 +7,6 @@ an address where nothing listens fails at once naming it. No wall-clock asserts:
 from __future__ import annotations
 
 import json
-import socket
 from pathlib import Path
 
 import pytest
@@ -17,6 +16,7 @@ from bigrank import run
 from bigrank.cli import main
 from bigrank.config import config_from_dict, save_config
 from bigrank.launch.ray_train import RayConnectionError, RayTrainingError, init_ray
+from bigrank.train.launcher import free_port
 from tests.conftest import checkpoint_parameters
 
 pytestmark = pytest.mark.slow
@@ -114,14 +114,8 @@ def test_a_failure_beyond_max_failures_fails_the_run_with_the_worker_error(ray_r
     assert "no checkpoint yet" in message, message
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def test_an_address_where_nothing_listens_fails_at_once_naming_it(tiny_dataset, tmp_path):
-    address = f"127.0.0.1:{_free_port()}"
+    address = f"127.0.0.1:{free_port()}"
     # "cannot reach" comes from the socket check made before ray.init, not from Ray's minute-long retries.
     with pytest.raises(RayConnectionError, match=f"cannot reach the Ray cluster at {address}"):
         run.train(_config(tiny_dataset, tmp_path / "run"), launcher="ray", address=address)

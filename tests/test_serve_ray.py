@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import threading
 import time
 import urllib.error
@@ -25,16 +24,11 @@ from bigrank.export.recommend import Recommender
 from bigrank.export.seen import SeenItems
 from bigrank.export.serve import make_server
 from bigrank.export.writer import export_embeddings
+from bigrank.train.launcher import free_port
 
 # Ray Serve's own config models use a pydantic idiom that pydantic 2 deprecates; not ours to fix.
 pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore:Using extra keyword arguments on `Field`")]
 DIM = 8
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @pytest.fixture(scope="module", params=["proxy", "haproxy"])
@@ -78,7 +72,7 @@ def apps(request, tmp_path_factory):
     set_ingress_environment(request.param)  # Ray's processes read it when they start
     ray.init(address="local", num_cpus=4, include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=False)
     try:
-        port = _free_port()
+        port = free_port()
         url = deploy(ServeSettings(export, replicas=2, replica_cpus=0.5, search_threads=1), port=port)
         tight = ServeSettings(
             export, max_ongoing_requests=1, max_queued_requests=1, max_batch_size=1, replica_cpus=0.5, search_threads=1

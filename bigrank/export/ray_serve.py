@@ -68,24 +68,28 @@ def set_ingress_environment(ingress: str) -> None:
     if ingress == "haproxy":
         # HAProxy's stats and metrics listeners default to the fixed ports 8404 and 9101: a second Serve on
         # the machine (or a leftover HAProxy) would make it fail to start, so a Ray started here picks free ones.
-        for name in ("RAY_SERVE_HAPROXY_STATS_PORT", "RAY_SERVE_HAPROXY_METRICS_PORT"):
-            os.environ.setdefault(name, str(_free_port()))
+        names = ("RAY_SERVE_HAPROXY_STATS_PORT", "RAY_SERVE_HAPROXY_METRICS_PORT")
+        for name, port in zip(names, _free_ports(len(names)), strict=True):
+            os.environ.setdefault(name, str(port))
 
 
-def _free_port() -> int:
-    """A port free on every interface (HAProxy binds 0.0.0.0), drawn from 20000-32767: outside the kernel's
-    ephemeral range (32768-60999), where the port could be taken by an outgoing connection of one of Ray's
-    many processes before HAProxy binds it, and above Ray's worker ports (10002-19999)."""
+def _free_ports(count: int) -> list[int]:
+    """``count`` distinct ports free on every interface (HAProxy binds 0.0.0.0), drawn from 20000-32767: outside
+    the kernel's ephemeral range (32768-60999), where the port could be taken by an outgoing connection of one
+    of Ray's many processes before HAProxy binds it, and above Ray's worker ports (10002-19999)."""
     import random
     import socket
 
-    for port in random.sample(range(20000, 32768), 200):
+    ports = []
+    for port in random.sample(range(20000, 32768), 200):  # without replacement: the ports are distinct
         with socket.socket() as sock:
             try:
                 sock.bind(("0.0.0.0", port))
             except OSError:
                 continue
-            return port
+        ports.append(port)
+        if len(ports) == count:
+            return ports
     raise RuntimeError("no free port in 20000-32767 for HAProxy's stats and metrics listeners")
 
 
