@@ -348,3 +348,14 @@ def test_the_package_names_rankmax_and_sparsemax_stay_functions_after_their_subm
     for name in ("rankmax", "sparsemax"):
         importlib.import_module(f"bigrank.losses.{name}")  # the submodule of the same name
         assert callable(getattr(losses, name)) and not isinstance(getattr(losses, name), type(losses)), name
+
+
+def test_a_temperature_keeps_the_chunked_scores_compute_dtype():
+    """softmax/sparsemax ``temperature`` on bf16 chunked scores (train.precision bf16) still scores in bf16."""
+    from bigrank.losses.scores import divide_scores
+
+    users, items = torch.randn(4, 8), torch.randn(30, 8)
+    scaled = divide_scores(score_matrix(users, items, 8, dtype=torch.bfloat16), 0.5)
+    assert scaled.dtype == torch.bfloat16
+    assert all(block.dtype == torch.bfloat16 for _, block in scaled.blocks())
+    torch.testing.assert_close(next(scaled.blocks())[1].float(), (users @ items[:8].T) / 0.5, rtol=2e-2, atol=5e-2)

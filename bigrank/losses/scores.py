@@ -449,5 +449,8 @@ def divide_scores(scores, temperature: float):
     """``scores / temperature`` for a float[B, n] tensor; for ``ChunkedScores`` the user vectors are divided
     instead (the same scores, no B x n tensor)."""
     if isinstance(scores, ChunkedScores):
-        return ChunkedScores(scores.user_vectors / temperature, scores.item_rows, scores.chunk_size)
+        # The same compute dtype: bf16 scores stay bf16 after a temperature.
+        return ChunkedScores(
+            scores.user_vectors / temperature, scores.item_rows, scores.chunk_size, scores.compute_dtype
+        )
     return scores / temperature
