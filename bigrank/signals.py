@@ -20,7 +20,9 @@ with the Ray launcher, ``serve --ray``, ``tune``) stops this way.
 Workers of the local launcher stop at a step boundary instead (:func:`defer_stop_signals`, :func:`step_boundaries`):
 there a signal only records itself while a training loop runs; the loop agrees with its peers on the step to stop
 at, writes a checkpoint and raises :class:`Stopped`. The launcher, which sees each signal once, enforces the
-deadline and makes a second signal stop the workers at once (``bigrank.train.launcher``).
+deadline and makes a second signal stop the workers at once (``bigrank.train.launcher``). Ray Train's workers
+never see the command's signals: the Ray launcher writes the stop request into a file they watch
+(:func:`watch_stop_file`) and enforces the same deadline (``bigrank.launch.ray_train``).
 """
 
 from __future__ import annotations
@@ -29,12 +31,16 @@ import contextlib
 import os
 import signal
 import threading
+import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 from bigrank.errors import Terminated
 
 __all__ = [
+    "STOP_GRACE_SECONDS",
     "STOP_SIGNALS",
+    "StopFile",
     "StopRequest",
     "Stopped",
     "defer_stop_signals",
@@ -44,9 +50,14 @@ __all__ = [
     "signal_name",
     "step_boundaries",
     "stop_exception",
+    "watch_stop_file",
 ]
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+# Seconds the workers get to reach a step boundary and exit after SIGTERM before a launcher ends them at once:
+# shorter than the 30 s a Kubernetes pod gets before its own SIGKILL (terminationGracePeriodSeconds), so the
+# launcher finishes its clean-up in time.
+STOP_GRACE_SECONDS = 10
 
 
 def signal_name(signum: int) -> str:
@@ -148,6 +159,37 @@ class _DeferredStop(StopRequest):
 
 
 _deferred: _DeferredStop | None = None
+_stop_file: Path | None = None
+
+
+class StopFile:
+    """A stop request that another process makes by writing a signal's number into ``path`` (atomically), read
+    at most every ``interval`` seconds: ``signum`` is None until the file exists. Ray Train's workers never see
+    the signals of the command that started them, so that command (the Ray launcher's driver) writes the file."""
+
+    def __init__(self, path: Path, interval: float = 0.5):
+        self.path = Path(path)
+        self.interval = float(interval)
+        self._signum: int | None = None
+        self._next_read = 0.0
+
+    @property
+    def signum(self) -> int | None:
+        if self._signum is None and time.monotonic() >= self._next_read:
+            self._next_read = time.monotonic() + self.interval
+            try:
+                self._signum = int(self.path.read_text())
+            except (FileNotFoundError, ValueError):
+                pass
+        return self._signum
+
+
+def watch_stop_file(path: Path | None) -> None:
+    """In a worker process whose launcher cannot signal it (a Ray Train worker): from now on a job that checks
+    for a stop at its step boundaries (:func:`step_boundaries`) reads it from ``path`` (:class:`StopFile`); None
+    stops watching."""
+    global _stop_file
+    _stop_file = None if path is None else Path(path)
 
 
 def defer_stop_signals() -> None:
@@ -178,13 +220,14 @@ def defer_stop_signals() -> None:
 
 
 @contextlib.contextmanager
-def step_boundaries() -> Iterator[StopRequest | None]:
+def step_boundaries() -> Iterator[StopRequest | StopFile | None]:
     """While the block (a training loop) runs, SIGINT/SIGTERM wait for it in the yielded StopRequest, which the
-    loop checks at each step boundary. Yields None in a process without :func:`defer_stop_signals` (a Ray Train
-    worker, a test's process): there signals keep their own handling and the loop never stops early."""
+    loop checks at each step boundary (``signum`` not None: stop). In a process that watches a stop file instead
+    (:func:`watch_stop_file`: a Ray Train worker) it yields that :class:`StopFile`. Yields None in a process with
+    neither (a test's process): there signals keep their own handling and the loop never stops early."""
     request = _deferred
     if request is None:
-        yield None
+        yield None if _stop_file is None else StopFile(_stop_file)
         return
     request.active = True
     try:

@@ -181,16 +181,17 @@ def test_sigterm_stops_every_worker_at_a_step_boundary_and_the_same_command_resu
     assert len(kept) == 2 and all((path / "trainer.json").is_file() for path in kept), kept
 
 
-def test_sigterm_stops_a_ray_launched_run_with_143_and_its_checkpoint_resumes(run_config, tmp_path):
-    """`bigrank train --launcher ray` (an embedded runtime): SIGTERM once a checkpoint exists ends the command
-    with 143 and every process it started (the Ray runtime and its Train workers) within 10 s; the run resumes
-    from the checkpoint it left."""
+def test_sigterm_stops_a_ray_launched_run_at_a_step_boundary_with_143_and_it_resumes(run_config, tmp_path):
+    """`bigrank train --launcher ray` (an embedded runtime): SIGTERM once a checkpoint exists reaches the Ray Train
+    workers through the run directory's stop request; they agree on a step, write a final checkpoint there and
+    end, and the command exits 143 with every process it started (the Ray runtime, its Train workers) gone within
+    10 s. The run resumes from that checkpoint (here with the local launcher)."""
     config, run_dir = run_config
     log = tmp_path / "ray.log"
-    longer = ("--set", "train.max_steps=1500")  # Ray's start-up makes the first checkpoint come late
+    longer = ("--set", "train.max_steps=1500", "--set", SPARSE_CHECKPOINTS)  # Ray's start-up makes it come late
     proc = _start_command(log, "train", str(config), "--launcher", "ray", *longer)
     try:
-        _wait_for_checkpoint(proc, run_dir, log, timeout=240)
+        periodic = _wait_for_checkpoint(proc, run_dir, log, timeout=240)
         proc.send_signal(signal.SIGTERM)
         sent = time.monotonic()
         assert proc.wait(timeout=60) == 143, log.read_text()
@@ -200,7 +201,9 @@ def test_sigterm_stops_a_ray_launched_run_with_143_and_its_checkpoint_resumes(ru
         _kill_group(proc.pid)
     output = log.read_text()
     assert "stopped by SIGTERM" in output and "run the same command again to resume" in output, output
-    stopped_at = latest_checkpoint(run_dir)
+    assert "did not stop within" not in output and "Traceback" not in output, output
+    stopped_at = _stopped_at_boundary(output, run_dir, "SIGTERM", periodic)
+    assert not (run_dir / "stop-request").exists()  # the request is not left for the next run
     done = bigrank("train", config, "--launcher", "local", *longer)  # the same run, finished by the other launcher
     assert f"resuming from {stopped_at}" in done.stdout, done.stdout
 
@@ -610,3 +613,25 @@ def test_a_stop_at_once_leaves_graceful_stop_as_the_exception_of_its_signal():
         with graceful_stop(raise_in_ray):
             os.kill(os.getpid(), signal.SIGINT)
             wait_for_the_handler()
+
+
+def test_a_worker_watching_a_stop_file_sees_the_request_once_it_is_written(tmp_path):
+    """The Ray launcher's workers read their stop request from a file (they never see the command's signals):
+    inside step_boundaries it is None until the driver writes the signal's number, then that number."""
+    from bigrank.atomic import write_text_atomic
+    from bigrank.signals import step_boundaries, watch_stop_file
+
+    path = tmp_path / "stop-request"
+    watch_stop_file(path)
+    try:
+        with step_boundaries() as request:
+            assert request.signum is None
+            write_text_atomic(path, str(int(signal.SIGINT)))
+            deadline = time.monotonic() + 5
+            while request.signum is None and time.monotonic() < deadline:  # read at most every 0.5 s
+                time.sleep(0.05)
+            assert request.signum == signal.SIGINT
+    finally:
+        watch_stop_file(None)
+    with step_boundaries() as request:
+        assert request is None  # a process that watches nothing: signals keep their own handling

@@ -42,15 +42,17 @@ from __future__ import annotations
 import functools
 import os
 import socket
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from bigrank.atomic import write_text_atomic
 from bigrank.config import Config
 from bigrank.errors import CommandError
 from bigrank.launch.jobs import read_auth_token
-from bigrank.signals import graceful_stop, raise_in_ray
+from bigrank.signals import STOP_GRACE_SECONDS, Stopped, graceful_stop, raise_in_ray, stop_exception, watch_stop_file
 
 __all__ = [
     "RayConnectionError",
@@ -64,6 +66,8 @@ __all__ = [
 
 # Environment of the embedded runtime's workers: gloo must use the loopback interface there.
 _LOCAL_ENV = {"GLOO_SOCKET_IFNAME": "lo"}
+# The stop request in the run directory (the signal's number): the driver writes it, the workers watch it.
+STOP_FILE = "stop-request"
 
 
 class RayConnectionError(CommandError):
@@ -178,7 +182,12 @@ def ray_worker_loop(worker: Callable[[dict], dict], config_dict: dict[str, Any])
     from bigrank.train.bootstrap import start_ray_process
 
     start_ray_process()  # the process; the worker function starts the job (bigrank.train.bootstrap.start_worker)
-    summary = worker(config_dict)
+    watch_stop_file(Path(config_dict["run_dir"]) / STOP_FILE)  # the driver's signals, at step boundaries
+    try:
+        summary = worker(config_dict)
+    except Stopped as stopped:  # every rank, at the step they agreed on, after the final checkpoint
+        ray.train.report({"stopped_by": int(stopped.signum)})
+        return
     context = ray.train.get_context()
     checkpoint = None
     if context.get_world_rank() == 0 and summary.get("checkpoint"):
@@ -238,30 +247,49 @@ def train_on_ray(config: Config, worker: Callable[[dict], dict], *, address: str
     when the training fails after its allowed restarts (both CommandErrors: the CLI prints them plainly).
     """
     address = resolve_address(config, address)
-    use_gpu = config.ray.gpus_per_worker > 0
-    resources = {"CPU": config.ray.cpus_per_worker}
-    if use_gpu:
-        resources["GPU"] = config.ray.gpus_per_worker
-    storage_path = config.ray.storage_path or str(Path(config.run_dir) / "ray")
-    # A signal stops at once, also inside Ray's blocking calls (bigrank.signals: KeyboardInterrupt inside Ray,
-    # Terminated for SIGTERM once out of the block). Ray Train's fit() puts its own SIGINT handler in place (a
-    # graceful abort of the run), so Ctrl+C ends as Ray Train ends it.
-    with graceful_stop(raise_in_ray) as stop:
-        started = time.perf_counter()
-        owns_runtime = init_ray(config, address)
-        stop.reinstall()  # ray.init's own SIGTERM handler would exit 1 (or abort) without a word
-        return _fit(config, worker, address, storage_path, resources, use_gpu, owns_runtime, started)
+    stop_file = Path(config.run_dir) / STOP_FILE
+    stop_file.unlink(missing_ok=True)  # a request left by a driver that was killed is not this run's
+    training = threading.Event()
+
+    def on_signal(signum: int) -> None:
+        """Once the workers train: ask them to stop at a step boundary (:func:`_fit` waits STOP_GRACE_SECONDS for
+        them). Before (Ray starting, the workers setting up): stop now, also inside Ray's blocking calls
+        (bigrank.signals: KeyboardInterrupt inside Ray, Terminated for SIGTERM once out of the block)."""
+        if not training.is_set():
+            raise_in_ray(signum)
+        write_text_atomic(stop_file, str(int(signum)))  # a worker reads it whole or not at all
+
+    try:
+        with graceful_stop(on_signal) as stop:
+            started = time.perf_counter()
+            owns_runtime = init_ray(config, address)
+            stop.reinstall()  # ray.init's own SIGTERM handler would exit 1 (or abort) without a word
+            return _fit(config, worker, address, owns_runtime, started, stop, training)
+    finally:
+        stop_file.unlink(missing_ok=True)
 
 
-def _fit(config, worker, address, storage_path, resources, use_gpu, owns_runtime, started) -> dict[str, Any]:
+def _fit(config, worker, address, owns_runtime, started, stop, training) -> dict[str, Any]:
     """The Ray Train run of :func:`train_on_ray` on the runtime ``init_ray`` gave; shuts an owned runtime down
-    however it ends (a signal included: its workers end with it, their last finished checkpoint stays)."""
+    however it ends (a signal included: its workers end with it, their last finished checkpoint stays).
+
+    ``fit()`` runs in a thread while this (main) thread waits for it and takes the signals: Ray Train installs
+    its own SIGINT handler (an abort with no final checkpoint) only when ``fit()`` runs in the main thread. Once
+    ``training`` is set, a first signal asks the workers to stop at their next step boundary (``on_signal`` of
+    :func:`train_on_ray`); they then write a final checkpoint and report ``stopped_by``, and this raises the
+    signal's exception. Workers that have not stopped ``STOP_GRACE_SECONDS`` after the signal, or a second
+    signal, end the run at once."""
     import ray
     from ray.train import CheckpointConfig, FailureConfig, LoggingConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
 
     from bigrank.devices import check_ray_gpus, process_group_backend
 
+    use_gpu = config.ray.gpus_per_worker > 0
+    resources = {"CPU": config.ray.cpus_per_worker}
+    if use_gpu:
+        resources["GPU"] = config.ray.gpus_per_worker
+    storage_path = config.ray.storage_path or str(Path(config.run_dir) / "ray")
     try:
         check_ray_gpus(config, ray.cluster_resources().get("GPU", 0))  # else Ray would wait for GPUs forever
         ray_start_seconds = time.perf_counter() - started
@@ -289,13 +317,34 @@ def _fit(config, worker, address, storage_path, resources, use_gpu, owns_runtime
                 logging_config=LoggingConfig(log_level="WARNING"),
             ),
         )
-        try:
-            result = trainer.fit()
-        except Exception as error:  # Ray wraps the worker's exception (TrainingFailedError)
+        outcome: dict[str, Any] = {}
+
+        def fit() -> None:
+            try:
+                outcome["result"] = trainer.fit()
+            except Exception as error:  # noqa: BLE001 - Ray wraps the worker's exception (TrainingFailedError)
+                outcome["error"] = error
+
+        thread = threading.Thread(target=fit, name="bigrank-ray-fit", daemon=True)
+        training.set()
+        thread.start()
+        deadline = None
+        while thread.is_alive():
+            thread.join(0.1)
+            if stop.signum is not None and deadline is None:
+                deadline = time.monotonic() + STOP_GRACE_SECONDS
+            if deadline is not None and time.monotonic() > deadline:
+                print(f"the workers did not stop within {STOP_GRACE_SECONDS} s: ending them now", flush=True)
+                raise stop_exception(stop.signum)
+        if "error" in outcome:
+            error = outcome["error"]
             raise RayTrainingError(_failure_message(config, error)) from error
+        result = outcome["result"]
         summary = dict(result.metrics or {})
         if result.error is not None:
             raise RayTrainingError(_failure_message(config, result.error))
+        if "stopped_by" in summary or stop.signum is not None:  # rank 0 printed the step and its checkpoint
+            raise stop_exception(summary.get("stopped_by", stop.signum))
         summary["ray_checkpoint"] = result.checkpoint.path if result.checkpoint else None
         summary["ray_start_seconds"] = ray_start_seconds
         return summary

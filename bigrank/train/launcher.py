@@ -51,13 +51,10 @@ from pathlib import Path
 from typing import Any
 
 from bigrank.atomic import write_text_atomic
-from bigrank.signals import STOP_SIGNALS, Stopped, stop_exception
+from bigrank.signals import STOP_GRACE_SECONDS, STOP_SIGNALS, Stopped, stop_exception
 
 __all__ = ["STOP_GRACE_SECONDS", "WorkerError", "free_port", "launch_local"]
 
-# Seconds the workers get to exit after SIGTERM before they are SIGKILLed: shorter than the 30 s a Kubernetes pod
-# gets before its own SIGKILL (terminationGracePeriodSeconds), so the launcher finishes its clean-up in time.
-STOP_GRACE_SECONDS = 10
 # Worker files in the launch's reports directory: the stop request (the signal's number), each worker's pid.
 _STOP_FILE = "stop"
 _PID_FILES = "pid-*"
