@@ -268,10 +268,12 @@ class Trainer:
                         progress.update(1)
                         if self.stopping:  # every rank at the same step
                             self._stop_at_boundary()
-                        if self.evaluator.due(self.stream.epoch, epoch_end=epoch_end, last=last):
-                            self._evaluate_during_training()
+                        # The checkpoint first: a stop that comes during a long evaluation (the launchers give
+                        # the workers 10 s) then loses the evaluation only, never the steps before it.
                         if self.checkpointer.due(self.state.step, epoch_end=epoch_end, last=last):
                             self.save_checkpoint()
+                        if self.evaluator.due(self.stream.epoch, epoch_end=epoch_end, last=last):
+                            self._evaluate_during_training()
                         if last:
                             break
                         tick = time.perf_counter()
