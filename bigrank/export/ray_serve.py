@@ -25,7 +25,7 @@ import asyncio
 import os
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 from bigrank.export import api
 from bigrank.export.format import index_name
@@ -101,6 +101,9 @@ class ServeSettings:
     ``exclude_seen`` (default: the export's seen-items table). ``search_threads``: FAISS OpenMP threads
     per replica, and torch's for the certified exact index (0: their defaults). ``certified_bf16``: the exact
     index searched by the certified bf16 top-K where the CPU has bf16 units (``Recommender``).
+    ``internal_grpc_host``: the address each replica's inter-deployment gRPC server binds (Ray 2.60 binds every
+    interface, ``[::]``, and has no setting for it); ``deploy`` sets 127.0.0.1 on a Ray node whose address is
+    the loopback (the embedded runtime), where nothing outside could use it anyway. None: Ray's default.
     """
 
     export: str
@@ -120,6 +123,7 @@ class ServeSettings:
     data_root: str | None = None
     seen_root: str | None = None
     seen_splits: list[str] = field(default_factory=lambda: ["train", "valid", "test"])
+    internal_grpc_host: str | None = None
 
     def __post_init__(self) -> None:
         if self.max_queued_requests < 1:
@@ -153,6 +157,8 @@ class RecommendDeployment:
 
     def __init__(self, settings: dict):
         self.settings = ServeSettings(**settings)
+        if self.settings.internal_grpc_host is not None:  # before Serve starts the server, after this returns
+            _bind_internal_grpc(self.settings.internal_grpc_host)
         if self.settings.search_threads > 0:
             import faiss
 
@@ -227,6 +233,22 @@ def _batched_class():
     return Recommend
 
 
+def _bind_internal_grpc(host: str) -> None:
+    """In a replica's process: its inter-deployment gRPC server (started by Serve once the deployment's
+    constructor has returned, ``Replica._on_initialized``) binds ``host`` instead of Ray's hard-coded ``[::]``."""
+    from ray.serve._private import replica
+
+    add_port = replica.add_port_to_grpc_server
+    if getattr(add_port, "bigrank_host", None) == host:
+        return
+
+    def add_port_on_host(server, address: str):
+        return add_port(server, address.replace("[::]", host, 1))
+
+    add_port_on_host.bigrank_host = host
+    replica.add_port_to_grpc_server = add_port_on_host
+
+
 def build_app(settings: ServeSettings):
     """The Ray Serve ``Application`` for ``settings`` (bind only; ``serve.run`` deploys it)."""
     from ray import serve
@@ -291,9 +313,11 @@ def deploy(
 
     if not ray.is_initialized():
         if address is None:  # a single-node Ray on this machine, reachable on loopback only
-            start_local_ray()
+            start_local_ray(host)
         else:
             ray.init(address=address, log_to_driver=False)
+    if settings.internal_grpc_host is None and ray.util.get_node_ip_address() in ("127.0.0.1", "::1"):
+        settings = replace(settings, internal_grpc_host="127.0.0.1")
     serve.start(http_options={"host": host, "port": port})
     serve.run(build_app(settings), name=name, route_prefix=route_prefix)
     return f"http://{host}:{port}{route_prefix.rstrip('/')}"
@@ -336,7 +360,7 @@ def run_ray_serve(args) -> int:
             if args.address is None:
                 if args.ingress is not None:
                     set_ingress_environment(args.ingress)  # before Ray (and Serve's constants) start
-                start_local_ray()
+                start_local_ray(args.host)
                 stop.reinstall()  # ray.init's own SIGTERM handler aborts the process instead of draining
             print(f"deploying {args.export} on Ray Serve", file=sys.stderr, flush=True)
             url = deploy(settings, args.host, port, args.address)
@@ -366,11 +390,54 @@ def run_ray_serve(args) -> int:
     return 0
 
 
-def start_local_ray() -> None:
-    """The embedded Ray runtime of ``bigrank serve --ray`` without ``--address``: on loopback only."""
+def start_local_ray(host: str = "127.0.0.1") -> None:
+    """The embedded Ray runtime of ``bigrank serve --ray`` without ``--address``: on loopback only, and with the
+    HAProxy ingress its statistics page and Prometheus exporter on ``host`` (the serve address) too."""
     from bigrank.launch.loopback import init_local_ray
 
+    if os.environ.get("RAY_SERVE_ENABLE_HA_PROXY") == "1":
+        _haproxy_listeners_on(host)
     init_local_ray(log_to_driver=False)
+
+
+# Ray 2.60's HAProxy template binds the statistics page (``bind *:PORT``) and the Prometheus exporter
+# (``bind :PORT``) on every interface, with no setting for their address: the binary Serve runs is this script,
+# which rebinds those two to the serve host in the configuration file (``-f``) before it starts the real HAProxy.
+_HAPROXY_WRAPPER = r"""#!/bin/sh
+# Written by bigrank serve --ray (bigrank.export.ray_serve._haproxy_listeners_on).
+previous=
+for argument in "$@"; do
+  if [ "$previous" = "-f" ]; then
+    sed -i -E 's/^([[:space:]]*bind[[:space:]]+)(\*|):([0-9]+)/\1{host}:\3/' "$argument" || exit 1
+  fi
+  previous=$argument
+done
+exec '{binary}' "$@"
+"""
+
+
+def _haproxy_listeners_on(host: str) -> None:
+    """Make the HAProxy that a Ray started after this call runs bind its statistics and metrics listeners on
+    ``host`` (``_HAPROXY_WRAPPER`` as ``RAY_SERVE_HAPROXY_BINARY_PATH``; removed when this process exits)."""
+    import atexit
+    import shutil
+    import stat
+    import tempfile
+
+    from ray.serve._private.haproxy import get_haproxy_binary  # the binary Serve would run: the wheel's or PATH's
+
+    binary = os.environ.get("RAY_SERVE_HAPROXY_BINARY_PATH") or get_haproxy_binary()
+    if "'" in binary or "'" in host or "/" in host:
+        raise ValueError(f"cannot wrap HAProxy at {binary!r} for host {host!r}")
+    if os.path.basename(binary) == "haproxy-on-host":  # wrapped already (a second start in this process)
+        return
+    directory = tempfile.mkdtemp(prefix="bigrank-haproxy-")
+    atexit.register(shutil.rmtree, directory, ignore_errors=True)
+    wrapper = os.path.join(directory, "haproxy-on-host")
+    with open(wrapper, "w") as file:
+        file.write(_HAPROXY_WRAPPER.replace("{host}", host).replace("{binary}", binary))
+    os.chmod(wrapper, stat.S_IRWXU)
+    os.environ["RAY_SERVE_HAPROXY_BINARY_PATH"] = wrapper
 
 
 def _shut_down(owns_ray: bool) -> None:

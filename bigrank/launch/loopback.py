@@ -10,14 +10,13 @@ runtime-env agent, the dashboard head and the autoscaler monitor open their HTTP
 0.0.0.0 or the external address. ``init_local_ray`` starts the runtime in that single-machine mode, so
 every one of them binds 127.0.0.1; the processes Ray starts inherit the setting from the environment.
 
-Not covered: Ray Serve's HAProxy ingress (``RAY_SERVE_ENABLE_HA_PROXY=1``) renders two more listeners from
-a fixed template (``ray.serve._private.haproxy_templates.HAPROXY_CONFIG_TEMPLATE``), the statistics page
-(``bind *:STATS_PORT``) and the Prometheus exporter (``bind :METRICS_PORT``); Ray 2.60 has no setting for
-their address (only the ports, ``RAY_SERVE_HAPROXY_STATS_PORT`` / ``_METRICS_PORT``). Rewriting the template
-needs code in the HAProxyManager's worker process (a ``worker_process_setup_hook``), which fails every
-worker of the runtime where bigrank is not importable by the workers, so it is not done here.
-Nor is the inter-deployment gRPC server of each Serve replica (``ray.serve._private.replica``: ``"[::]:0"``,
-hard-coded).
+Ray Serve adds listeners this setting does not reach; ``bigrank serve --ray`` binds them itself
+(``bigrank.export.ray_serve``): the HAProxy ingress's statistics page and Prometheus exporter, which Ray 2.60
+renders from a fixed template on every interface (``bind *:STATS_PORT``, ``bind :METRICS_PORT``), are rebound
+to the serve host by a wrapper of the HAProxy binary (``RAY_SERVE_HAPROXY_BINARY_PATH``) that edits the
+configuration file before HAProxy reads it; each replica's inter-deployment gRPC server (``"[::]:0"``,
+hard-coded in ``ray.serve._private.replica``) binds 127.0.0.1 through ``ServeSettings.internal_grpc_host``,
+applied in the replica's own process by bigrank's deployment class.
 
 Joining an existing cluster (``ray.init(address=...)``) does not go through here and is unchanged.
 """
