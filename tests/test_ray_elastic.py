@@ -41,9 +41,21 @@ def _config(root, run_dir, **ray):
     return config_from_dict(raw)
 
 
+# Seconds Ray Train waits for a worker group's placement (its CPUs reserved; the workers start after it) before
+# the attempt fails (Ray's default: 60). An elastic restart on stale resource figures can need one such wait.
+PLACEMENT_TIMEOUT_S = 15.0
+# The fixed-size group that no longer fits waits it out twice (ray_train._placement_retries); a reservation on
+# this idle 2-CPU cluster takes well under a second even on a loaded machine, and the test checks that the
+# failure came after the node loss, so a first placement cut short by this fails the test instead of passing it.
+NO_FIT_PLACEMENT_TIMEOUT_S = 5.0
+
+
 @pytest.fixture
-def two_node_cluster(monkeypatch):
-    """A Ray head and a worker node with one CPU each; yields (cluster, worker_node); shuts both down."""
+def two_node_cluster(monkeypatch, request):
+    """A Ray head and a worker node with one CPU each; yields (cluster, worker_node); shuts both down.
+
+    ``request.param`` (indirect parametrization): the placement timeout, ``PLACEMENT_TIMEOUT_S`` by default.
+    """
     import ray
     import ray._private.ray_constants as ray_constants
     from ray.cluster_utils import Cluster
@@ -51,8 +63,8 @@ def two_node_cluster(monkeypatch):
     # ray.init rewrites 127.0.0.1 in a cluster address to this machine's public address, where the test
     # cluster's GCS does not listen; with this flag off it keeps the loopback address (driver side only).
     monkeypatch.setattr(ray_constants, "ENABLE_RAY_CLUSTER", False)
-    # A fixed-size group that cannot be placed fails after this many seconds (Ray's default: 60).
-    monkeypatch.setenv("RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S", "15")
+    # Read by Ray Train's controller actor, a process of this cluster: set before the cluster starts.
+    monkeypatch.setenv("RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S", str(getattr(request, "param", PLACEMENT_TIMEOUT_S)))
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "node_ip_address": "127.0.0.1"})
     worker_node = cluster.add_node(num_cpus=1, node_ip_address="127.0.0.1")
     cluster.wait_for_nodes()
@@ -100,6 +112,7 @@ def test_a_group_restarted_on_fewer_workers_finishes_when_min_workers_allows(two
     assert steps == list(range(1, MAX_STEPS + 1))  # no finished step lost, none trained twice
 
 
+@pytest.mark.parametrize("two_node_cluster", [NO_FIT_PLACEMENT_TIMEOUT_S], indirect=True)
 def test_without_min_workers_a_group_that_no_longer_fits_fails_saying_so(two_node_cluster, tiny_dataset, tmp_path):
     cluster, worker_node = two_node_cluster
     run_dir = tmp_path / "run"
@@ -107,3 +120,5 @@ def test_without_min_workers_a_group_that_no_longer_fits_fails_saying_so(two_nod
     with pytest.raises(RayTrainingError, match="set ray.min_workers"):
         run.train(_config(tiny_dataset, run_dir), launcher="ray")
     watcher.join(timeout=5)
+    # The node went (after the 2-worker group's first checkpoint): the restart without it could not be placed.
+    assert len(cluster.list_all_nodes()) == 1
