@@ -41,6 +41,18 @@ def _config(root, run_dir, **ray):
     return config_from_dict(raw)
 
 
+# Seconds Ray Train waits for a worker group's placement (its CPUs reserved; the workers start after it) before
+# the attempt fails (Ray's default: 60). A reservation on this idle 2-CPU cluster takes < 0.1 s (0.9 s seen under
+# a load of 16 on 2 cores). The group that no longer fits waits it out twice (ray_train._placement_retries).
+PLACEMENT_TIMEOUT_S = 5.0
+# The elastic restart decides its size on Ray Train's view of the cluster (its AutoscalingCoordinator), which is
+# refreshed every 20 s: the first attempt after the node loss still asks for 2 workers and times out, and so may
+# the attempts after it until the next refresh (21 s seen: 4 timed-out attempts). Enough placement retries (a
+# placement timeout counts as a controller failure, up to ray.max_failures: 6 x 5 s) cover one refresh period
+# with a margin (with max_failures 1 and a 15 s timeout, a node lost within 5 s after a refresh fails the run).
+ELASTIC_MAX_FAILURES = 6
+
+
 @pytest.fixture
 def two_node_cluster(monkeypatch):
     """A Ray head and a worker node with one CPU each; yields (cluster, worker_node); shuts both down."""
@@ -51,8 +63,8 @@ def two_node_cluster(monkeypatch):
     # ray.init rewrites 127.0.0.1 in a cluster address to this machine's public address, where the test
     # cluster's GCS does not listen; with this flag off it keeps the loopback address (driver side only).
     monkeypatch.setattr(ray_constants, "ENABLE_RAY_CLUSTER", False)
-    # A fixed-size group that cannot be placed fails after this many seconds (Ray's default: 60).
-    monkeypatch.setenv("RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S", "15")
+    # Read by Ray Train's controller actor, a process of this cluster: set before the cluster starts.
+    monkeypatch.setenv("RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S", str(PLACEMENT_TIMEOUT_S))
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "node_ip_address": "127.0.0.1"})
     worker_node = cluster.add_node(num_cpus=1, node_ip_address="127.0.0.1")
     cluster.wait_for_nodes()
@@ -89,7 +101,9 @@ def test_a_group_restarted_on_fewer_workers_finishes_when_min_workers_allows(two
     cluster, worker_node = two_node_cluster
     run_dir = tmp_path / "run"
     watcher = _remove_node_after_first_checkpoint(cluster, worker_node, run_dir)
-    summary = run.train(_config(tiny_dataset, run_dir, min_workers=1), launcher="ray")
+    summary = run.train(
+        _config(tiny_dataset, run_dir, min_workers=1, max_failures=ELASTIC_MAX_FAILURES), launcher="ray"
+    )
     watcher.join(timeout=5)
     assert len(cluster.list_all_nodes()) == 1  # the worker node is gone
     assert summary["steps"] == MAX_STEPS
@@ -107,3 +121,5 @@ def test_without_min_workers_a_group_that_no_longer_fits_fails_saying_so(two_nod
     with pytest.raises(RayTrainingError, match="set ray.min_workers"):
         run.train(_config(tiny_dataset, run_dir), launcher="ray")
     watcher.join(timeout=5)
+    # The node went (after the 2-worker group's first checkpoint): the restart without it could not be placed.
+    assert len(cluster.list_all_nodes()) == 1

@@ -159,15 +159,28 @@ def test_serve_config_and_rayservice_manifest_deploy_the_same_valid_application(
 
 def test_ingress_choice_sets_and_clears_rays_haproxy_environment(monkeypatch):
     """``--ingress haproxy`` (the CLI default) turns on Ray 2.60's HAProxy + direct ingress for a Ray started
-    here; ``proxy`` clears it; anything else is refused."""
+    here, with a short draining window for its replicas (Ray's 30 s one made every stop take 30+ s) unless the
+    user set one; ``proxy`` clears it; anything else is refused."""
     from bigrank.cli import build_parser
-    from bigrank.export.ray_serve import HAPROXY_ENVIRONMENT, set_ingress_environment
+    from bigrank.export.ray_serve import (
+        DRAINING_PERIOD_ENV,
+        EMBEDDED_DRAINING_PERIOD_S,
+        HAPROXY_ENVIRONMENT,
+        drain_bound_s,
+        set_ingress_environment,
+    )
 
-    for name in HAPROXY_ENVIRONMENT:
+    for name in (*HAPROXY_ENVIRONMENT, DRAINING_PERIOD_ENV):
         monkeypatch.delenv(name, raising=False)
     assert build_parser().parse_args(["serve", "DIR", "--ray"]).ingress == "haproxy"
+    assert drain_bound_s(haproxy=True) == 35.0  # Ray's own window: the stop this setting avoids
     set_ingress_environment("haproxy")
     assert {name: os.environ.get(name) for name in HAPROXY_ENVIRONMENT} == HAPROXY_ENVIRONMENT
+    assert float(os.environ[DRAINING_PERIOD_ENV]) == EMBEDDED_DRAINING_PERIOD_S < 5
+    assert drain_bound_s(haproxy=True) == EMBEDDED_DRAINING_PERIOD_S + 5 and drain_bound_s(haproxy=False) == 5
+    monkeypatch.setenv(DRAINING_PERIOD_ENV, "20")
+    set_ingress_environment("haproxy")
+    assert os.environ[DRAINING_PERIOD_ENV] == "20"
     set_ingress_environment("proxy")
     assert not any(name in os.environ for name in HAPROXY_ENVIRONMENT)
     with pytest.raises(ValueError, match="ingress must be one of"):

@@ -39,7 +39,13 @@ def apps(request, tmp_path_factory):
     import ray
     from ray import serve
 
-    from bigrank.export.ray_serve import HAPROXY_ENVIRONMENT, ServeSettings, deploy, set_ingress_environment
+    from bigrank.export.ray_serve import (
+        DRAINING_PERIOD_ENV,
+        HAPROXY_ENVIRONMENT,
+        ServeSettings,
+        deploy,
+        set_ingress_environment,
+    )
 
     root = tmp_path_factory.mktemp("serve-ray")
     dataset = generate("demo", root / "demo", progress=False)
@@ -68,7 +74,7 @@ def apps(request, tmp_path_factory):
     thread = threading.Thread(target=stdlib.serve_forever, daemon=True)
     thread.start()
     export = str(root / "export")
-    saved = {name: os.environ.get(name) for name in HAPROXY_ENVIRONMENT}
+    saved = {name: os.environ.get(name) for name in (*HAPROXY_ENVIRONMENT, DRAINING_PERIOD_ENV)}
     set_ingress_environment(request.param)  # Ray's processes read it when they start
     ray.init(address="local", num_cpus=4, include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=False)
     try:

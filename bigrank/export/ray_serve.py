@@ -43,6 +43,15 @@ INGRESS_KINDS = ("haproxy", "proxy")
 HAPROXY_ENVIRONMENT = {"RAY_SERVE_ENABLE_HA_PROXY": "1", "RAY_SERVE_THROUGHPUT_OPTIMIZED": "1"}
 # Seconds a deleted replica gets to finish its requests before Serve kills it.
 GRACEFUL_SHUTDOWN_TIMEOUT_S = 5.0
+# With direct ingress, Ray 2.60 keeps a deleted replica reachable for DRAINING_PERIOD_ENV's seconds (default 30)
+# before it even starts draining, so that a load balancer in front of the replicas' ports can deregister them;
+# Serve also raises the graceful_shutdown_timeout_s of the ingress deployment to that plus 5 s. Every stop of
+# `bigrank serve --ray` (and every serve.shutdown) then took 30+ s, past Kubernetes' default 30 s grace period.
+# In a Ray started here the only router in front of the replicas is that runtime's own HAProxy, which Serve
+# reloads without the replica and which retries a refused connection on another replica: a short window (for
+# the reload) is enough. A load balancer in front of the pod gets its own window from a preStop sleep.
+EMBEDDED_DRAINING_PERIOD_S = 1.0
+DRAINING_PERIOD_ENV = "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S"
 
 
 def set_ingress_environment(ingress: str) -> None:
@@ -71,6 +80,8 @@ def set_ingress_environment(ingress: str) -> None:
         names = ("RAY_SERVE_HAPROXY_STATS_PORT", "RAY_SERVE_HAPROXY_METRICS_PORT")
         for name, port in zip(names, _free_ports(len(names)), strict=True):
             os.environ.setdefault(name, str(port))
+        # The user's own setting (a balancer that targets the replicas' ports directly) wins.
+        os.environ.setdefault(DRAINING_PERIOD_ENV, f"{EMBEDDED_DRAINING_PERIOD_S:g}")
 
 
 def _free_ports(count: int) -> list[int]:
@@ -379,7 +390,7 @@ def run_ray_serve(args) -> int:
                 pass
             print(
                 f"bigrank serve: {signal_name(stop.signum)}: draining the replicas (up to "
-                f"{GRACEFUL_SHUTDOWN_TIMEOUT_S:g} s) and shutting Ray Serve down",
+                f"{drain_bound_s(haproxy):g} s) and shutting Ray Serve down",
                 file=sys.stderr,
                 flush=True,
             )
@@ -388,6 +399,15 @@ def run_ray_serve(args) -> int:
             _shut_down(args.address is None)
     print(f"bigrank serve: stopped in {time.monotonic() - started:.1f} s", file=sys.stderr, flush=True)
     return 0
+
+
+def drain_bound_s(haproxy: bool) -> float:
+    """Seconds a deleted replica may take to stop: behind HAProxy (direct ingress) Serve raises the graceful
+    shutdown timeout to the minimum draining period + 5 s (``EMBEDDED_DRAINING_PERIOD_S``)."""
+    if not haproxy:
+        return GRACEFUL_SHUTDOWN_TIMEOUT_S
+    period = float(os.environ.get(DRAINING_PERIOD_ENV, "30"))  # Ray's default
+    return max(GRACEFUL_SHUTDOWN_TIMEOUT_S, period + 5.0)
 
 
 def start_local_ray(host: str = "127.0.0.1") -> None:
