@@ -359,3 +359,28 @@ def test_a_temperature_keeps_the_chunked_scores_compute_dtype():
     assert scaled.dtype == torch.bfloat16
     assert all(block.dtype == torch.bfloat16 for _, block in scaled.blocks())
     torch.testing.assert_close(next(scaled.blocks())[1].float(), (users @ items[:8].T) / 0.5, rtol=2e-2, atol=5e-2)
+
+
+@pytest.mark.parametrize("scale", [0.01, 1.0, 6.0])
+@pytest.mark.parametrize("margin", [1.0, 0.3])
+def test_shared_rankmax_equals_rankmax_over_each_positive_row(scale, margin):
+    """rankmax_shared_loss (one sort per user) against rankmax_loss over the expanded (user, positive) rows: the
+    same loss and the same gradient, for sums and means, with users of one, several and no positives."""
+    from bigrank.losses import rankmax_shared_loss
+
+    generator = torch.Generator().manual_seed(7)
+    scores = (torch.randn(6, 300, generator=generator, dtype=torch.float64) * scale).requires_grad_()
+    positives = torch.rand(6, 300, generator=generator) < 0.05
+    positives[0] = False
+    positives[0, 3] = True  # one positive
+    positives[1] = False  # none: adds nothing
+    for reduction in ("sum", "mean"):
+        shared = rankmax_shared_loss(scores, positives, margin, reduction)
+        (got,) = torch.autograd.grad(shared, scores)
+        users, items = positives.nonzero(as_tuple=True)
+        expanded = rankmax_loss(scores[users], items, k=1, margin=margin, reduction=reduction)
+        (want,) = torch.autograd.grad(expanded, scores)
+        torch.testing.assert_close(shared, expanded, rtol=1e-10, atol=1e-12)
+        torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-12)
+    with pytest.raises(ValueError, match="positives must be bool"):
+        rankmax_shared_loss(scores, positives.float())

@@ -35,6 +35,7 @@ _EXPORTS = {
     "rank_distributions": "bigrank.losses.softndcg",
     "rankmax": "bigrank.losses.rankmax",
     "rankmax_loss": "bigrank.losses.rankmax",
+    "rankmax_shared_loss": "bigrank.losses.rankmax",
     "recall_at_quantile_loss": "bigrank.losses.softrank",
     "sampled_softmax_loss": "bigrank.losses.sampled",
     "smooth_ap_loss": "bigrank.losses.softrank",
