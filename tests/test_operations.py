@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -580,6 +581,40 @@ def test_serve_ray_drains_and_exits_0_on_sigterm_leaving_no_process(tiny_export,
     output = log.read_text()
     assert "bigrank serve: SIGTERM: draining the replicas" in output and "bigrank serve: stopped in" in output, output
     assert "SIGTERM received" not in output and "Traceback" not in output, output
+
+
+@pytest.mark.slow
+@pytest.mark.filterwarnings("ignore:Using extra keyword arguments on `Field`")
+@pytest.mark.skipif(shutil.which("setpriv") is None, reason="HAProxy's parent-death signal comes from setpriv")
+def test_serve_ray_killed_outright_leaves_no_haproxy_holding_its_port(tiny_export, tmp_path):
+    """SIGKILL (the OOM killer) on `bigrank serve --ray`: its Ray runtime ends with it, and so does the HAProxy that
+    Serve's HAProxyManager actor started, which would otherwise keep the serve port. (Ray 2.60's own dashboard
+    and runtime-env agents outlive a killed runtime: not checked here, and cleaned up.)"""
+    proc, log, port = _start_serve_ray(tiny_export, tmp_path / "serve-ray-killed.log")
+    try:
+        _wait_for_line(proc, log, "/recommend?user=0", timeout=300)
+        haproxy = [pid for pid in _group(proc.pid, field=3) if "haproxy" in _command_line(pid).split(" ")[0]]
+        assert haproxy, "HAProxy runs in the command's session"
+        proc.kill()
+        proc.wait(timeout=30)
+        deadline = time.monotonic() + 15
+        while (alive := [pid for pid in haproxy if _command_line(pid)]) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not alive, f"HAProxy still running after the command was killed: {alive}"
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", port))  # the port is free again
+    finally:
+        _kill_group(proc.pid)
+
+
+def _command_line(pid: int) -> str:
+    """The command line of a live process ("" once it is gone or a zombie)."""
+    try:
+        if (Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split() or ["Z"])[0] == "Z":
+            return ""
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
 
 
 @pytest.mark.slow

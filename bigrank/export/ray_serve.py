@@ -423,6 +423,9 @@ def start_local_ray(host: str = "127.0.0.1") -> None:
 # Ray 2.60's HAProxy template binds the statistics page (``bind *:PORT``) and the Prometheus exporter
 # (``bind :PORT``) on every interface, with no setting for their address: the binary Serve runs is this script,
 # which rebinds those two to the serve host in the configuration file (``-f``) before it starts the real HAProxy.
+# It also gives HAProxy a parent-death signal (util-linux's setpriv, where installed): when the command is killed
+# outright (SIGKILL, the OOM killer), Ray's processes end with it but HAProxy, a child of Serve's HAProxyManager
+# actor, would otherwise keep running and holding the serve port.
 _HAPROXY_WRAPPER = r"""#!/bin/sh
 # Written by bigrank serve --ray (bigrank.export.ray_serve._haproxy_listeners_on).
 previous=
@@ -432,6 +435,9 @@ for argument in "$@"; do
   fi
   previous=$argument
 done
+if command -v setpriv >/dev/null 2>&1; then  # HAProxy ends with the Serve actor that starts it (SIGKILL included)
+  exec setpriv --pdeathsig TERM '{binary}' "$@"
+fi
 exec '{binary}' "$@"
 """
 
