@@ -435,7 +435,7 @@ for argument in "$@"; do
   fi
   previous=$argument
 done
-if command -v setpriv >/dev/null 2>&1; then  # HAProxy ends with the Serve actor that starts it (SIGKILL included)
+if setpriv --help 2>&1 | grep -q -- --pdeathsig; then  # HAProxy ends with the Serve actor that starts it
   exec setpriv --pdeathsig TERM '{binary}' "$@"
 fi
 exec '{binary}' "$@"
