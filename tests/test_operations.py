@@ -589,7 +589,7 @@ def test_serve_ray_drains_and_exits_0_on_sigterm_leaving_no_process(tiny_export,
 def test_serve_ray_killed_outright_leaves_no_haproxy_holding_its_port(tiny_export, tmp_path):
     """SIGKILL (the OOM killer) on `bigrank serve --ray`: its Ray runtime ends with it, and so does the HAProxy that
     Serve's HAProxyManager actor started, which would otherwise keep the serve port. (Ray 2.60's own dashboard
-    and runtime-env agents outlive a killed runtime: not checked here, and cleaned up.)"""
+    and runtime-env agents end about a minute later, after a report to the dead GCS times out: not waited for.)"""
     proc, log, port = _start_serve_ray(tiny_export, tmp_path / "serve-ray-killed.log")
     try:
         _wait_for_line(proc, log, "/recommend?user=0", timeout=300)
