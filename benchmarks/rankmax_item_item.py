@@ -22,7 +22,9 @@ into bigrank's towers, evaluation and export is the step after this one.
 
     python -m benchmarks.rankmax_item_item --data ../shared/datasets/ml-1m --seeds 0 1 2
 
-About 20-35 s per epoch on 2 cores at ML-1M (6,040 users x 3,706 items): ~4 min per seed.
+About 8 s per epoch on 2 quiet cores at ML-1M (6,040 users x 3,706 items), ~8 min for 3 seeds. Measured
+2026-11-26 (test, seeds 0-2): hybrid - EASE +0.0032 [+0.0020, +0.0043] AP@10, -0.0016 [-0.0072, +0.0041]
+Accuracy, +0.0154 [+0.0136, +0.0171] R@100.
 """
 
 from __future__ import annotations
