@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -211,7 +212,12 @@ def test_submit_the_demo_config_waits_for_success_and_the_run_is_evaluated(ray_h
     assert logs.returncode == 0 and f"run dir        {run_dir}" in logs.stdout
 
 
-def test_stop_a_running_job(ray_head, demo_data, tmp_path):
+def test_stop_a_running_job(ray_head, demo_data, tmp_path, monkeypatch):
+    """`bigrank stop` once the job trains: Ray Jobs SIGTERMs the entrypoint, whose workers stop at a step boundary
+    with a final checkpoint (the job's RAY_JOB_STOP_WAIT_TIME_S gives them the time), and the job ends STOPPED."""
+    from bigrank.train.checkpoint import latest_checkpoint
+
+    run_dir = tmp_path / "run"
     done = _bigrank(
         "submit",
         "configs/demo.yaml",
@@ -220,10 +226,16 @@ def test_stop_a_running_job(ray_head, demo_data, tmp_path):
         "--set",
         f"data.root={demo_data}",
         "--set",
-        f"run_dir={tmp_path / 'run'}",
+        f"run_dir={run_dir}",
+        "--set",
+        "train.epochs=50",
     )
     assert done.returncode == 0, done.stderr
     job_id = done.stdout.split()[2]
+    deadline = time.monotonic() + 180
+    while (periodic := latest_checkpoint(run_dir)) is None:
+        assert time.monotonic() < deadline, _bigrank("logs", job_id, "--address", ray_head.dashboard).stdout
+        time.sleep(0.5)
     stopped = _bigrank("stop", job_id, "--address", ray_head.dashboard)
     assert stopped.returncode == 0 and "stop requested" in stopped.stdout, stopped.stdout + stopped.stderr
     deadline = time.monotonic() + 120
@@ -232,6 +244,17 @@ def test_stop_a_running_job(ray_head, demo_data, tmp_path):
             break
         time.sleep(1.0)
     assert "status      STOPPED" in status.stdout, status.stdout + status.stderr
+    logs = _bigrank("logs", job_id, "--address", ray_head.dashboard).stdout
+    found = re.search(r"stopped by SIGTERM at step (\d+): checkpoint (\S+)", logs)
+    assert found and int(found[1]) > int(periodic.name.split("-")[1]), logs[-3000:]
+    assert latest_checkpoint(run_dir).name == f"step-{int(found[1]):08d}", logs[-3000:]
+    # A final checkpoint of a large model takes longer than Ray's 3 s before its SIGKILL: the job asks for more.
+    from bigrank.launch.jobs import connect
+    from bigrank.signals import STOP_GRACE_SECONDS
+
+    monkeypatch.setenv("RAY_AUTH_TOKEN_PATH", str(HOME / ".ray" / "auth_token"))  # the head's token
+    env_vars = connect(ray_head.dashboard).get_job_info(job_id).runtime_env["env_vars"]
+    assert int(env_vars["RAY_JOB_STOP_WAIT_TIME_S"]) > STOP_GRACE_SECONDS, env_vars
 
 
 def test_a_job_whose_dataset_is_missing_on_the_cluster_fails_naming_it(ray_head, tmp_path):

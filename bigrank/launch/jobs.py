@@ -5,7 +5,8 @@
     working_dir   the bigrank project directory (without .venv, data, runs, .git, caches), so the cluster
                   runs the same code as the submitter;
     env_vars      BIGRANK_JOB_CONFIG = the resolved config as YAML (``--set`` overrides applied, relative
-                  paths made absolute on the submitting machine).
+                  paths made absolute on the submitting machine), and RAY_JOB_STOP_WAIT_TIME_S: how long
+                  ``bigrank stop`` lets the run stop at a step boundary before Ray SIGKILLs it.
 
 and runs the entrypoint ``python -m bigrank.run`` (``bigrank.run.main``), which trains that config with Ray
 Train on the cluster the job runs in (the run layer's ``train``, with its pre-flight). Paths in
@@ -33,6 +34,7 @@ from urllib.parse import urlparse
 
 from bigrank.config import dump_config
 from bigrank.errors import CommandError
+from bigrank.signals import STOP_GRACE_SECONDS
 
 __all__ = [
     "CONFIG_ENV",
@@ -74,6 +76,11 @@ WORKING_DIR_EXCLUDES = [
 _SUBMISSION_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
 _CONNECT_TIMEOUT_S = 5.0
 _AGENT_WAIT_S = 60.0
+# `bigrank stop` (Ray Jobs) SIGTERMs the entrypoint and SIGKILLs it RAY_JOB_STOP_WAIT_TIME_S later (Ray's default:
+# 3 s). The entrypoint's workers stop at a step boundary with a final checkpoint and get STOP_GRACE_SECONDS for
+# it (bigrank.launch.ray_train): the job's supervisor, which reads this from the job's env_vars, waits that long
+# and a few seconds for the driver to leave Ray.
+_STOP_WAIT_ENV = {"RAY_JOB_STOP_WAIT_TIME_S": str(STOP_GRACE_SECONDS + 10)}
 
 
 class JobsError(CommandError):
@@ -217,7 +224,7 @@ def submit_training(
     runtime_env = {
         "working_dir": str(directory),
         "excludes": list(WORKING_DIR_EXCLUDES),
-        "env_vars": {CONFIG_ENV: dump_config(config)},
+        "env_vars": {CONFIG_ENV: dump_config(config), **_STOP_WAIT_ENV},
     }
     # A head that has just started answers "No available agent to submit job" until its job agent is up.
     deadline = time.monotonic() + _AGENT_WAIT_S
