@@ -21,6 +21,7 @@ users pooled across the seeds. A standalone model, not a `bigrank train` config:
 into bigrank's towers, evaluation and export is the step after this one.
 
     python -m benchmarks.rankmax_item_item --data ../shared/datasets/ml-1m --seeds 0 1 2
+    python -m benchmarks.rankmax_item_item --data ../shared/datasets/ml-1m --ease-ranks 64 128 256 512 1024 4000
 
 About 8 s per epoch on 2 quiet cores at ML-1M (6,040 users x 3,706 items), ~8 min for 3 seeds. Measured
 2026-11-26 (test, seeds 0-2): hybrid - EASE +0.0032 [+0.0020, +0.0043] AP@10, -0.0016 [-0.0072, +0.0041]
@@ -104,6 +105,25 @@ def scores(model: ItemItemHybrid, train: np.ndarray, block: int = 1024) -> np.nd
         return torch.cat([model(history[start : start + block]) for start in range(0, len(history), block)]).numpy()
 
 
+def truncated_ease(train: np.ndarray, valid: np.ndarray, lam: float, ranks) -> list[tuple]:
+    """Validation figures of EASE's matrix B (λ ``lam``) truncated to each rank of ``ranks`` by an SVD (a rank r
+    that exceeds the items keeps B whole): ``[(r, AP@10, Accuracy, R@100), ...]``. How much of EASE a model of
+    rank r can reach at best, in the bilinear form ``x_u B_r``."""
+    x = torch.from_numpy(train.astype(np.float32))
+    gram = x.T @ x
+    gram.diagonal().add_(float(lam))
+    precision = torch.linalg.inv(gram)
+    full = precision / -precision.diagonal()
+    full.fill_diagonal_(0.0)
+    left, values, right = torch.linalg.svd(full)
+    rows = []
+    for rank in ranks:
+        truncated = (left[:, :rank] * values[:rank]) @ right[:rank]
+        figures = per_user_metrics((x @ truncated).numpy(), train, valid, (10, 100))
+        rows.append((min(rank, len(values)), *(float(figures[name].mean()) for name, _ in METRICS)))
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--data", required=True, help="a MovieLens directory (ratings.dat or ratings.csv)")
@@ -117,6 +137,13 @@ def main() -> None:
     parser.add_argument("--l2", type=float, default=1.0, help="λ of W, P and Q in sum-over-data units")
     parser.add_argument("--margin", type=float, default=1.0)
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    parser.add_argument(
+        "--ease-ranks",
+        type=int,
+        nargs="*",
+        default=[],
+        help="first: EASE (λ 1,000) truncated to these ranks on validation of the first seed, then exit",
+    )
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -124,6 +151,14 @@ def main() -> None:
     work.mkdir(parents=True, exist_ok=True)
     load = os.getloadavg()
     print(f"load average {load[0]:.1f} {load[1]:.1f} {load[2]:.1f}, {torch.get_num_threads()} threads", flush=True)
+    if args.ease_ranks:
+        root = ingest(args.data, work, args.seeds[0])
+        train, valid = split_matrix(root, "train"), split_matrix(root, "valid")
+        print(f"EASE λ 1,000 truncated, validation of seed {args.seeds[0]}:")
+        print(f"{'rank':<8}" + "".join(f"{label:>10}" for _, label in METRICS))
+        for rank, *values in truncated_ease(train, valid, 1000.0, args.ease_ranks):
+            print(f"{rank:<8}" + "".join(f"{value:>10.4f}" for value in values))
+        return
     hybrid, ease = {name: [] for name, _ in METRICS}, {name: [] for name, _ in METRICS}
     rows = []
     for seed in args.seeds:
