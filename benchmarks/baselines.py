@@ -74,16 +74,33 @@ def ease_scores(train: np.ndarray, lam: float, dtype=torch.float32) -> np.ndarra
     (symmetric positive definite for ``λ > 0``) in ``dtype``. Items without train pairs have a zero row and
     column in ``XᵀX``, so they decouple (their weights are 0): the inverse is taken over the other items only.
     """
+    seen, x, precision = _ease_precision(train, lam, dtype)
+    scores = np.zeros(train.shape, dtype=np.float32)
+    scores[:, seen] = (x - (x @ precision) / precision.diagonal()).to(torch.float32).numpy()
+    return scores
+
+
+def ease_matrix(train: np.ndarray, lam: float, dtype=torch.float32) -> torch.Tensor:
+    """EASE's item-item weights ``B`` float32[items, items] (``ease_scores`` is ``X B``), zero diagonal; items
+    without train pairs have zero rows and columns."""
+    seen, _, precision = _ease_precision(train, lam, dtype)
+    weights = torch.zeros(train.shape[1], train.shape[1], dtype=torch.float32)
+    block = (-precision / precision.diagonal()).to(torch.float32)
+    block.fill_diagonal_(0.0)
+    index = torch.from_numpy(seen)
+    weights[index.unsqueeze(1), index.unsqueeze(0)] = block
+    return weights
+
+
+def _ease_precision(train: np.ndarray, lam: float, dtype) -> tuple[np.ndarray, torch.Tensor, torch.Tensor]:
+    """``(seen items, X over them, P = (XᵀX + λI)⁻¹)`` by a Cholesky factorisation in ``dtype``."""
     if not lam > 0:
         raise ValueError(f"EASE needs lambda > 0, got {lam}")
     seen = np.flatnonzero(train.sum(axis=0) > 0)
     x = torch.from_numpy(np.ascontiguousarray(train[:, seen])).to(dtype)
     gram = x.T @ x
     gram.diagonal().add_(float(lam))
-    precision = torch.cholesky_inverse(torch.linalg.cholesky(gram))
-    scores = np.zeros(train.shape, dtype=np.float32)
-    scores[:, seen] = (x - (x @ precision) / precision.diagonal()).to(torch.float32).numpy()
-    return scores
+    return seen, x, torch.cholesky_inverse(torch.linalg.cholesky(gram))
 
 
 def evaluate_scores(scores: np.ndarray, train: np.ndarray, heldout: np.ndarray, ks=KS) -> dict:

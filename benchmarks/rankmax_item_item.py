@@ -39,7 +39,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from benchmarks.baselines import paired_difference, per_user_metrics, split_matrix, tune_ease
+from benchmarks.baselines import ease_matrix, paired_difference, per_user_metrics, split_matrix, tune_ease
 from benchmarks.reproduce_table2 import DATASETS, METRICS, ingest
 from bigrank.losses import rankmax_shared_loss
 
@@ -92,15 +92,14 @@ def train_hybrid(train: np.ndarray, args, seed: int, valid: np.ndarray | None = 
         line = {"seed": seed, "epoch": epoch, "loss": round(total / max(rows, 1), 4)}
         line["seconds"] = round(time.perf_counter() - started, 1)
         if valid is not None:
-            figures = per_user_metrics(scores(model, train), train, valid, (10, 100))
+            figures = per_user_metrics(scores(model, history), train, valid, (10, 100))
             line.update({name: round(float(figures[name].mean()), 4) for name, _ in METRICS})
         print(json.dumps(line), flush=True)
     return model
 
 
-def scores(model: ItemItemHybrid, train: np.ndarray, block: int = 1024) -> np.ndarray:
-    """float32[U, n] scores of every user from its train items."""
-    history = torch.from_numpy(train.astype(np.float32))
+def scores(model: ItemItemHybrid, history: torch.Tensor, block: int = 1024) -> np.ndarray:
+    """float32[U, n] scores of every user from its train items ``history`` float32[U, n] (multi-hot)."""
     with torch.no_grad():
         return torch.cat([model(history[start : start + block]) for start in range(0, len(history), block)]).numpy()
 
@@ -110,12 +109,7 @@ def truncated_ease(train: np.ndarray, valid: np.ndarray, lam: float, ranks) -> l
     that exceeds the items keeps B whole): ``[(r, AP@10, Accuracy, R@100), ...]``. How much of EASE a model of
     rank r can reach at best, in the bilinear form ``x_u B_r``."""
     x = torch.from_numpy(train.astype(np.float32))
-    gram = x.T @ x
-    gram.diagonal().add_(float(lam))
-    precision = torch.linalg.inv(gram)
-    full = precision / -precision.diagonal()
-    full.fill_diagonal_(0.0)
-    left, values, right = torch.linalg.svd(full)
+    left, values, right = torch.linalg.svd(ease_matrix(train, lam))
     rows = []
     for rank in ranks:
         truncated = (left[:, :rank] * values[:rank]) @ right[:rank]
@@ -166,8 +160,9 @@ def main() -> None:
         train, valid, test = (split_matrix(root, split) for split in ("train", "valid", "test"))
         lam, ease_test_scores, _ = tune_ease(train, valid, DATASETS[args.dataset].lambdas)
         model = train_hybrid(train, args, seed, valid)
+        hybrid_scores = scores(model, torch.from_numpy(train.astype(np.float32)))
         for name, figures in (
-            ("hybrid", per_user_metrics(scores(model, train), train, test, (10, 100))),
+            ("hybrid", per_user_metrics(hybrid_scores, train, test, (10, 100))),
             (f"EASE λ={lam:g}", per_user_metrics(ease_test_scores, train, test, (10, 100))),
         ):
             for metric, _ in METRICS:
