@@ -51,7 +51,7 @@ from pathlib import Path
 from typing import Any
 
 from bigrank.atomic import write_text_atomic
-from bigrank.signals import STOP_GRACE_SECONDS, STOP_SIGNALS, Stopped, stop_exception
+from bigrank.signals import STOP_GRACE_SECONDS, STOP_SIGNALS, StopFile, Stopped, stop_exception
 
 __all__ = ["STOP_GRACE_SECONDS", "WorkerError", "free_port", "launch_local"]
 
@@ -201,8 +201,8 @@ def _run_rank(fn, args: tuple, backend: str, threads: int, parent_pid: int, repo
         # signalled by the launcher or finds the request here.
         rank = os.environ["RANK"]
         (Path(reports) / f"pid-{rank}-{os.getpid()}").touch()
-        requested = Path(reports) / _STOP_FILE
-        result = _StoppedResult(int(requested.read_text())) if requested.exists() else fn(*args)
+        requested = StopFile(Path(reports) / _STOP_FILE).signum
+        result = _StoppedResult(requested) if requested is not None else fn(*args)
     except Stopped as stopped:
         result = _StoppedResult(stopped.signum)
     except BaseException as error:  # noqa: BLE001 - report anything (SystemExit included) to the launcher
