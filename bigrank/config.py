@@ -77,7 +77,14 @@ class DataConfig:
 
 @dataclass
 class ModelConfig:
-    dim: int = 32  # embedding dimension (multiple of 4: fbgemm's tables)
+    # towers: a user tower (user table + optional history bag) against item vectors, trained row by row, any
+    # catalog size. item_item: a full-rank item-to-item matrix beside a rank-`dim` one, trained user by user
+    # (bigrank.model.item_item; catalogs up to 32,768 items, the full-rank model of dense data).
+    kind: str = field(default="towers", metadata=_choices("towers", "item_item"))
+    dim: int = 32  # embedding dimension (multiple of 4: fbgemm's tables); item_item: rank of the low-rank term
+    # item_item only: the L2 penalty lambda * (||W||^2 + ||P||^2 + ||Q||^2) / (train rows), added to the mean row
+    # loss of each step (lambda in EASE's sum-over-the-data units).
+    item_item_l2: float = 1.0
     history: bool = False  # add the mean-pooled bag of the user's train items to the user vector
     # Training only (evaluation and export always pool the whole bag): each item of a history bag is left out
     # with probability history_dropout (a denoising regulariser, as in Steck 2020's EDLAE), then a bag longer
@@ -106,6 +113,7 @@ class ModelConfig:
             "model.history_sample_size",
             f"must be >= 1 or null, got {self.history_sample_size}",
         )
+        _check(self.item_item_l2 >= 0, "model.item_item_l2", "must be >= 0")
         requested_layouts(self)  # raises ConfigError naming the key
         for key, value, unset in (
             ("history_dropout", self.history_dropout, 0),
@@ -432,7 +440,32 @@ def check(config: Config) -> Config:
                 f"({config.train.batch_size})",
             )
     config.debug.check()
+    if config.model.kind == "item_item":
+        _check_item_item(config)
     return config
+
+
+def _check_item_item(config: Config) -> None:
+    """The settings ``model.kind: item_item`` trains with (bigrank.train.item_item): its loss is a full-catalog
+    loss of every train item of a user at once, its optimiser dense Adam."""
+
+    loss = config.loss
+    _check(
+        loss.name in ("rankmax", "softmax"),
+        "loss.name",
+        f"must be rankmax or softmax with model.kind item_item, got {loss.name!r}",
+    )
+    params = parse_params(loss.name, loss.params, "loss.params")
+    if loss.name == "rankmax":
+        _check(params.get("k", 1) == 1, "loss.params.k", "must be 1 with model.kind item_item")
+        _check(not params.get("k_fraction"), "loss.params.k_fraction", "must be 0 with model.kind item_item")
+    _check(
+        config.optim.item_optimizer == "adam",
+        "optim.item_optimizer",
+        "must be adam with model.kind item_item (its matrices are dense; item_lr is Adam's rate)",
+    )
+    _check(not config.model.history, "model.history", "must be false with model.kind item_item (x W is its history)")
+    _check(config.model.layout == "auto", "model.layout", "is for model.kind towers (item_item is replicated)")
 
 
 def resolve(config: Config, base_dir: str | os.PathLike | None = None) -> Config:

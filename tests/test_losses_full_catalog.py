@@ -384,3 +384,26 @@ def test_shared_rankmax_equals_rankmax_over_each_positive_row(scale, margin):
         torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-12)
     with pytest.raises(ValueError, match="positives must be bool"):
         rankmax_shared_loss(scores, positives.float())
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.5])
+def test_shared_softmax_equals_softmax_over_each_positive_row(temperature):
+    """softmax_shared_loss against softmax_loss over the expanded (user, positive) rows: loss and gradient."""
+    from bigrank.losses import softmax_shared_loss
+
+    generator = torch.Generator().manual_seed(8)
+    scores = (torch.randn(5, 200, generator=generator, dtype=torch.float64) * 3).requires_grad_()
+    positives = torch.rand(5, 200, generator=generator) < 0.05
+    positives[1] = False  # no positive: adds nothing
+    positives[2] = False
+    positives[2, 7] = True
+    for reduction in ("sum", "mean"):
+        shared = softmax_shared_loss(scores, positives, reduction, temperature)
+        (got,) = torch.autograd.grad(shared, scores)
+        users, items = positives.nonzero(as_tuple=True)
+        expanded = softmax_loss(scores[users], items, reduction, temperature=temperature)
+        (want,) = torch.autograd.grad(expanded, scores)
+        torch.testing.assert_close(shared, expanded, rtol=1e-10, atol=1e-12)
+        torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-12)
+    with pytest.raises(ValueError, match="NaN"):
+        softmax_shared_loss(scores.detach().index_fill(1, torch.tensor([3]), float("nan")), positives)

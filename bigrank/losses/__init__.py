@@ -40,6 +40,7 @@ _EXPORTS = {
     "sampled_softmax_loss": "bigrank.losses.sampled",
     "smooth_ap_loss": "bigrank.losses.softrank",
     "softmax_loss": "bigrank.losses.softmax",
+    "softmax_shared_loss": "bigrank.losses.softmax",
     "softrank_ndcg_loss": "bigrank.losses.softndcg",
     "sparsemax": "bigrank.losses.sparsemax",
     "sparsemax_loss": "bigrank.losses.sparsemax",

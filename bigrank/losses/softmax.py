@@ -11,9 +11,16 @@ import torch
 
 from bigrank.losses.kernels import exp_grad, max_and_sum_exp
 from bigrank.losses.scores import Layout, catalog_loss_rows, divide_scores, gather_row_stats
-from bigrank.losses.validation import check_reduction, check_scores, check_temperature, reduce_rows
+from bigrank.losses.validation import (
+    check_reduction,
+    check_scores,
+    check_temperature,
+    first_nonfinite_row,
+    raise_if_nonfinite,
+    reduce_rows,
+)
 
-__all__ = ["softmax_loss", "SoftmaxLoss"]
+__all__ = ["softmax_loss", "softmax_shared_loss", "SoftmaxLoss"]
 
 
 class _SoftmaxImpl:
@@ -61,6 +68,34 @@ def softmax_loss(
         scores = divide_scores(scores, float(temperature))
     per_row = catalog_loss_rows(_SoftmaxImpl(), scores, target, group, offset)
     return reduce_rows(per_row, reduction)
+
+
+def softmax_shared_loss(
+    scores: torch.Tensor, positives: torch.Tensor, reduction: str = "mean", temperature: float = 1.0
+) -> torch.Tensor:
+    """Softmax cross-entropy of every row ``(b, y)`` with ``positives[b, y]``, where the rows of one ``b`` (a
+    user's positives) share its score vector: ``sum_b (|P_b| * logsumexp(z_b / T) - sum_{y in P_b} z_by / T)``,
+    equal to ``softmax_loss(scores[b], y)`` summed over those rows (the softmax twin of
+    ``bigrank.losses.rankmax_shared_loss``).
+
+    Args:
+        scores: float[U, n], one score vector per user (single process).
+        positives: bool[U, n], the positives of each row (rows without any add nothing).
+        reduction: "mean" (over the positives) or "sum".
+        temperature: T > 0 divides the scores.
+    """
+    if reduction not in ("mean", "sum"):
+        raise ValueError(f"reduction must be 'mean' or 'sum', got {reduction!r}")
+    check_temperature(temperature)
+    check_scores(scores)
+    if positives.shape != scores.shape or positives.dtype != torch.bool:
+        raise ValueError(f"positives must be bool{list(scores.shape)}, got {positives.dtype}{list(positives.shape)}")
+    raise_if_nonfinite(first_nonfinite_row(scores))
+    logits = scores / temperature if temperature != 1.0 else scores
+    positives = positives.to(scores.device)
+    counts = positives.sum(dim=1).to(logits.dtype)
+    loss = (counts * torch.logsumexp(logits, dim=1)).sum() - logits[positives].sum()
+    return loss / max(int(positives.sum()), 1) if reduction == "mean" else loss
 
 
 class SoftmaxLoss(torch.nn.Module):

@@ -2,18 +2,22 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from bigrank.config import Config
 from bigrank.data.manifest import DatasetManifest
 from bigrank.train.evaluate import EvaluationData, evaluate_model, evaluation_data
-from bigrank.train.model import Model, user_vectors_fn
+from bigrank.train.model import Model
+
+if TYPE_CHECKING:
+    from bigrank.train.item_item import ItemItemRun
 
 __all__ = ["Evaluator"]
 
 
 class Evaluator:
-    """Runs ``evaluate_model`` on the model of this rank (collective) and decides when it is due.
+    """Runs ``evaluate_model`` on the model of this rank (collective) and decides when it is due. ``model``: any
+    model with a ``ranking_view()`` (user vectors and this rank's catalog rows).
 
     The users, relevant items and excluded (train) items of a split are read from the dataset the first time
     the split is evaluated and reused afterwards (keyed by the user sample), so evaluating every epoch costs
@@ -21,7 +25,7 @@ class Evaluator:
     ``manifest``: the run's dataset (``bigrank.data.manifest.dataset_manifest``).
     """
 
-    def __init__(self, config: Config, model: Model, group, manifest: DatasetManifest):
+    def __init__(self, config: Config, model: Model | ItemItemRun, group, manifest: DatasetManifest):
         self.config, self.model, self.group = config, model, group
         self.manifest = manifest
         self._data: dict[tuple[str, int | None], EvaluationData] = {}
@@ -35,7 +39,7 @@ class Evaluator:
     def data(self, split: str, sample_users: int | None) -> EvaluationData:
         key = (split, sample_users)
         if key not in self._data:
-            shard = self.model.shard.owned()
+            _, shard = self.model.ranking_view()
             self._data[key] = evaluation_data(
                 self.manifest,
                 split,
@@ -49,9 +53,10 @@ class Evaluator:
     def evaluate(self, split: str, sample_users: int | None | str = "config") -> dict[str, Any]:
         """Recall@K, AP@K and Accuracy of ``split`` (``eval.sample_users`` unless given)."""
         sample = self.config.eval.sample_users if sample_users == "config" else sample_users
+        vectors_fn, catalog = self.model.ranking_view()  # whatever the layout, each rank ranks the rows it owns
         return evaluate_model(
-            user_vectors_fn(self.model),
-            self.model.shard.owned(),  # whatever the layout, each rank ranks the rows it owns
+            vectors_fn,
+            catalog,
             self.manifest,
             split,
             list(self.config.eval.ks),

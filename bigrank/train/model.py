@@ -56,6 +56,10 @@ class Model:
     def user_module(self):
         return self.tower.module
 
+    def ranking_view(self):
+        """``(user_vectors_fn, CatalogView)`` that evaluation ranks with: this rank's owned catalog rows."""
+        return user_vectors_fn(self), self.shard.owned()
+
 
 def build_model(
     config: Config,

@@ -140,29 +140,8 @@ class Trainer:
     def __init__(self, config: Config | dict, manifest: DatasetManifest | None = None):
         from bigrank.model.sharding import format_plan, write_plan
 
-        self.config = config = as_config(config)
-        worker = start_worker(config)  # process group, device, seed (bigrank.train.bootstrap)
-        self.group, self.rank, self.world_size, self.device = (
-            worker.group,
-            worker.rank,
-            worker.world_size,
-            worker.device,
-        )
-        self.precision = setup_precision(config.train.precision, self.device)  # how this device scores
-        train_cfg = config.train
-        if train_cfg.batch_size % self.world_size:
-            raise ValueError(
-                f"train.batch_size={train_cfg.batch_size} is not divisible by the {self.world_size} workers"
-            )
-        self.run_dir = Path(config.run_dir)
-        if self.rank == 0:
-            self.run_dir.mkdir(parents=True, exist_ok=True)
-            save_config(config, self.run_dir / "config.yaml")
-            remove_partial_checkpoints(self.run_dir)
-        dist.barrier(self.group)
-
-        # The dataset's manifest, read once in this process (or by the run's pre-flight) and passed down.
-        self.manifest = manifest = dataset_manifest(config.data.root, manifest)
+        self._start_run(config, manifest)
+        config, manifest, train_cfg = self.config, self.manifest, self.config.train
         self.model = model = build_model(config, self.group, self.manifest, self.device)
         if self.rank == 0:
             print(f"training on {self.device} ({self.world_size} workers, precision {self.precision.name})", flush=True)
@@ -242,6 +221,33 @@ class Trainer:
         )
         self.evaluator = Evaluator(config, model, self.group, manifest)
         self.eval_history: list[dict] = []
+
+    def _start_run(self, config: Config | dict, manifest: DatasetManifest | None) -> None:
+        """What every kind of model's trainer starts with: the worker (process group, device, seed), the
+        precision, the run directory (config saved, partial checkpoints removed) and the dataset's manifest."""
+        self.config = config = as_config(config)
+        worker = start_worker(config)  # process group, device, seed (bigrank.train.bootstrap)
+        self.group, self.rank, self.world_size, self.device = (
+            worker.group,
+            worker.rank,
+            worker.world_size,
+            worker.device,
+        )
+        self.precision = setup_precision(config.train.precision, self.device)  # how this device scores
+        train_cfg = config.train
+        if train_cfg.batch_size % self.world_size:
+            raise ValueError(
+                f"train.batch_size={train_cfg.batch_size} is not divisible by the {self.world_size} workers"
+            )
+        self.run_dir = Path(config.run_dir)
+        if self.rank == 0:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            save_config(config, self.run_dir / "config.yaml")
+            remove_partial_checkpoints(self.run_dir)
+        dist.barrier(self.group)
+
+        # The dataset's manifest, read once in this process (or by the run's pre-flight) and passed down.
+        self.manifest = dataset_manifest(config.data.root, manifest)
 
     # ----- the loop -----
     def train(self) -> dict[str, Any]:
@@ -508,10 +514,13 @@ class Trainer:
             examples_per_s=window.steps * self.config.train.batch_size / max(window.seconds, 1e-9),
             lr=self.config.optim.item_lr * self.lr_factor,
             user_lr=self.config.optim.user_lr * self.lr_factor,
-            temperature=self.step_loss.temperature,
+            temperature=self._temperature(),
         )
         self.log.write(record, "train")
         progress.set_postfix(loss=f"{record.loss:.4f}", ex_s=f"{record.examples_per_s:.0f}")
+
+    def _temperature(self) -> float | None:
+        return self.step_loss.temperature
 
     def _evaluate_during_training(self) -> None:
         split = self.config.eval.splits[0]

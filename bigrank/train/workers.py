@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
 
@@ -25,6 +25,9 @@ from bigrank.train.model import Model, build_model
 from bigrank.train.state import CatalogWeights, TowerState
 from bigrank.train.trainer import Trainer, as_config
 
+if TYPE_CHECKING:
+    from bigrank.train.item_item import ItemItemRun
+
 __all__ = ["evaluate_worker", "export_worker", "load_trained_model", "train_worker"]
 
 
@@ -32,21 +35,33 @@ def train_worker(config: Config | dict, manifest: DatasetManifest | None = None)
     """Train (or resume) the run of ``config`` in this process (every rank calls it); returns the summary
     (same on every rank): steps, epochs, first/last loss, examples/s, the final checkpoint, the evaluation.
     Raises FloatingPointError when the loss is NaN/inf (naming the step and the last good checkpoint)."""
+    config = as_config(config)
+    if config.model.kind == "item_item":
+        from bigrank.train.item_item import ItemItemTrainer
+
+        return ItemItemTrainer(config, manifest).train()
     return Trainer(config, manifest).train()
 
 
 def load_trained_model(
     config: Config, checkpoint: str | None = None, manifest: DatasetManifest | None = None
-) -> tuple[Model, dict, Path]:
+) -> tuple[Model | ItemItemRun, dict, Path]:
     """The model of a checkpoint (default: the run's newest) on this process group, any worker count
     (collective), for the dataset of ``manifest`` (default: read from ``data.root``). Returns ``(model,
-    trainer.json of the checkpoint, its path)``."""
+    trainer.json of the checkpoint, its path)``; the model is an ``ItemItemRun`` for ``model.kind: item_item``."""
     worker = start_worker(config)  # device, seed, control group, allocator (bigrank.train.bootstrap)
     path = Path(checkpoint) if checkpoint else latest_checkpoint(config.run_dir)
     if path is None:
         raise FileNotFoundError(f"no complete checkpoint in {Path(config.run_dir) / 'checkpoints'}")
     manifest = dataset_manifest(config.data.root, manifest)
     group, device = worker.group, worker.device
+    if config.model.kind == "item_item":
+        from bigrank.train.item_item import ItemItemState, build_item_item, item_item_identity
+
+        run = build_item_item(config, group, manifest)
+        parts = {"item_item": ItemItemState(run.module)}
+        checkpointer = Checkpointer(config.run_dir, parts, every=None, keep=1, identity=item_item_identity(config, run))
+        return run, checkpointer.load(path, parts), path
     # Evaluation and export read each table by the rows a rank owns: the sharded layout holds exactly those
     # (a checkpoint loads into any layout), without a replica of every table on every worker.
     config = dataclasses.replace(config, model=dataclasses.replace(config.model, layout="sharded"))
@@ -101,12 +116,6 @@ def export_worker(
     manifest = dataset_manifest(config.data.root, manifest)
     model, meta, path = load_trained_model(config, checkpoint, manifest)
     group, rank, world_size = require_process_group()
-    user_start, user_stop, user_rows = local_user_rows(model.user_module)
-    history_rows = None
-    if config.model.history:
-        start, stop, rows = local_table_rows(model.user_module, HISTORY_TABLE)
-        history_rows = (start, stop, rows.detach().cpu().clone())
-    shard = model.shard
     info = {
         "run_dir": config.run_dir,
         "checkpoint": str(path),
@@ -117,13 +126,28 @@ def export_worker(
         "num_users": model.num_users,
         "num_items": model.num_items,
     }
+    history_rows = None
+    if config.model.kind == "item_item":
+        from bigrank.train.item_item import export_rows
+
+        item_rows, user_rows = export_rows(model, rank, world_size)
+        # The vectors are [x P, x W]-style of dimension r + n: see bigrank.model.item_item.
+        info.update(kind="item_item", dim=model.module.dim, rank=model.module.rank, user_vectors="full")
+    else:
+        user_start, user_stop, user_vectors = local_user_rows(model.user_module)
+        user_rows = (user_start, user_stop, user_vectors.detach().cpu().clone())
+        if config.model.history:
+            start, stop, rows = local_table_rows(model.user_module, HISTORY_TABLE)
+            history_rows = (start, stop, rows.detach().cpu().clone())
+        shard = model.shard
+        item_rows = (shard.start, shard.stop, shard.weight.detach().cpu().clone())
     manifest = export_embeddings(
         out_dir,
         rank=rank,
         world_size=world_size,
         group=group,
-        item_rows=(shard.start, shard.stop, shard.weight.detach().cpu().clone()),
-        user_rows=(user_start, user_stop, user_rows.detach().cpu().clone()),
+        item_rows=item_rows,
+        user_rows=user_rows,
         dataset_root=manifest,
         model_info=info,
         quantize=tuple(quantize),
