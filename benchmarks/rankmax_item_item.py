@@ -17,8 +17,8 @@ For each split seed the file is ingested as ``benchmarks.reproduce_table2`` inge
 per user); EASE's λ is picked on validation; the hybrid trains a fixed number of epochs (no pick on
 validation: its figures are those of the last epoch) and both are scored on the test split with the
 baselines' metric code (all items ranked, train items left out), with a 95 % paired bootstrap interval over
-users pooled across the seeds. A standalone model, not a `bigrank train` config: bringing the item-item term
-into bigrank's towers, evaluation and export is the step after this one.
+users pooled across the seeds. The model is ``bigrank.model.item_item`` and trains in bigrank as ``model.kind:
+item_item`` (``configs/ml-1m-item_item-rankmax.yaml``); this script is the standalone loop it was found with.
 
     python -m benchmarks.rankmax_item_item --data ../shared/datasets/ml-1m --seeds 0 1 2
     python -m benchmarks.rankmax_item_item --data ../shared/datasets/ml-1m --ease-ranks 64 128 256 512 1024 4000
@@ -42,34 +42,15 @@ import torch
 from benchmarks.baselines import ease_matrix, paired_difference, per_user_metrics, split_matrix, tune_ease
 from benchmarks.reproduce_table2 import DATASETS, METRICS, ingest
 from bigrank.losses import rankmax_shared_loss
+from bigrank.model.item_item import ItemItemModel
 
 
-class ItemItemHybrid(torch.nn.Module):
-    """Scores ``z_u = s_u (x_u W + x_u P Qᵀ - x_u ∘ diag(P Qᵀ))`` float[U, n] of multi-hot users ``x`` [U, n]."""
-
-    def __init__(self, num_items: int, rank: int, seed: int):
-        super().__init__()
-        generator = torch.Generator().manual_seed(seed)
-        self.full = torch.nn.Parameter(torch.zeros(num_items, num_items))
-        self.inputs = torch.nn.Parameter(torch.randn(num_items, rank, generator=generator) * 0.01)
-        self.outputs = torch.nn.Parameter(torch.randn(num_items, rank, generator=generator) * 0.01)
-
-    def forward(self, history: torch.Tensor) -> torch.Tensor:
-        scale = history.sum(dim=1, keepdim=True).clamp_min(1.0).rsqrt()
-        self_scores = (self.inputs * self.outputs).sum(dim=1)  # an item's own input never scores it
-        low_rank = (history @ self.inputs) @ self.outputs.T - history * self_scores
-        return scale * (history @ self.full + low_rank)
-
-    def squared_norm(self) -> torch.Tensor:
-        return self.full.pow(2).sum() + self.inputs.pow(2).sum() + self.outputs.pow(2).sum()
-
-
-def train_hybrid(train: np.ndarray, args, seed: int, valid: np.ndarray | None = None) -> ItemItemHybrid:
+def train_hybrid(train: np.ndarray, args, seed: int, valid: np.ndarray | None = None) -> ItemItemModel:
     """The hybrid trained on the binary matrix ``train`` [U, n]; prints validation figures after each epoch."""
     torch.manual_seed(seed)
     history = torch.from_numpy(train.astype(np.float32))
     users, items = history.shape
-    model = ItemItemHybrid(items, args.rank, seed)
+    model = ItemItemModel(items, args.rank, seed=seed)
     optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
     steps = args.epochs * -(-users // args.batch)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: max(0.0, 1.0 - step / steps))
@@ -86,8 +67,7 @@ def train_hybrid(train: np.ndarray, args, seed: int, valid: np.ndarray | None = 
             model.full.grad.diagonal().zero_()
             optimizer.step()
             schedule.step()
-            with torch.no_grad():
-                model.full.diagonal().zero_()
+            model.zero_diagonal()
             total, rows = total + float(loss.detach()), rows + count
         line = {"seed": seed, "epoch": epoch, "loss": round(total / max(rows, 1), 4)}
         line["seconds"] = round(time.perf_counter() - started, 1)
@@ -98,7 +78,7 @@ def train_hybrid(train: np.ndarray, args, seed: int, valid: np.ndarray | None = 
     return model
 
 
-def scores(model: ItemItemHybrid, history: torch.Tensor, block: int = 1024) -> np.ndarray:
+def scores(model: ItemItemModel, history: torch.Tensor, block: int = 1024) -> np.ndarray:
     """float32[U, n] scores of every user from its train items ``history`` float32[U, n] (multi-hot)."""
     with torch.no_grad():
         return torch.cat([model(history[start : start + block]) for start in range(0, len(history), block)]).numpy()

@@ -11,7 +11,8 @@ over the seeds, all movies ranked, train pairs left out, ``bigrank.train.metrics
 
 * popularity and EASE (λ picked on the validation split from the preset's grid; a pick at either end of the
   grid is flagged, since the best λ may lie beyond it; ``benchmarks.baselines``);
-* each loss of ``--losses`` (rankmax and softmax by default; sparsemax and sampled_softmax on request) trained
+* each loss of ``--losses`` (rankmax and softmax by default; sparsemax, sampled_softmax and the item-item model's
+  ``item_item-rankmax`` / ``item_item-softmax`` on request) trained
   with ``configs/<name>-<loss>.yaml`` — the settings found by ``bigrank tune`` and by hand on the validation
   splits — or, with ``--tune``, first searched again with ``configs/tune/<name>-<loss>.space.yaml`` on
   split seed 0 (validation AP@10, ASHA, ``--tune-budget`` seconds) and then trained from the search's
@@ -81,7 +82,9 @@ DATASETS = {
         {"rankmax": (0.210, 0.397, 0.492), "softmax": (0.182, 0.342, 0.483), "sparsemax": (0.191, 0.369, 0.464)},
     ),
 }
-LOSS_CHOICES = ("rankmax", "softmax", "sparsemax", "sampled_softmax")
+# A loss trains the low-rank towers (configs/<name>-<loss>.yaml); item_item-<loss> the full-rank item-item model
+# (model.kind item_item, configs/<name>-item_item-<loss>.yaml).
+LOSS_CHOICES = ("rankmax", "softmax", "sparsemax", "sampled_softmax", "item_item-rankmax", "item_item-softmax")
 METRICS = (("ap@10", "AP@10"), ("accuracy", "Accuracy"), ("recall@100", "R@100"))
 ROOT = Path(__file__).resolve().parents[1]
 ACTIVITY_EDGES = (30, 60, 120, 250)  # train items per user: the buckets of format_by_activity
@@ -210,6 +213,12 @@ def format_differences(per_user: dict[str, list[dict]]) -> str:
     pairs = [(loss, "EASE") for loss in losses]
     if "rankmax" in losses:
         pairs += [("rankmax", other) for other in losses if other != "rankmax"]
+    if "item_item-rankmax" in losses:  # the paper's claim for the item-item model
+        pairs += [
+            ("item_item-rankmax", other)
+            for other in losses
+            if other.startswith("item_item-") and other != "item_item-rankmax"
+        ]
     pairs += twins
     width = max((len(f"{first} - {second}") for first, second in pairs), default=10) + 2
     lines = [f"{'difference':<{width}}" + "".join(f"{title:>26}" for _, title in METRICS)]

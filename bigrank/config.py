@@ -466,6 +466,11 @@ def _check_item_item(config: Config) -> None:
     )
     _check(not config.model.history, "model.history", "must be false with model.kind item_item (x W is its history)")
     _check(config.model.layout == "auto", "model.layout", "is for model.kind towers (item_item is replicated)")
+    _check(
+        config.train.precision in ("auto", "fp32"),
+        "train.precision",
+        f"must be auto or fp32 with model.kind item_item (it trains in float32), got {config.train.precision!r}",
+    )
 
 
 def resolve(config: Config, base_dir: str | os.PathLike | None = None) -> Config:

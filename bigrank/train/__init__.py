@@ -1,6 +1,7 @@
 """Training: the Trainer and its parts, checkpoints, the local launcher, the step loss, evaluation.
 
 * ``workers.train_worker(config, manifest=None) -> summary`` — runs ``trainer.Trainer(config, manifest).train()``
+  (``item_item.ItemItemTrainer`` for ``model.kind: item_item``: the same loop, batches of users)
   inside every worker process of an initialised ``torch.distributed`` group (local launcher or Ray Train);
   resumes from the run's newest checkpoint on any worker count. ``manifest``: the dataset's ``DatasetManifest``
   when the caller read it (the run layer's pre-flight), else the worker reads it once.

@@ -112,13 +112,15 @@ class RunLog:
 
 
 class _Window:
-    """Loss and throughput over the steps since the last log record (time of steps only, data wait included)."""
+    """Loss and throughput over the steps since the last log record (time of steps only, data wait included):
+    the rows (training examples) the steps took, whatever a step's batch is made of (rows or users)."""
 
     def __init__(self):
-        self.loss, self.steps, self.seconds = 0.0, 0, 0.0
+        self.loss, self.steps, self.seconds, self.rows = 0.0, 0, 0.0, 0
 
-    def add(self, loss: float, seconds: float) -> None:
+    def add(self, loss: float, seconds: float, rows: int) -> None:
         self.loss, self.steps, self.seconds = self.loss + loss, self.steps + 1, self.seconds + seconds
+        self.rows += rows
 
 
 # ---------------------------------------------------------------------------------------------- trainer
@@ -265,7 +267,7 @@ class Trainer:
                     for batch in self.stream:
                         loss, rows = self.train_step(batch)
                         seconds = time.perf_counter() - tick
-                        window.add(loss, seconds)
+                        window.add(loss, seconds, rows)
                         examples, train_seconds = examples + rows, train_seconds + seconds
                         epoch_end, last = self.stream.epoch != epoch, self.finished()
                         if self.state.step % self.config.train.log_every == 0 or last:
@@ -511,7 +513,7 @@ class Trainer:
             step=self.state.step,
             epoch=self.epochs_done(),
             loss=window.loss / window.steps,
-            examples_per_s=window.steps * self.config.train.batch_size / max(window.seconds, 1e-9),
+            examples_per_s=window.rows / max(window.seconds, 1e-9),
             lr=self.config.optim.item_lr * self.lr_factor,
             user_lr=self.config.optim.user_lr * self.lr_factor,
             temperature=self._temperature(),
