@@ -60,12 +60,21 @@ def prepare_run(config: Config, launcher: str = "ray") -> DatasetManifest:
     """The pre-flight of every run: check the devices, build the loss once and read the dataset's manifest.
 
     Raises DeviceError (a GPU asked for where there is none, saying what to change; ``launcher`` "local" counts
-    this machine's GPUs), ConfigError (a bad loss parameter, naming the key) or FileNotFoundError (no dataset
+    this machine's GPUs), ConfigError (a bad loss parameter, naming the key; a catalog too large for
+    ``model.kind: item_item``) or FileNotFoundError (no dataset
     at ``data.root``) before anything is spawned. Returns the dataset's manifest, for the workers.
     """
     check_devices(config, launcher)
     check_loss_config(config.loss)
-    return DatasetManifest.load(config.data.root)
+    manifest = DatasetManifest.load(config.data.root)
+    if config.model.kind == "item_item":  # an n x n matrix: refuse a large catalog before any worker starts
+        from bigrank.model.item_item import check_catalog_size
+
+        try:
+            check_catalog_size(manifest.num_items)
+        except ValueError as error:
+            raise ConfigError(str(error)) from None
+    return manifest
 
 
 def load_run_config(run_dir: str | os.PathLike) -> Config:

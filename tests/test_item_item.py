@@ -189,3 +189,15 @@ def test_item_item_ranks_held_out_items_and_evaluation_equals_brute_force_on_the
     expected = brute_force_metrics(tiny_dataset, "test", users, items, [10])
     for name in ("accuracy", "recall@10", "ap@10"):
         assert trained[name] == pytest.approx(expected[name], abs=1e-6), name
+
+
+def test_the_pre_flight_refuses_a_catalog_too_large_before_any_worker_starts(tiny_dataset, tmp_path, monkeypatch):
+    from bigrank import run
+    from bigrank.model import item_item
+
+    config = validate(config_from_dict(_raw(tiny_dataset, tmp_path / "run")))
+    assert run.prepare_run(config, "local").num_items == 101
+    monkeypatch.setattr(item_item, "MAX_ITEMS", 100)  # the tiny catalog has 101 items
+    with pytest.raises(ConfigError, match="101 items need .* use model.kind towers"):
+        run.prepare_run(config, "local")
+    assert not (tmp_path / "run").exists()
