@@ -189,6 +189,15 @@ def test_item_item_ranks_held_out_items_and_evaluation_equals_brute_force_on_the
     expected = brute_force_metrics(tiny_dataset, "test", users, items, [10])
     for name in ("accuracy", "recall@10", "ap@10"):
         assert trained[name] == pytest.approx(expected[name], abs=1e-6), name
+    # A user given by its train items folds in to its exported vector: |x|^-1/2 times the sum of history rows.
+    from bigrank.export.recommend import Recommender
+    from tests.conftest import read_pairs
+
+    recommender = Recommender(export)
+    assert recommender.manifest["fold_in"] == "sqrt_sum" and recommender.has_history
+    for user, history in list(read_pairs(tiny_dataset, "train").items())[:5]:
+        folded = recommender.fold_in_vector(sorted(history))
+        np.testing.assert_allclose(folded, users[user], rtol=1e-5, atol=1e-5)
 
 
 def test_the_pre_flight_refuses_a_catalog_too_large_before_any_worker_starts(tiny_dataset, tmp_path, monkeypatch):

@@ -169,7 +169,9 @@ class Recommender:
             return self._train_items
 
     def fold_in_vector(self, item_ids: Iterable[int]) -> np.ndarray:
-        """User vector of a user known only by the items ``item_ids``: mean of their history rows, float32[d]."""
+        """User vector of a user known only by the items ``item_ids``, float32[d]: the mean of their history rows
+        (history towers), or their sum / sqrt(count) for exports whose manifest says ``"fold_in": "sqrt_sum"``
+        (``model.kind: item_item``, whose user vector is ``|x|^-1/2 [x P, x W]``)."""
         if self.history_vectors is None:
             raise ValueError(
                 "this export has no history table (the model was trained without the history tower), so a user "
@@ -178,6 +180,9 @@ class Recommender:
         items = self.check_items(item_ids)
         if len(items) == 0:
             raise ValueError("fold-in needs at least one item id")
+        if self.manifest.get("fold_in", "mean") == "sqrt_sum":
+            total = self.history_vectors[items].sum(axis=0, dtype=np.float64)
+            return (total / np.sqrt(len(items))).astype(np.float32)
         return self.history_vectors[items].mean(axis=0, dtype=np.float64).astype(np.float32)
 
     def recommend(self, user_id: int, k: int = 10, exclude_item_ids: Iterable[int] | None = None) -> list[dict]:

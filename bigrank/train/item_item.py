@@ -304,14 +304,17 @@ class ItemItemTrainer(Trainer):
 
 
 def export_rows(run: ItemItemRun, rank: int, world_size: int, batch_users: int = 1024):
-    """``(item_rows, user_rows)`` of rank ``rank`` for ``bigrank.export.writer.export_embeddings``: the item
-    vectors ``[Q_j, e_j]`` of its owned items and the user vectors ``s(x) [x P, x W]`` of an even share of
-    the users, each ``(start, stop, float32[stop - start, r + n])``."""
+    """``(item_rows, user_rows, history_rows)`` of rank ``rank`` for ``bigrank.export.writer.export_embeddings``:
+    the item vectors ``[Q_j, e_j]`` and the history rows ``[P_h, W_h]`` of its owned items (a user with items
+    ``x`` is ``|x|^-1/2`` times the sum of theirs: the export's ``"fold_in": "sqrt_sum"``), and the user vectors
+    ``s(x) [x P, x W]`` of an even share of the users, each ``(start, stop, float32[stop - start, r + n])``."""
     start, stop = owned_range(run.num_items, run.group)
+    module = run.module
     with torch.no_grad():
-        items = run.module.item_vectors(start, stop)
+        items = module.item_vectors(start, stop)
+        history = torch.cat([module.inputs[start:stop], module.full[start:stop]], dim=1).clone()
     first, last = rank * run.num_users // world_size, (rank + 1) * run.num_users // world_size
     ids = torch.arange(first, last)
     users = [run.user_vectors(ids[k : k + batch_users]) for k in range(0, len(ids), batch_users)]
     user_rows = torch.cat(users) if users else torch.empty(0, run.module.dim)
-    return (start, stop, items), (first, last, user_rows)
+    return (start, stop, items), (first, last, user_rows), (start, stop, history)

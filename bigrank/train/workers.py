@@ -130,9 +130,11 @@ def export_worker(
     if config.model.kind == "item_item":
         from bigrank.train.item_item import export_rows
 
-        item_rows, user_rows = export_rows(model, rank, world_size)
-        # The vectors are [x P, x W]-style of dimension r + n: see bigrank.model.item_item.
-        info.update(kind="item_item", dim=model.module.dim, rank=model.module.rank, user_vectors="full")
+        item_rows, user_rows, history_rows = export_rows(model, rank, world_size)
+        # Vectors of dimension r + n (bigrank.model.item_item); the history rows [P_h, W_h] fold a user in.
+        info.update(
+            kind="item_item", dim=model.module.dim, rank=model.module.rank, user_vectors="full", fold_in="sqrt_sum"
+        )
     else:
         user_start, user_stop, user_vectors = local_user_rows(model.user_module)
         user_rows = (user_start, user_stop, user_vectors.detach().cpu().clone())
