@@ -172,12 +172,17 @@ class ItemItemRun:
     group: Any
     num_users: int
     num_items: int
+    device: torch.device = torch.device("cpu")  # where the module lives (this worker's device)
+
+    def inputs(self, user_ids) -> torch.Tensor:
+        """The multi-hot train items float32[b, n] of ``user_ids``, on the module's device."""
+        ids = torch.as_tensor(user_ids, dtype=torch.int64).cpu().numpy()
+        return multi_hot(self.history, ids, self.num_items).to(self.device)
 
     def user_vectors(self, user_ids: torch.Tensor) -> torch.Tensor:
         """float[b, r + n] score-time vectors of ``user_ids`` (no grad)."""
         with torch.no_grad():
-            x = multi_hot(self.history, torch.as_tensor(user_ids, dtype=torch.int64).numpy(), self.num_items)
-            return self.module.user_vectors(x)
+            return self.module.user_vectors(self.inputs(user_ids))
 
     def ranking_view(self):
         """``(user_vectors_fn, CatalogView)`` evaluation ranks with: the item vectors ``[Q_j, e_j]`` of the rows
@@ -188,13 +193,15 @@ class ItemItemRun:
         return self.user_vectors, CatalogView(start, stop, self.num_items, self.module.dim, rows)
 
 
-def build_item_item(config, group, manifest: DatasetManifest) -> ItemItemRun:
-    """The item-item model of ``config`` for the dataset of ``manifest``, initialised from ``config.seed``."""
+def build_item_item(config, group, manifest: DatasetManifest, device: torch.device | str = "cpu") -> ItemItemRun:
+    """The item-item model of ``config`` for the dataset of ``manifest`` on ``device`` (this worker's device),
+    initialised from ``config.seed`` (drawn on the CPU: the same values on every device)."""
     from bigrank.data.stream import read_user_items
 
-    module = ItemItemModel(manifest.num_items, config.model.dim, seed=config.seed)
+    device = torch.device(device)
+    module = ItemItemModel(manifest.num_items, config.model.dim, seed=config.seed).to(device)
     history = read_user_items(manifest, "train", manifest.num_users)
-    return ItemItemRun(module, history, group, manifest.num_users, manifest.num_items)
+    return ItemItemRun(module, history, group, manifest.num_users, manifest.num_items, device)
 
 
 def item_item_identity(config, run: ItemItemRun) -> dict[str, Any]:
@@ -216,7 +223,7 @@ class ItemItemTrainer(Trainer):
 
         self._start_run(config, manifest)
         config, manifest = self.config, self.manifest
-        self.model = run = build_item_item(config, self.group, manifest)
+        self.model = run = build_item_item(config, self.group, manifest, self.device)
         module = run.module
         indptr = run.history[0]
         users = np.flatnonzero(np.diff(indptr) > 0)
@@ -267,8 +274,7 @@ class ItemItemTrainer(Trainer):
         self.lr_factor = self.lr_schedule.factor(self.state.step)
         self.optimizer.lr = config.optim.item_lr * self.lr_factor
         module = self.model.module
-        users = batch["user_id"].numpy()
-        x = multi_hot(self.model.history, users, self.model.num_items)
+        x = self.model.inputs(batch["user_id"])
         positives = x > 0
         scores = module(x)
         params = config.loss.params
@@ -311,10 +317,10 @@ def export_rows(run: ItemItemRun, rank: int, world_size: int, batch_users: int =
     start, stop = owned_range(run.num_items, run.group)
     module = run.module
     with torch.no_grad():
-        items = module.item_vectors(start, stop)
-        history = torch.cat([module.inputs[start:stop], module.full[start:stop]], dim=1).clone()
+        items = module.item_vectors(start, stop).cpu()
+        history = torch.cat([module.inputs[start:stop], module.full[start:stop]], dim=1).cpu()
     first, last = rank * run.num_users // world_size, (rank + 1) * run.num_users // world_size
     ids = torch.arange(first, last)
     users = [run.user_vectors(ids[k : k + batch_users]) for k in range(0, len(ids), batch_users)]
-    user_rows = torch.cat(users) if users else torch.empty(0, run.module.dim)
+    user_rows = torch.cat(users).cpu() if users else torch.empty(0, run.module.dim)
     return (start, stop, items), (first, last, user_rows), (start, stop, history)

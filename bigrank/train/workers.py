@@ -58,7 +58,7 @@ def load_trained_model(
     if config.model.kind == "item_item":
         from bigrank.train.item_item import ItemItemState, build_item_item, item_item_identity
 
-        run = build_item_item(config, group, manifest)
+        run = build_item_item(config, group, manifest, device)
         parts = {"item_item": ItemItemState(run.module)}
         checkpointer = Checkpointer(config.run_dir, parts, every=None, keep=1, identity=item_item_identity(config, run))
         return run, checkpointer.load(path, parts), path
