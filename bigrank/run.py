@@ -175,13 +175,27 @@ def evaluate(
     splits: list[str] | None = None,
     sample_users: int | None = None,
     workers: int | None = None,
+    use_index: bool = True,
 ) -> dict[str, dict]:
     """Evaluate a checkpoint of the run of ``config`` (default: the newest) in ``workers`` local processes
     (default: the run's) on this machine's devices (:func:`inference_config`); writes ``RUN_DIR/eval.json``
-    and returns its sections."""
+    and returns its sections.
+
+    ``use_index``: first make sure the dataset has a user index (``bigrank.data.user_index``) of each split
+    evaluated and of ``train`` (the excluded items), building the missing ones here, once, with progress on
+    stderr; the workers then read the users' items as slices of it instead of decoding the splits' files.
+    False: the workers read the files (and use no index)."""
     workers = workers or config.workers
     config, kind = inference_config(config, workers)
-    return _launch_local(evaluate_worker, workers, (config, checkpoint, splits, sample_users), kind)[0]
+    manifest = DatasetManifest.load(config.data.root)
+    if use_index:
+        from bigrank.data.user_index import ensure_index
+
+        for split in dict.fromkeys([*(splits or config.eval.splits), "train"]):
+            manifest.split(split)  # an unknown split is named before anything is built
+            ensure_index(manifest, split, progress=lambda line: print(line, file=sys.stderr, flush=True))
+    args = (config, checkpoint, splits, sample_users, manifest, use_index)
+    return _launch_local(evaluate_worker, workers, args, kind)[0]
 
 
 def export(

@@ -11,6 +11,7 @@ import torch.distributed as dist
 
 from bigrank.data import manifest as layout
 from bigrank.data.stream import iter_row_groups
+from bigrank.data.user_index import ensure_index
 from bigrank.model.catalog import CatalogShard
 from bigrank.train.evaluate import (
     evaluate_model,
@@ -84,7 +85,7 @@ def embedding_fn(user_table, group, calls: list):
     return user_vectors
 
 
-def _evaluate_body(rank, world_size, group, root, user_table, item_table, sample, bad_root):
+def _evaluate_body(rank, world_size, group, root, user_table, item_table, sample, bad_root, indexed_root):
     shard = make_shard(item_table, group)
     calls: list[int] = []
     fn = embedding_fn(user_table, group, calls)
@@ -105,6 +106,14 @@ def _evaluate_body(rank, world_size, group, root, user_table, item_table, sample
     alone = evaluation_data(root, "test", (shard.start, shard.stop), sample_users=9)
     arrays = [(data.users, *data.relevant, *data.excluded) for data in (shared, alone)]
     same_data = all(np.array_equal(a, b) for a, b in zip(*arrays, strict=True))
+    # ``indexed_root``: the same dataset with its user indexes (bigrank.data.user_index). The ranks read them
+    # (no exchange) and evaluate as from the files; when only rank 0 has them (rank 1 reads ``root``), both read
+    # the files (else the collective read that only rank 1 joined would hang).
+    indexed = evaluate_model(embedding_fn(user_table, group, []), shard, indexed_root, "valid", KS, group=group)
+    for data_root in (indexed_root, [indexed_root, root][rank]):
+        data = evaluation_data(data_root, "test", (shard.start, shard.stop), sample_users=9, group=group)
+        arrays = [(data.users, *data.relevant, *data.excluded), arrays[1]]
+        same_data = same_data and all(np.array_equal(a, b) for a, b in zip(*arrays, strict=True))
     # A bad file only rank 0 reads: rank 0 raises its error, rank 1 a ValueError quoting it (none waits forever).
     try:
         evaluation_data(bad_root, "valid", (shard.start, shard.stop), group=group)
@@ -113,6 +122,7 @@ def _evaluate_body(rank, world_size, group, root, user_table, item_table, sample
         error = str(caught)
     return {
         "results": results,
+        "indexed": indexed,
         "ranked": np.concatenate(ranked),
         "users": users,
         "calls": calls,
@@ -159,7 +169,13 @@ def test_two_ranks_equal_brute_force(tiny, tmp_path):
     user_table, item_table = tables()
     sample = 13
     write_bad_dataset(tmp_path)
-    outputs = run_distributed(_evaluate_body, 2, args=(tiny, user_table, item_table, sample, tmp_path))
+    indexed = tmp_path / "indexed"
+    indexed.mkdir()
+    write_tiny_dataset(indexed)
+    manifest = layout.DatasetManifest.load(indexed)
+    assert all(ensure_index(manifest, split) is not None for split in ("valid", "test", "train"))
+    args = (tiny, user_table, item_table, sample, tmp_path, indexed)
+    outputs = run_distributed(_evaluate_body, 2, args=args)
     assert outputs[0]["results"] == outputs[1]["results"], "results must be replicated on every rank"
     results = outputs[0]["results"]
     users, items = user_table.numpy(), item_table.numpy()
@@ -174,6 +190,7 @@ def test_two_ranks_equal_brute_force(tiny, tmp_path):
         for name, value in reference.items():
             assert results[part][name] == pytest.approx(value, rel=1e-9, abs=1e-12), (part, name)
     assert results["uneven"] == results["valid"]
+    assert outputs[0]["indexed"] == outputs[1]["indexed"] == results["valid"]  # read from the user indexes
     assert results["sample"]["sampled"] and not results["valid"]["sampled"]
     assert results["sample"]["users"] == sample < results["valid"]["users"]
 

@@ -165,7 +165,8 @@ def _plan_row_groups(files: Sequence[tuple[Path, int]], start: int, stop: int) -
 
 def _scan_keys(plan, start: int, stop: int, num_items: int):
     """Yield the keys (``_rating_keys``) of the ratings of users ``[start, stop)``, one int64 array per row group
-    (pages verified: a damaged one names its file and row group)."""
+    (pages verified: a damaged one names its file and row group; an item id outside ``[0, num_items)``, which
+    would make its key another user's, is a ValueError naming the file)."""
     for path, bit, groups, _ in plan:
         handle = integrity.open_parquet(path)
         root = Path(path).parents[1]  # the dataset: its parts are ROOT/<split>/part-*.parquet
@@ -178,6 +179,8 @@ def _scan_keys(plan, start: int, stop: int, num_items: int):
             if not inside:
                 keep = (users >= start) & (users < stop)
                 users, items = users[keep], items[keep]
+            if len(items) and (int(items.min()) < 0 or int(items.max()) >= num_items):
+                raise ValueError(f"{path} has item_id values outside [0, {num_items}) (manifest)")
             yield _rating_keys(users, items, bit, start, num_items)
 
 

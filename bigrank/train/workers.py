@@ -78,14 +78,16 @@ def evaluate_worker(
     splits: list[str] | None = None,
     sample_users=None,
     manifest: DatasetManifest | None = None,
+    use_index: bool = True,
 ) -> dict[str, Any]:
     """Evaluate a checkpoint (default: the newest) on ``splits`` (default ``eval.splits``); rank 0 writes
-    ``RUN_DIR/eval.json`` with one section per split. Collective. Returns the sections."""
+    ``RUN_DIR/eval.json`` with one section per split. Collective. Returns the sections. ``use_index``: read the
+    users' items from the dataset's user indexes where they exist (``bigrank.train.evaluate.evaluation_data``)."""
     config = as_config(config)
     manifest = dataset_manifest(config.data.root, manifest)
     model, meta, path = load_trained_model(config, checkpoint, manifest)
     group, rank, _ = require_process_group()
-    evaluator = Evaluator(config, model, group, manifest)
+    evaluator = Evaluator(config, model, group, manifest, use_index=use_index)
     sample = config.eval.sample_users if sample_users is None else sample_users
     results = {}
     for split in splits or config.eval.splits:
