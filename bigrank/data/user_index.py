@@ -26,7 +26,12 @@ dataset itself, not this cache).
 Building streams the split with the export's seen-items writer (``bigrank.export.seen``: row groups ->
 int64 keys, spilled to bucket files of users when they exceed a block, each block sorted alone), so its memory is
 bounded by the block (~320 MB), not by the dataset; it needs 8 bytes a rating of temporary disk beside the index.
-Measured at ML-1B (800M train ratings): see ``build_index``.
+
+Measured 2026-11-26 at ML-1B (2 shared cores, load 1-3): building test (100M ratings) 16.6 s, train (800M) 162 s,
+valid 16.5 s, peak RSS 459 MB; on disk 3.22 GB for train and 0.42 GB for each other split (6.4 GB of spill files
+while train is built). Reading what evaluating 10K sampled users of test needs (their test items, their train
+items, the users with a test item): 12.0-18.4 s from the files (one process), 0.41 s from the index with its
+pages cached, 1.40 s with them evicted first (same arrays).
 """
 
 from __future__ import annotations
@@ -202,9 +207,8 @@ def build_index(
     Reads every row group of the split once (pages verified, ids checked against the manifest) through the
     seen-items writer's streaming CSR builder (``block_ratings`` keys sorted at once; default its
     ``BLOCK_RATINGS``). ``progress``: called with a line now and then (e.g. ``print``). Not locked: call
-    :func:`ensure_index` to build only when needed and once among concurrent processes.
-
-    Measured at ML-1B, train split (800M ratings, 2 busy cores): see the module's notes in the issue report."""
+    :func:`ensure_index` to build only when needed and once among concurrent processes. Its cost at ML-1B: see
+    the module's notes (train: 162 s, 3.2 GB)."""
     from bigrank.export import seen
 
     block_ratings = seen.BLOCK_RATINGS if block_ratings is None else int(block_ratings)
