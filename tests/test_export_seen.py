@@ -16,7 +16,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from bigrank.data import manifest as layout
-from bigrank.export import seen as seen_module
+from bigrank.data import pair_blocks
 from bigrank.export.seen import SPLIT_BITS, SeenItemsFile, write_seen_part
 from bigrank.export.writer import _seen_entry
 from tests.distributed_utils import run_distributed
@@ -149,7 +149,7 @@ def test_spill_files_reopened_past_the_open_file_limit_write_the_same_bytes(tmp_
     write_dataset(root, "repeats", "shuffled")  # every row group holds users of every bucket
     sizes = {"block_ratings": BLOCK_RATINGS["cut buckets"], "group_users": GROUP_USERS}
     expected = write_seen_part(tmp_path / "a", 0, root, 0, NUM_USERS, **sizes)
-    monkeypatch.setattr(seen_module, "MAX_OPEN_SPILL_FILES", 2)
+    monkeypatch.setattr(pair_blocks, "MAX_OPEN_SPILL_FILES", 2)
     entry = write_seen_part(tmp_path / "b", 0, root, 0, NUM_USERS, **sizes)
     assert entry["sha256"] == expected["sha256"]
     assert_part_equals(tmp_path / "b" / entry["file"], 0, NUM_USERS, brute_force(root))
@@ -163,7 +163,7 @@ def test_blocks_tile_the_users_in_whole_row_groups_within_the_ratings_budget(tmp
     manifest = write_dataset(root, "repeats", order)
     files = [(root / f, SPLIT_BITS[s]) for s in manifest["splits"] for f in manifest["splits"][s]["files"]]
     start, stop, block_ratings = 3, NUM_USERS, BLOCK_RATINGS["cut buckets"]
-    plan = seen_module._plan_row_groups(files, start, stop)
+    plan = pair_blocks.plan_row_groups(files, start, stop)
     spill = tmp_path / "spill"
     spill.mkdir()
     reference = brute_force(root)
@@ -175,13 +175,13 @@ def test_blocks_tile_the_users_in_whole_row_groups_within_the_ratings_budget(tmp
 
     edges = [0]
     # A block's keys are read before the next block is asked for (a spent bucket's file is deleted).
-    for lo, hi, read_keys in seen_module._blocks(plan, start, stop, NUM_ITEMS, block_ratings, GROUP_USERS, spill):
+    for lo, hi, read_keys in pair_blocks.blocks(plan, start, stop, NUM_ITEMS, block_ratings, GROUP_USERS, spill):
         assert lo == edges[-1] and lo % GROUP_USERS == 0 and hi > lo
         edges.append(hi)
         keys = read_keys()
         assert len(keys) <= block_ratings or hi - lo <= GROUP_USERS, "only a single row group may exceed it"
         assert len(keys) == sum(ratings[start + u] for u in range(lo, hi))
-        indptr, items, bits = seen_module._csr_block(lambda keys=keys: keys, lo, hi, NUM_ITEMS)
+        indptr, items, bits = pair_blocks.csr_block(lambda keys=keys: keys, lo, hi, NUM_ITEMS)
         for row in range(hi - lo):
             expected = reference.get(start + lo + row, {})
             span = slice(indptr[row], indptr[row + 1])
@@ -190,7 +190,7 @@ def test_blocks_tile_the_users_in_whole_row_groups_within_the_ratings_budget(tmp
     assert edges[-1] == stop - start
     assert not list(spill.iterdir()), "each bucket's file is deleted once its blocks are read"
     # The budget is small enough that dense buckets were cut into several blocks.
-    buckets = seen_module._bucket_bounds(stop - start, sum(rows for *_, rows in plan), block_ratings, GROUP_USERS)
+    buckets = pair_blocks._bucket_bounds(stop - start, sum(rows for *_, rows in plan), block_ratings, GROUP_USERS)
     assert len(edges) - 1 > len(buckets) - 1
 
 
@@ -222,6 +222,6 @@ def test_two_processes_write_their_parts_side_by_side(tmp_path):
 
 
 def test_keys_that_would_overflow_int64_are_refused():
-    seen_module._check_key_range(2_215_888, 855_808)  # ML-1B: far from the limit
+    pair_blocks.check_key_range(2_215_888, 855_808)  # ML-1B: far from the limit
     with pytest.raises(ValueError, match="overflow"):
-        seen_module._check_key_range(2**31, 2**31)
+        pair_blocks.check_key_range(2**31, 2**31)

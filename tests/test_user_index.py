@@ -11,6 +11,7 @@ import sys
 import numpy as np
 import pytest
 
+from bigrank.data import manifest as layout
 from bigrank.data import user_index
 from bigrank.data.manifest import DatasetManifest
 from bigrank.data.stream import read_user_items
@@ -78,6 +79,32 @@ def test_index_holds_the_split_and_evaluation_reads_it(tiny):
     assert same_data(evaluation_data(tiny, "test", ITEM_RANGE, sample_users=9, seed=2), with_index)
     with pytest.raises(Exception, match="part-00000"):
         evaluation_data(tiny, "test", ITEM_RANGE, sample_users=9, seed=2, use_index=False)
+
+
+def test_ids_outside_the_manifest_are_an_error(tmp_path):
+    # Out-of-range ids would make keys of other users (items) or be dropped by the user-range filter (users).
+    from tests.test_evaluate import write_bad_dataset  # an item id 99 of 37 in train
+
+    write_bad_dataset(tmp_path)
+    with pytest.raises(ValueError, match=r"item_id values outside \[0, 37\)"):
+        build(tmp_path, "train")
+    write_tiny_dataset(tmp_path / "users")
+    manifest = DatasetManifest.load(tmp_path / "users")
+    name = manifest.raw["splits"]["test"]["files"][0]
+    layout.write_parquet_atomic(
+        tmp_path / "users" / name, {"user_id": np.array([60, 1], np.int32), "item_id": np.array([0, 1], np.int32)}
+    )
+    layout.write_manifest(
+        tmp_path / "users",
+        num_users=60,
+        num_items=37,
+        seed=0,
+        source="test",
+        generator={},
+        split_files={s: manifest.raw["splits"][s]["files"] for s in layout.SPLITS},
+    )
+    with pytest.raises(ValueError, match=r"user_id values outside \[0, 60\)"):
+        build(tmp_path / "users", "test")
 
 
 @pytest.mark.parametrize("gap, run", [(0, 1), (0, 40), (30, 40), (4096, 1 << 24)])

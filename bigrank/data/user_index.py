@@ -23,9 +23,10 @@ naming it (:func:`ensure_index` deletes and rebuilds it). A flipped byte inside 
 range is not caught: checking 3.2 GB of items would cost what the index saves (``bigrank verify`` checks the
 dataset itself, not this cache).
 
-Building streams the split with the export's seen-items writer (``bigrank.export.seen``: row groups ->
-int64 keys, spilled to bucket files of users when they exceed a block, each block sorted alone), so its memory is
-bounded by the block (~320 MB), not by the dataset; it needs 8 bytes a rating of temporary disk beside the index.
+Building streams the split through the builder of the export's seen-items table (``bigrank.data.pair_blocks``:
+row groups -> int64 keys, spilled to bucket files of users when they exceed a block, each block sorted alone), so
+its memory is bounded by the block (~320 MB), not by the dataset; it needs 8 bytes a rating of temporary disk
+beside the index.
 
 Measured 2026-11-26 at ML-1B (2 shared cores, load 1-3): building test (100M ratings) 16.6 s, train (800M) 162 s,
 valid 16.5 s, peak RSS 459 MB; on disk 3.22 GB for train and 0.42 GB for each other split (6.4 GB of spill files
@@ -50,8 +51,10 @@ from pathlib import Path
 
 import numpy as np
 
+from bigrank import integrity
 from bigrank.atomic import temporary_path
 from bigrank.data import manifest as layout
+from bigrank.data import pair_blocks
 from bigrank.errors import CorruptFileError
 
 __all__ = ["INDEX_DIR", "UserItemsIndex", "build_index", "ensure_index", "index_key", "index_path", "open_index"]
@@ -62,6 +65,7 @@ MAGIC = b"BRUIDX01"
 HEADER_BYTES = 4096
 READ_GAP_ITEMS = 4096  # slices closer than 16 KB are read as one range (one system call instead of two)
 READ_RUN_ITEMS = 1 << 24  # at most 64 MB read at once
+BLOCK_USERS = 512  # the builder's blocks start at multiples of this many users (the seen table's row groups)
 Progress = Callable[[str], None] | None
 
 
@@ -205,26 +209,29 @@ def build_index(
     """Write the index of ``split`` (atomically: a temporary file renamed into place) and return its path.
 
     Reads every row group of the split once (pages verified, ids checked against the manifest) through the
-    seen-items writer's streaming CSR builder (``block_ratings`` keys sorted at once; default its
-    ``BLOCK_RATINGS``). ``progress``: called with a line now and then (e.g. ``print``). Not locked: call
+    seen-items table's streaming CSR builder (``bigrank.data.pair_blocks``; ``block_ratings`` keys sorted at once,
+    default its ``BLOCK_RATINGS``). ``progress``: called with a line now and then (e.g. ``print``). Not locked: call
     :func:`ensure_index` to build only when needed and once among concurrent processes. Its cost at ML-1B: see
     the module's notes (train: 162 s, 3.2 GB)."""
-    from bigrank.export import seen
-
-    block_ratings = seen.BLOCK_RATINGS if block_ratings is None else int(block_ratings)
+    block_ratings = pair_blocks.BLOCK_RATINGS if block_ratings is None else int(block_ratings)
     dataset.validate([split])
     key = index_key(dataset, split)
     path = index_path(dataset, split, key)
     path.parent.mkdir(parents=True, exist_ok=True)
     num_users, num_items = dataset.num_users, dataset.num_items
-    seen._check_key_range(num_users, num_items)
-    plan = seen._plan_row_groups([(p, 1) for p in dataset.files(split)], 0, num_users)
-    for file, _, groups, _ in plan:  # a user id outside the manifest would be dropped silently by the range filter
-        if not all(inside for _, inside in groups):
-            raise ValueError(
-                f"split {split!r} of {dataset.root} has user_id values outside [0, {num_users}) (manifest) or a row "
-                f"group without statistics in {file}"
-            )
+    pair_blocks.check_key_range(num_users, num_items)
+    plan = pair_blocks.plan_row_groups([(p, 1) for p in dataset.files(split)], 0, num_users)
+    for file, _, groups, _ in plan:
+        # The builder drops the users of a row group outside [0, num_users) (its range filter): check the groups
+        # whose statistics do not put them all inside (none in a bigrank dataset with ids in range).
+        unknown = [group for group, inside in groups if not inside]
+        handle = integrity.open_parquet(file) if unknown else None
+        for group in unknown:
+            users = layout.read_row_group(handle, file, group, ("user_id",), dataset.root).column(0).to_numpy()
+            if len(users) and (int(users.min()) < 0 or int(users.max()) >= num_users):
+                raise ValueError(
+                    f"split {split!r} of {dataset.root} has user_id values outside [0, {num_users}) (manifest)"
+                )
     bound = sum(rows for *_, rows in plan)
     started = time.monotonic()
     if progress:
@@ -236,9 +243,9 @@ def build_index(
         with open(tmp, "wb") as out:
             out.seek(HEADER_BYTES + 8 * (num_users + 1))  # the items first; header and offsets once known
             nnz, reported = 0, started
-            blocks = seen._blocks(plan, 0, num_users, num_items, block_ratings, seen.SEEN_ROW_GROUP_USERS, spill)
+            blocks = pair_blocks.blocks(plan, 0, num_users, num_items, block_ratings, BLOCK_USERS, spill)
             for lo, hi, read_keys in blocks:
-                block_indptr, items, _ = seen._csr_block(read_keys, lo, hi, num_items)
+                block_indptr, items, _ = pair_blocks.csr_block(read_keys, lo, hi, num_items)
                 indptr[lo + 1 : hi + 1] = block_indptr[1:] + nnz
                 out.write(memoryview(items))
                 nnz += len(items)
