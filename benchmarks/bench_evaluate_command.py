@@ -36,9 +36,11 @@ Measured 2026-11-26 on a quiet machine (load 1.2-1.9, the AMD EPYC VM, this vers
 
 Since then evaluation reads the users' items from a per-user index of each split cached beside the dataset
 (``bigrank.data.user_index``; built before the timings, its time printed apart), and a third row times
-``--no-index``, the files read as before. Not yet measured with this script: the read phase alone (10K users,
-one process) went from 12.0-18.4 s to 0.4 s (warm) / 1.4 s (cold); the whole command with 2 workers on a kept
-ML-1B run, at load 2-5, 69.0 s -> 58.6 s wall, 62.6 s -> 49.2 s CPU (user + sys of the process tree).
+``--no-index``, the files read as before. Measured 2026-11-26 (the AMD EPYC VM, 2 cores shared with another
+job, load 3.4-3.7; one run, so noisy): step 0.176 s; evaluate 27.1 s certified bf16 (154 steps), 52.8 s fp32
+(299 steps), 61.7 s certified with ``--no-index`` (350 steps), identical metrics. The read phase alone (10K users,
+one process) went from 12.0-18.4 s to 0.4 s (page cache warm) / 1.4 s (cold); the whole command with 2 workers on
+a kept ML-1B run, alternated at load 2-5: 69.0 s -> 58.6 s wall, 62.6 s -> 49.2 s CPU (user + sys of the tree).
 """
 
 from __future__ import annotations

@@ -18,7 +18,9 @@ by an all-reduce, the held-out items of the evaluated users by an all-to-all to 
 by an all-to-all to the rank whose catalog rows hold them. At ML-1B (10K sampled users, 2 workers) this read was
 ~40 % of each worker's time in ``bigrank evaluate`` when every rank read every file (py-spy, 2026-11-26); what is
 left of it is decoding the Parquet pages (the files are in block order, so every row group holds some users of any
-sample). A rank that fails to read makes every rank raise.
+sample). A rank that fails to read makes every rank raise. When every rank finds a per-user index of each split
+it needs (``bigrank.data.user_index``, which ``bigrank evaluate`` builds once per dataset), each rank reads the
+users' slices of it instead and nothing is exchanged: 10K ML-1B users' items in ~0.4 s instead of 12-18 s.
 
 Memory: the held-out and excluded items are streamed row group by row group and only those of the evaluated users
 are kept (for exclusion, only the items of this rank's shard, once exchanged), so sampling users bounds the
