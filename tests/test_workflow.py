@@ -92,7 +92,10 @@ def test_training_learns_and_evaluate_with_three_workers_finds_the_same_figures(
     # A random ranking finds about 10/101 of a user's held-out items in its top 10; the model learned the topics.
     for split in ("valid", "test"):
         assert workflow_run.train_eval[split]["recall@10"] > 3 * 10 / TINY_ITEMS, workflow_run.train_eval
-    # `bigrank evaluate --workers 3` reshards the 2-worker checkpoint and finds the same figures.
+    # `bigrank evaluate --workers 3` reshards the 2-worker checkpoint and finds the same figures, reading the
+    # items from the user indexes it built first (training's evaluations read the split files).
+    built = sorted(path.name.split("-")[0] for path in (workflow_run.data / "user_index").glob("*.csr"))
+    assert built == ["test", "train", "valid"]
     evaluated = json.loads((run / "eval.json").read_text())
     assert "recall@10" in workflow_run.evaluate_out
     for split in ("valid", "test"):
