@@ -69,6 +69,8 @@ def test_index_holds_the_split_and_evaluation_reads_it(tiny):
     assert same_data(with_index, from_files) and len(with_index.excluded[1]) > 0
     union, from_files = read_both(tiny, exclude_splits=("train", "valid"))  # the union of two indexes
     assert same_data(union, from_files)
+    nothing, from_files = read_both(tiny, exclude_splits=())
+    assert same_data(nothing, from_files) and len(nothing.excluded[1]) == 0
     # The index is what is read: a train file overwritten with other bytes of the same size and time (which the
     # index's key cannot see; `bigrank verify` can) fails the read of the files, not the one of the index.
     manifest = DatasetManifest.load(tiny)

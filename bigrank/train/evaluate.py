@@ -192,9 +192,12 @@ def _open_indexes(dataset: layout.DatasetManifest, splits: Sequence[str], group)
 
 
 def _union_rows(parts: Sequence[tuple[np.ndarray, np.ndarray]], users: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """The row-wise union of CSR arrays over the same rows (items sorted and distinct per row); one part as is."""
+    """The row-wise union of CSR arrays over the same rows (items sorted and distinct per row); one part as is,
+    none as empty rows."""
     if len(parts) == 1:
         return parts[0]
+    if not parts:
+        return np.zeros(len(users) + 1, dtype=np.int64), np.empty(0, dtype=np.int64)
     span = max((int(items.max()) + 1 for _, items in parts if len(items)), default=1)
     keys = np.concatenate(
         [np.repeat(np.arange(len(users), dtype=np.int64), np.diff(indptr)) * span + items for indptr, items in parts]
