@@ -262,10 +262,13 @@ def format_table(rows: dict[str, list[dict]], dataset: Dataset = DATASETS["ml-la
             spread = f" ± {values.std(ddof=1):.3f}" if len(values) > 1 else ""
             cells.append(f"{values.mean():.3f}{spread}".rjust(18))
         lines.append(f"{name:<22}{len(results):>6}" + "".join(cells))
-    lines.append("")
-    lines.append(f"paper ({dataset.paper_column}, its own protocol and AP normalisation):")
-    for name, figures in dataset.paper.items():
-        if name in rows:
+    # The paper's row of each loss trained here (its model is neither of bigrank's: the direction to look for).
+    losses = {name.removeprefix("item_item-") for name in rows}
+    paper = [(name, figures) for name, figures in dataset.paper.items() if name in losses]
+    if paper:
+        lines.append("")
+        lines.append(f"paper ({dataset.paper_column}, its own model, protocol and AP normalisation):")
+        for name, figures in paper:
             lines.append(f"{name:<22}{'':>6}" + "".join(f"{v:>18.3f}" for v in figures))
     return "\n".join(lines)
 

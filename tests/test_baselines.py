@@ -199,7 +199,7 @@ def test_reproduce_table2_picks_the_preset_of_the_data_directory(tmp_path):
     # The dense preset's reference row is the paper's ML-20M column, and its EASE grid spans 100 to 10,000.
     rows = {"rankmax": [{"ap@10": 0.1, "accuracy": 0.2, "recall@100": 0.5}]}
     table = format_table(rows, DATASETS["ml-1m"]).splitlines()
-    assert table[-2] == "paper (ML 20M, its own protocol and AP normalisation):"
+    assert table[-2] == "paper (ML 20M, its own model, protocol and AP normalisation):"
     assert table[-1].split() == ["rankmax", "0.210", "0.397", "0.492"]
     assert min(DATASETS["ml-1m"].lambdas) == 100 and max(DATASETS["ml-1m"].lambdas) == 10000
 
