@@ -465,6 +465,8 @@ def _check_item_item(config: Config) -> None:
         "must be adam with model.kind item_item (its matrices are dense; item_lr is Adam's rate)",
     )
     _check(not config.model.history, "model.history", "must be false with model.kind item_item (x W is its history)")
+    for key, value in (("user_l2", config.optim.user_l2), ("weight_decay", config.optim.weight_decay)):
+        _check(value == 0, f"optim.{key}", "must be 0 with model.kind item_item: its L2 is model.item_item_l2")
     _check(config.model.layout == "auto", "model.layout", "is for model.kind towers (item_item is replicated)")
     _check(
         config.train.precision in ("auto", "fp32"),

@@ -123,6 +123,7 @@ def _raw(root, run_dir, workers=2, **sections) -> dict:
         ("loss", {"params": {"k": 2}}, "loss.params.k must be 1"),
         ("optim", {"item_optimizer": "adagrad"}, "optim.item_optimizer must be adam"),
         ("model", {"history": True}, "model.history must be false"),
+        ("optim", {"weight_decay": 1e-4}, "optim.weight_decay must be 0 .* its L2 is model.item_item_l2"),
         ("model", {"item_item_l2": -1}, "model.item_item_l2 must be >= 0"),
         ("model", {"kind": "graph"}, "model.kind must be one of towers, item_item"),
     ],
