@@ -46,7 +46,7 @@ import tempfile
 import threading
 import traceback
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -107,6 +107,7 @@ def launch_local(
     threads: int | None = None,
     max_restarts: int = 0,
     stop_grace: int = STOP_GRACE_SECONDS,
+    env: Mapping[str, str] | None = None,
 ) -> list[Any]:
     """Run ``fn(*args)`` in ``world_size`` local processes; return the results indexed by rank.
 
@@ -115,7 +116,9 @@ def launch_local(
     ``threads``: torch threads per process (None: ``cpu_count // world_size``, at least 1). ``max_restarts``:
     how many times the whole group is started again after a failure (torch elastic's ``max_restarts``; a
     training worker resumes from the run's last checkpoint). ``stop_grace``: seconds the workers get after the
-    forwarded signal before SIGKILL.
+    forwarded signal before SIGKILL. ``env``: environment variables the workers start with, each unless the
+    launching process has it set already (it is read before ``fn`` runs: e.g. OpenMP's ``OMP_WAIT_POLICY``,
+    read when torch loads); the launching process's environment is as it was afterwards.
 
     ``fn`` must be a module-level function (it is pickled). Raises :class:`WorkerError` for the rank that
     caused the last attempt's failure, TimeoutError after ``timeout`` seconds (None: no limit; on the main
@@ -156,7 +159,7 @@ def launch_local(
     entry = (fn, tuple(args), backend, threads, os.getpid(), str(reports))
     before = set(multiprocessing.active_children())
     try:
-        with _caller_signals(main_thread, timeout, stop), _quiet_elastic_logs():
+        with _caller_signals(main_thread, timeout, stop), _quiet_elastic_logs(), _worker_environment(env or {}):
             results = elastic_launch(config, _run_rank)(*entry)
     except ChildFailedError as failed:
         if stop.signum is not None:  # workers ended by the signal (or SIGKILLed after the grace period)
@@ -311,6 +314,20 @@ class _StopForwarder:
                 os.kill(int(path.name.rsplit("-", 1)[1]), signum)
             except (ProcessLookupError, PermissionError):  # ended meanwhile
                 pass
+
+
+@contextlib.contextmanager
+def _worker_environment(env: Mapping[str, str]) -> Iterator[None]:
+    """The variables of ``env`` that this process does not set, set while the workers are started (spawned
+    processes inherit this process's environment, torch elastic's restarts included), then removed again."""
+    added = [name for name in env if name not in os.environ]
+    for name in added:
+        os.environ[name] = str(env[name])
+    try:
+        yield
+    finally:
+        for name in added:
+            os.environ.pop(name, None)
 
 
 @contextlib.contextmanager
