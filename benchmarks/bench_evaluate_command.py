@@ -41,6 +41,11 @@ job, load 3.4-3.7; one run, so noisy): step 0.176 s; evaluate 27.1 s certified b
 (299 steps), 61.7 s certified with ``--no-index`` (350 steps), identical metrics. The read phase alone (10K users,
 one process) went from 12.0-18.4 s to 0.4 s (page cache warm) / 1.4 s (cold); the whole command with 2 workers on
 a kept ML-1B run, alternated at load 2-5: 69.0 s -> 58.6 s wall, 62.6 s -> 49.2 s CPU (user + sys of the tree).
+
+Measured again 2026-11-26 on a quieter machine (load 1.4-1.8, the evaluate workers with ``OMP_WAIT_POLICY=PASSIVE``,
+``bigrank.run.INFERENCE_ENV``): step 0.150 s; evaluate 25.7 s certified bf16 (172 steps), 30.1 s fp32 (201),
+35.5 s certified with ``--no-index`` (236), identical metrics. On a kept run, ``--workers 1`` 24.6 and 25.0 s
+wall (35 s CPU) against ``--workers 2`` 25.8 s (45 s CPU): still above the 150-step target (22.5 s here).
 """
 
 from __future__ import annotations
