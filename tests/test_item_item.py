@@ -1,8 +1,8 @@
 """model.kind item_item: the full-rank item-item model (bigrank.model.item_item) and its user-by-user trainer
 (bigrank.train.item_item) — the scores against explicit loops, the dot-product form that evaluation, export and
-serving use, the user batches on any worker count, Adam, the config checks, and real gloo runs: data parallel
-equals one worker, a resume on another worker count lands on the same model, evaluation equals brute force
-over the exported vectors."""
+serving use, the user batches on any worker count, Adam, the config checks, and real gloo runs: a run resumed on
+another worker count lands on the same model, evaluation equals brute force over the exported vectors (loaded
+from the checkpoint on 2 workers, as `bigrank evaluate` loads it), fold-in equals the exported users."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from bigrank.errors import ConfigError
 from bigrank.model.item_item import MAX_ITEMS, ItemItemModel, check_catalog_size, multi_hot
 from bigrank.train.item_item import DenseAdam, UserBatches
 from bigrank.train.launcher import launch_local
-from bigrank.train.workers import evaluate_worker, export_worker, train_worker
+from bigrank.train.workers import export_worker, train_worker
 from tests.conftest import brute_force_metrics, read_checkpoint
 
 
@@ -177,8 +177,6 @@ def test_item_item_ranks_held_out_items_and_evaluation_equals_brute_force_on_the
     trained = summary["eval"]["test"]
     assert trained["recall@10"] > 0.4  # topic data: a random ranking of 101 items gets ~0.1
     config = validate(config_from_dict(_raw(tiny_dataset, root / "two", 2)))
-    again = launch_local(evaluate_worker, 3, (config,), timeout=300)[0]
-    assert again["test"]["recall@10"] == pytest.approx(trained["recall@10"], abs=1e-9)
     export = root / "export"
     launch_local(export_worker, 2, (config, str(export)), timeout=300)
     manifest = load_export(export)
