@@ -71,8 +71,8 @@ def prepare_run(config: Config, launcher: str = "ray") -> DatasetManifest:
 
     Raises DeviceError (a GPU asked for where there is none, saying what to change; ``launcher`` "local" counts
     this machine's GPUs), ConfigError (a bad loss parameter, naming the key; a catalog too large for
-    ``model.kind: item_item``) or FileNotFoundError (no dataset
-    at ``data.root``) before anything is spawned. Returns the dataset's manifest, for the workers.
+    ``model.kind: item_item``) or FileNotFoundError (no dataset at ``data.root``) before anything is spawned.
+    Returns the dataset's manifest, for the workers.
     """
     check_devices(config, launcher)
     check_loss_config(config.loss)
