@@ -140,7 +140,7 @@ def _parameters(run_dir, step):
 
 @pytest.fixture(scope="module")
 def item_item_runs(tiny_dataset, tmp_path_factory):
-    """The tiny data trained 5 epochs (20 steps) on 2 workers, and the same run resumed on 3 workers from its
+    """The tiny data trained 5 epochs (20 steps) on 2 workers, and the same run resumed on 1 worker from its
     mid-epoch checkpoint of step 9 (every later checkpoint removed)."""
     root = tmp_path_factory.mktemp("item-item")
     train = {"checkpoint_every": 9, "keep_checkpoints": 10}
@@ -150,13 +150,13 @@ def item_item_runs(tiny_dataset, tmp_path_factory):
     for checkpoint in (root / "resumed" / "checkpoints").iterdir():
         if int(checkpoint.name.split("-")[1]) > 9:
             shutil.rmtree(checkpoint)
-    resumed = validate(config_from_dict(_raw(tiny_dataset, root / "resumed", 3, eval={"every_epochs": None})))
-    runs["resumed"] = launch_local(train_worker, 3, (resumed,), timeout=300)[0]
+    resumed = validate(config_from_dict(_raw(tiny_dataset, root / "resumed", 1, eval={"every_epochs": None})))
+    runs["resumed"] = launch_local(train_worker, 1, (resumed,), timeout=300)[0]
     return root, runs
 
 
 def test_a_run_resumed_on_another_worker_count_trains_the_same_model(item_item_runs):
-    """Data parallel: 2 workers, then 3 from step 9, end where 2 workers end (the gradients of a global batch
+    """Data parallel: 2 workers, then 1 from step 9, end where 2 workers end (the gradients of a global batch
     are the same sum however the users are split)."""
     root, runs = item_item_runs
     assert runs["two"]["steps"] == runs["resumed"]["steps"] == 20

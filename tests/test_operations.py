@@ -601,8 +601,13 @@ def test_serve_ray_killed_outright_leaves_no_haproxy_holding_its_port(tiny_expor
         while (alive := [pid for pid in haproxy if _command_line(pid)]) and time.monotonic() < deadline:
             time.sleep(0.2)
         assert not alive, f"HAProxy still running after the command was killed: {alive}"
+        # The port is free again: a new server can listen on it. With SO_REUSEADDR, as servers bind (HAProxy, the
+        # stdlib server): connections HAProxy closed may leave the port in TIME_WAIT, which blocks only a plain
+        # bind, while a process still listening on it blocks this one too.
         with socket.socket() as sock:
-            sock.bind(("127.0.0.1", port))  # the port is free again
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind(("127.0.0.1", port))
+            sock.listen()
     finally:
         _kill_group(proc.pid)
 
