@@ -135,7 +135,9 @@ def test_config_names_the_setting_item_item_cannot_train_with(tmp_path, section,
 
 def _parameters(run_dir, step):
     state = read_checkpoint(run_dir / "checkpoints" / f"step-{step:08d}")["item_item"]
-    return {name: state[name] for name in ("full", "inputs", "outputs")} | {"adam steps": state["adam"]["steps"]}
+    return {name: state[name] for name in ("full", "inputs", "outputs")} | {
+        f"adam {name}": tensor for name, tensor in state["adam"].items()
+    }
 
 
 @pytest.fixture(scope="module")
@@ -162,6 +164,7 @@ def test_a_run_resumed_on_another_worker_count_trains_the_same_model(item_item_r
     assert runs["two"]["steps"] == runs["resumed"]["steps"] == 20
     assert runs["resumed"]["resumed_from"].endswith("step-00000009")
     two, resumed = _parameters(root / "two", 20), _parameters(root / "resumed", 20)
+    assert len(two) == 3 + 2 * 3 + 1  # W, P, Q and Adam's two moments of each, and its step count
     for key, tensor in two.items():
         torch.testing.assert_close(resumed[key], tensor, rtol=1e-4, atol=1e-5, msg=key)
     assert float(two["full"].diagonal().abs().max()) == 0.0  # an item's own input never scores it
