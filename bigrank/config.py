@@ -448,7 +448,6 @@ def check(config: Config) -> Config:
 def _check_item_item(config: Config) -> None:
     """The settings ``model.kind: item_item`` trains with (bigrank.train.item_item): its loss is a full-catalog
     loss of every train item of a user at once, its optimiser dense Adam."""
-
     loss = config.loss
     _check(
         loss.name in ("rankmax", "softmax"),
