@@ -163,10 +163,16 @@ def _items_of_users(
     keys = _read_shared(read, group, f"splits {list(splits)} of {data_root}")
     if distributed:
         keys = _exchange_keys(keys, num_items, item_range, group)
+    return _rows_of_keys(keys, len(users), num_items)
+
+
+def _rows_of_keys(keys: np.ndarray, num_rows: int, num_items: int) -> tuple[np.ndarray, np.ndarray]:
+    """CSR ``(indptr int64[num_rows + 1], items int64)`` of the pair keys ``row * num_items + item`` (any order,
+    repeats allowed): items sorted and distinct per row."""
     keys = _sorted_distinct(keys)
     rows = keys // num_items
-    indptr = np.zeros(len(users) + 1, dtype=np.int64)
-    np.cumsum(np.bincount(rows, minlength=len(users)), out=indptr[1:])
+    indptr = np.zeros(num_rows + 1, dtype=np.int64)
+    np.cumsum(np.bincount(rows, minlength=num_rows), out=indptr[1:])
     return indptr, keys - rows * num_items
 
 
@@ -191,22 +197,16 @@ def _open_indexes(dataset: layout.DatasetManifest, splits: Sequence[str], group)
     return indexes
 
 
-def _union_rows(parts: Sequence[tuple[np.ndarray, np.ndarray]], users: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """The row-wise union of CSR arrays over the same rows (items sorted and distinct per row); one part as is,
-    none as empty rows."""
+def _union_rows(
+    parts: Sequence[tuple[np.ndarray, np.ndarray]], num_rows: int, num_items: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """The row-wise union of CSR arrays over the same ``num_rows`` rows (items sorted and distinct per row); one
+    part as is, none as empty rows."""
     if len(parts) == 1:
         return parts[0]
-    if not parts:
-        return np.zeros(len(users) + 1, dtype=np.int64), np.empty(0, dtype=np.int64)
-    span = max((int(items.max()) + 1 for _, items in parts if len(items)), default=1)
-    keys = np.concatenate(
-        [np.repeat(np.arange(len(users), dtype=np.int64), np.diff(indptr)) * span + items for indptr, items in parts]
-    )
-    keys = _sorted_distinct(keys)
-    rows = keys // span
-    indptr = np.zeros(len(users) + 1, dtype=np.int64)
-    np.cumsum(np.bincount(rows, minlength=len(users)), out=indptr[1:])
-    return indptr, keys - rows * span
+    rows = [np.repeat(np.arange(num_rows, dtype=np.int64), np.diff(indptr)) for indptr, _ in parts]
+    keys = [row * num_items + items for row, (_, items) in zip(rows, parts, strict=True)]
+    return _rows_of_keys(np.concatenate(keys or [np.empty(0, dtype=np.int64)]), num_rows, num_items)
 
 
 def _sorted_distinct(values: np.ndarray) -> np.ndarray:
@@ -320,7 +320,8 @@ def evaluation_data(
         raise ValueError(f"split {split!r} of {dataset.root} has no users to evaluate")
     if indexes is not None:
         relevant = indexes[split].items_of(users)
-        excluded = _union_rows([indexes[name].items_of(users, tuple(item_range)) for name in exclude_splits], users)
+        parts = [indexes[name].items_of(users, tuple(item_range)) for name in exclude_splits]
+        excluded = _union_rows(parts, len(users), dataset.num_items)
     else:
         relevant = _items_of_users(dataset, [split], users, group=group)
         excluded = _items_of_users(dataset, list(exclude_splits), users, item_range=tuple(item_range), group=group)
