@@ -40,14 +40,14 @@ class Evaluator:
         every = self.config.eval.every_epochs
         return bool(every) and epoch_end and not last and epoch % every == 0
 
-    def data(self, split: str, sample_users: int | None) -> EvaluationData:
+    def data(self, split: str, sample_users: int | None, item_range: tuple[int, int]) -> EvaluationData:
+        """The evaluation data of ``split`` for the catalog rows ``item_range`` this rank ranks (read once)."""
         key = (split, sample_users)
         if key not in self._data:
-            _, shard = self.model.ranking_view()
             self._data[key] = evaluation_data(
                 self.manifest,
                 split,
-                (shard.start, shard.stop),
+                item_range,
                 sample_users=sample_users,
                 seed=self.config.seed,
                 group=self.group,  # the ranks read disjoint shares of the files (collective, as evaluate is)
@@ -67,6 +67,6 @@ class Evaluator:
             list(self.config.eval.ks),
             group=self.group,
             batch_size=self.config.eval.batch_size,
-            data=self.data(split, sample),
+            data=self.data(split, sample, (catalog.start, catalog.stop)),
             certified_bf16=self.config.eval.certified_bf16,
         )
