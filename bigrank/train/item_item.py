@@ -35,7 +35,6 @@ from bigrank.model.catalog import CatalogView, owned_range
 from bigrank.model.item_item import ItemItemModel, multi_hot
 from bigrank.train.checkpoint import Checkpointer
 from bigrank.train.evaluator import Evaluator
-from bigrank.train.schedule import LearningRateSchedule
 from bigrank.train.state import RNGState, StreamState, TrainState
 from bigrank.train.trainer import Trainer, _fail_once
 
@@ -233,13 +232,9 @@ class ItemItemTrainer(Trainer):
         self.stream = UserBatches(
             users, config.train.batch_size, rank=self.rank, world_size=self.world_size, seed=config.seed
         )
-        optim = config.optim
-        self.optimizer = DenseAdam({name: getattr(module, name) for name in _PARAMETERS}, optim.item_lr)
+        self.optimizer = DenseAdam({name: getattr(module, name) for name in _PARAMETERS}, config.optim.item_lr)
         self.state = TrainState()
-        run_steps = config.train.epochs * self.stream.steps_per_epoch()
-        if config.train.max_steps is not None:
-            run_steps = min(run_steps, config.train.max_steps)
-        self.lr_schedule = LearningRateSchedule.from_config(optim, run_steps)
+        self.lr_schedule = self._lr_schedule(self.stream.steps_per_epoch())
         self.lr_factor = 1.0
         self.local_batch = config.train.batch_size // self.world_size
         self.checkpointer = Checkpointer(

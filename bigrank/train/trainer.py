@@ -197,10 +197,7 @@ class Trainer:
             max_touched_rows=self.local_batch + self.step_loss.num_samples,
         )
         self.state = TrainState()
-        run_steps = train_cfg.epochs * steps_per_epoch
-        if train_cfg.max_steps is not None:
-            run_steps = min(run_steps, train_cfg.max_steps)
-        self.lr_schedule = LearningRateSchedule.from_config(optim, run_steps)
+        self.lr_schedule = self._lr_schedule(steps_per_epoch)
         self.lr_factor = 1.0
         self.checkpointer = Checkpointer(
             self.run_dir,
@@ -250,6 +247,15 @@ class Trainer:
 
         # The dataset's manifest, read once in this process (or by the run's pre-flight) and passed down.
         self.manifest = dataset_manifest(config.data.root, manifest)
+
+    def _lr_schedule(self, steps_per_epoch: int) -> LearningRateSchedule:
+        """The run's learning-rate schedule over ``train.epochs`` epochs of ``steps_per_epoch`` steps (or
+        ``train.max_steps``, when fewer)."""
+        train_cfg = self.config.train
+        run_steps = train_cfg.epochs * steps_per_epoch
+        if train_cfg.max_steps is not None:
+            run_steps = min(run_steps, train_cfg.max_steps)
+        return LearningRateSchedule.from_config(self.config.optim, run_steps)
 
     # ----- the loop -----
     def train(self) -> dict[str, Any]:
