@@ -192,8 +192,11 @@ def ray_worker_loop(worker: Callable[[dict], dict], config_dict: dict[str, Any])
     checkpoint = None
     if context.get_world_rank() == 0 and summary.get("checkpoint"):
         checkpoint = ray.train.Checkpoint.from_directory(summary["checkpoint"])
-    step = int(summary["steps"])
-    ray.train.report(dict(summary), checkpoint=checkpoint, checkpoint_dir_name=f"bigrank-step-{step:08d}")
+    # One directory name per report: the same command again on a finished run reports the same step once more, and
+    # two results naming one directory have Ray delete it when pruning the older (the next start then fails on "a
+    # checkpoint that does not exist anymore"). Only rank 0 attaches a checkpoint, so only its name is used.
+    name = f"bigrank-step-{int(summary['steps']):08d}-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
+    ray.train.report(dict(summary), checkpoint=checkpoint, checkpoint_dir_name=name)
 
 
 def scaling_workers(config: Config) -> int | tuple[int, int]:
