@@ -112,6 +112,21 @@ def parse_chunk(text: str):
     return int(text)
 
 
+def profile_steps(steps, users, items, target, chunk, dtype, device, top: int) -> None:
+    """One profiled step of each (after the timed rounds, so compiled and warm): its ``top`` costliest ops by
+    device time (self time: a GEMM is not counted again in the op that called it)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    sort_by = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
+    for name, step in steps.items():
+        with profile(activities=activities) as prof:
+            step(users, items, target, chunk, dtype)
+            sync(device)
+        print(f"--- profile of one step: {name}")
+        print(prof.key_averages().table(sort_by=sort_by, row_limit=top, max_name_column_width=60))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cpu or cuda[:i]")
@@ -127,12 +142,21 @@ def main() -> None:
     parser.add_argument("--epoch-rows", type=int, default=ML1B_TRAIN_ROWS)
     parser.add_argument("--only", action="append", choices=list(STEPS), help="time only these steps (repeatable)")
     parser.add_argument("--threads", type=int, default=None, help="CPU threads (torch.set_num_threads)")
+    parser.add_argument(
+        "--profile",
+        type=int,
+        default=0,
+        metavar="N",
+        help="after timing, profile one step of each and print its N costliest ops",
+    )
     args = parser.parse_args()
 
     device = torch.device(args.device)
     if device.type == "cuda":
         if not torch.cuda.is_available():
             raise SystemExit("--device cuda: no CUDA device here (torch.cuda.is_available() is False)")
+        if device.index is None:  # "cuda" alone: the current device, as torch means it
+            device = torch.device("cuda", torch.cuda.current_device())
         torch.cuda.set_device(device)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -198,6 +222,8 @@ def main() -> None:
             f"{name:<22}{best[name]:>10.4f}{median:>10.4f}{ratio_softmax:>11}{ratio_floor:>9}"
             f"{peaks[name] / 2**30:>10.2f}{epoch_hours:>10.1f}{args.batch / best[name]:>13,.0f}"
         )
+    if args.profile:
+        profile_steps(steps, users, items, target, chunk, dtype, device, args.profile)
     losses = [value for name, value in best.items() if name != "GEMM floor (3 GEMMs)"]
     if softmax and floor and "rankmax k=1" in best:
         print(

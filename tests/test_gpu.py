@@ -69,7 +69,7 @@ def test_dense_losses_on_cuda_equal_cpu(name):
     target = torch.randint(0, N, (B,), generator=generator)
     results = []
     for device in ("cpu", "cuda"):
-        s = scores.to(device).requires_grad_(True)
+        s = scores.to(device, copy=True).requires_grad_(True)  # a fresh leaf on each device
         loss = LOSSES[name](s, target.to(device))
         loss.backward()
         assert loss.device.type == device and s.grad.device.type == device

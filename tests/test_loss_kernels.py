@@ -25,6 +25,7 @@ def test_compiled_kernels_equal_eager(monkeypatch):
     scale = torch.rand(5, generator=generator).double()
     calls = {
         "support_sum_count": lambda: kernels.support_sum_count(block, mu),
+        "max_support_sum_count": lambda: kernels.max_support_sum_count(block, mu),
         "masked_scale": lambda: kernels.masked_scale(block, mu, upper, scale),
         "max_and_sum_exp": lambda: kernels.max_and_sum_exp(block),
         "exp_grad": lambda: kernels.exp_grad(block, mu, scale),
@@ -49,7 +50,12 @@ def test_losses_agree_across_kernel_modes(monkeypatch, mode):
     scores = torch.randn(4, 3_001, generator=generator)
     target = torch.randint(0, 3_001, (4,), generator=generator)
     monkeypatch.setenv("BIGRANK_COMPILE", mode)
-    for loss_fn in (lambda s, y: rankmax_loss(s, y, k=3), softmax_loss, sparsemax_loss):
+    for loss_fn in (
+        lambda s, y: rankmax_loss(s, y, k=3),
+        lambda s, y: rankmax_loss(s, y, k=1),
+        softmax_loss,
+        sparsemax_loss,
+    ):
         ours = scores.clone().requires_grad_(True)
         value = loss_fn(ours, target)
         value.backward()

@@ -27,6 +27,7 @@ __all__ = [
     "exp_grad",
     "masked_scale",
     "max_and_sum_exp",
+    "max_support_sum_count",
     "relu_grad",
     "relu_square_sum",
     "sigmoid_grad",
@@ -78,6 +79,21 @@ def _support_sum_count(block: torch.Tensor, mu: torch.Tensor):
 def support_sum_count(block: torch.Tensor, mu: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``(sum_i (z_i - mu)_+, |{i : z_i > mu}|)`` per row: float64 [R], float64 [R] for ``block`` [R, c]."""
     return _run("support_sum_count", _support_sum_count, block, mu.to(_stat_dtype(block)))
+
+
+def _max_support_sum_count(block: torch.Tensor, mu: torch.Tensor):
+    wide = block.to(mu.dtype)
+    shifted = wide - mu.unsqueeze(1)
+    count = (shifted > 0).sum(dim=1).to(torch.float64)
+    support_sum = shifted.clamp_min_(0).sum(dim=1, dtype=torch.float64)
+    return wide.amax(dim=1).to(torch.float64), support_sum, count
+
+
+def max_support_sum_count(block: torch.Tensor, mu: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(max_i z_i, sum_i (z_i - mu)_+, |{i : z_i > mu}|)`` per row, float64 [R] each, for ``block`` [R, c]
+    (c >= 1): Rankmax k = 1's first pass in one read of the block (the max and the support sums were two
+    passes; on a GPU each is a trip through memory of the whole block)."""
+    return _run("max_support_sum_count", _max_support_sum_count, block, mu.to(_stat_dtype(block)))
 
 
 def _masked_scale(block, lower, upper, scale):

@@ -32,7 +32,7 @@ import math
 
 import torch
 
-from bigrank.losses.kernels import masked_scale, support_sum_count
+from bigrank.losses.kernels import masked_scale, max_support_sum_count, support_sum_count
 from bigrank.losses.scores import (
     Layout,
     catalog_loss_rows,
@@ -137,8 +137,14 @@ class _RankmaxImpl:
         top = empty_topk(source.batch, k, source.device)
         sums = torch.zeros((source.batch, 2), dtype=torch.float64, device=source.device)
         for _, block in source.blocks():  # one pass: chunked scores are computed once in forward
-            top = merge_topk(top, block)
-            _accumulate_support(block, guess, sums)
+            if k == 1 and block.shape[1]:  # the max and the support sums in one read of the block
+                block_max, support_sum, support_size = max_support_sum_count(block, guess)
+                top = torch.maximum(top, block_max.unsqueeze(1))
+                sums[:, 0] += support_sum
+                sums[:, 1] += support_size
+            else:
+                top = merge_topk(top, block)
+                _accumulate_support(block, guess, sums)
         gathered = gather_row_stats(torch.cat([top, sums], dim=1), group)  # [W, B, k + 2]
         top = merge_rank_topk(gathered[..., :k])
         sums = gathered[..., k:].sum(dim=0)
