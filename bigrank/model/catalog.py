@@ -89,6 +89,7 @@ class CatalogShard(nn.Module):
         bounds: explicit owned ``(start, stop)`` for uneven splits; the default is ``shard_range``.
         device: where the rows live (this worker's device, ``bigrank.devices.worker_device``); they are drawn
             on the CPU (the same values on every device) and copied there once.
+        initialize: False leaves the rows zero, for a shard that a checkpoint load fills next.
 
     ``start``/``stop``/``weight`` are the rows held (what the loss scores, at column offset ``start``);
     :meth:`owned` the rows owned (what checkpoints, exports and evaluation read).
@@ -106,6 +107,7 @@ class CatalogShard(nn.Module):
         bounds: tuple[int, int] | None = None,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str | None = None,
+        initialize: bool = True,
     ):
         super().__init__()
         if num_items < 1 or dim < 1:
@@ -118,7 +120,10 @@ class CatalogShard(nn.Module):
             raise ValueError(f"shard bounds [{start}, {stop}) must lie inside [0, {num_items})")
         self.owned_start, self.owned_stop = int(start), int(stop)
         self.start, self.stop = (0, self.num_items) if self.replicated else (self.owned_start, self.owned_stop)
-        self.weight = nn.Parameter(self._initial_rows(init_std, seed, dtype).to(device))
+        if initialize:
+            self.weight = nn.Parameter(self._initial_rows(init_std, seed, dtype).to(device))
+        else:  # a checkpoint load fills every row next: drawing the initial rows would be wasted
+            self.weight = nn.Parameter(torch.zeros((self.stop - self.start, self.dim), dtype=dtype, device=device))
 
     def _initial_rows(self, init_std: float, seed: int, dtype: torch.dtype) -> torch.Tensor:
         # Generate the held rows only, in fixed blocks of the global matrix, so that any split of the catalog

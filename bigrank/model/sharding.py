@@ -208,6 +208,7 @@ def shard_row_wise(
     device: torch.device | str | None = None,
     gradient_division: bool = False,
     data_parallel_tables: Sequence[str] = (),
+    initialize: bool = True,
 ):
     """Plan row-wise sharding of every embedding table in ``module`` (except ``data_parallel_tables``) and wrap it
     in ``DistributedModelParallel``.
@@ -221,7 +222,8 @@ def shard_row_wise(
     Collective: every rank of ``process_group`` (default: the world) must call it with the same module
     configuration. Build ``module`` on the ``meta`` device for big tables: only the local rows are then
     allocated; after sharding, ``module.reset_parameters()`` (if it has one, e.g. :class:`UserTower`) refills
-    them with its deterministic initialisation.
+    them with its deterministic initialisation (``initialize=False``: not, for a model that a checkpoint load
+    fills next; the rows then hold whatever torchrec allocated).
 
     Gradients: by default the sharded tables receive exactly the gradient of the loss that is
     back-propagated, summed over ranks (``dL/dE = Σ_r dL_r/dE``), as the item-parallel catalog does. torchrec's
@@ -288,7 +290,7 @@ def shard_row_wise(
     _unwrap_data_parallel_lookups(dmp)
     comm_ops.set_gradient_division(bool(gradient_division))
     reset = getattr(dmp.module, "reset_parameters", None)
-    if callable(reset):
+    if initialize and callable(reset):
         reset()
     return dmp, plan
 

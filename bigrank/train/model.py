@@ -67,10 +67,13 @@ def build_model(
     manifest: DatasetManifest,
     device: torch.device | str = "cpu",
     explain_layout: bool = True,
+    initialize: bool = True,
 ) -> Model:
     """Build the sharded user tower and this rank's catalog shard on ``device`` (this worker's device from
     ``bigrank.devices.worker_device``) for the dataset of ``manifest`` (the run's, from
-    ``bigrank.data.manifest.dataset_manifest``); collective. ``explain_layout``: see :func:`decide_layout`."""
+    ``bigrank.data.manifest.dataset_manifest``); collective. ``explain_layout``: see :func:`decide_layout`.
+    ``initialize=False`` skips the initial values of the tables and the catalog, for a model that a checkpoint
+    load fills next (evaluate, export: at ML-1B drawing them cost ~1 s of start-up)."""
     from bigrank.data.stream import read_user_items
     from bigrank.model.sharding import shard_row_wise
     from bigrank.model.tables import replicated_table_parameters
@@ -95,6 +98,7 @@ def build_model(
         process_group=group,
         device=device,
         data_parallel_tables=[t for t in (USER_TABLE, HISTORY_TABLE) if layout.get(t) == "replicated"],
+        initialize=initialize,
     )
     replicated_tables = replicated_table_parameters(dmp)
     shard = CatalogShard(
@@ -105,6 +109,7 @@ def build_model(
         init_std=model_cfg.item_init_std,
         seed=config.seed + 1,
         device=device,
+        initialize=initialize,
     )
     history = read_user_items(manifest, "train", manifest.num_users) if model_cfg.history else None
     return Model(

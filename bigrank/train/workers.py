@@ -65,7 +65,7 @@ def load_trained_model(
     # Evaluation and export read each table by the rows a rank owns: the sharded layout holds exactly those
     # (a checkpoint loads into any layout), without a replica of every table on every worker.
     config = dataclasses.replace(config, model=dataclasses.replace(config.model, layout="sharded"))
-    model = build_model(config, group, manifest, device=device, explain_layout=False)
+    model = build_model(config, group, manifest, device=device, explain_layout=False, initialize=False)
     parts = {"tower": TowerState(model.tower), "catalog": CatalogWeights(model.shard)}
     checkpointer = Checkpointer(config.run_dir, parts, every=None, keep=1, identity=model_identity(config, model))
     meta = checkpointer.load(path, parts)
