@@ -276,9 +276,10 @@ class Trainer:
             say(f"dataset {root} records no checksums (an older bigrank wrote it): sizes and footers checked")
         else:
             seconds = time.perf_counter() - started
+            plural = "s" if files != 1 else ""
             say(
-                f"dataset checksums: {files} file{'s' if files != 1 else ''} of {', '.join(splits)}, {size / 1e6:,.1f} MB, match the manifest "
-                f"({seconds:.1f} s, {self.world_size} workers; data.verify: quick skips this)"
+                f"dataset checksums: {files} file{plural} of {', '.join(splits)}, {size / 1e6:,.1f} MB, match the "
+                f"manifest ({seconds:.1f} s, {self.world_size} workers; data.verify: quick skips this)"
             )
 
     def _lr_schedule(self, steps_per_epoch: int) -> LearningRateSchedule:
