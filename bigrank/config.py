@@ -70,6 +70,11 @@ class DataConfig:
     root: str = ""  # dataset directory (bigrank Parquet layout with manifest.json)
     shuffle_buffer: int = 1 << 20  # rows shuffled together by the stream
     prefetch: int = 4  # > 0: a background thread reads the next shuffle window ahead (0: read inline)
+    # Before its first step a run checks its dataset files against the manifest. full: the size and CRC-32 of
+    # every file it will read (train, and the splits its evaluation reads), the workers sharing the files (reads
+    # the data once: ~1-2 s a GB a worker); quick: sizes and footers only (a flipped byte is then found when its
+    # row group is read, by its page checksum, possibly hours in). `bigrank verify DATA` checks everything.
+    verify: str = field(default="full", metadata=_choices("full", "quick"))
 
     def check(self) -> None:
         _check(self.shuffle_buffer >= 1, "data.shuffle_buffer", "must be >= 1")

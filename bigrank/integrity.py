@@ -12,8 +12,11 @@ Three layers, cheapest first (datasets, exports and checkpoints each use what fi
   bigrank) read as before. Cost: ``benchmarks/bench_data.py --checksums``.
 * **Whole-file checksums.** A CRC-32 of every file (``file_crc32``: zlib, streamed in 4 MiB blocks; the cheapest
   stdlib checksum measured here, ~0.6-1 GB/s a core) is recorded when the file is written and checked by
-  ``bigrank verify``. It also covers what page checksums do not: the footer and the page headers. Hashing every
-  file at every start would read the whole dataset (10+ GB at ML-1B), so that is the verify command's job.
+  ``bigrank verify``. It also covers what page checksums do not: the footer and the page headers, and a flip in a
+  row group that a run would read only hours in. Training checks the CRC-32 of every dataset file it will read
+  before its first step, and loading a checkpoint every DCP file, each rank of the run a disjoint share
+  (``check_files_shared``: the ranks then agree, and every one raises the same error naming the first damaged
+  file). ``data.verify: quick`` leaves the dataset's to ``bigrank verify``.
 
 A damaged file found while reading raises :class:`bigrank.errors.CorruptFileError` (a ValueError: the CLI
 prints it on one line) naming the file, the row group where known, and what to do.
@@ -22,8 +25,9 @@ prints it on one line) naming the file, the row group where known, and what to d
 from __future__ import annotations
 
 import os
+import sys
 import zlib
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -35,12 +39,14 @@ __all__ = [
     "PARQUET_WRITE_OPTIONS",
     "Report",
     "check_file",
+    "check_files_shared",
     "damaged_parquet",
     "describe_file",
     "describe_files",
     "file_crc32",
     "open_parquet",
     "read_parquet",
+    "share_files",
 ]
 
 CHECKSUM = "crc32"  # the whole-file checksum recorded beside each file's size (key of its hex value)
@@ -97,6 +103,63 @@ def check_file(path: str | os.PathLike, entry: Mapping, checksum: bool = True) -
         if found != entry[CHECKSUM]:
             return f"corrupt: {CHECKSUM} {found}, {entry[CHECKSUM]} recorded (same size, other bytes)"
     return None
+
+
+def share_files(entries: Mapping[str, Mapping], world_size: int) -> list[list[str]]:
+    """The names of ``entries`` (``{name: describe_file entry}``) cut into ``world_size`` disjoint shares of about
+    equal bytes: largest file first onto the share with the fewest bytes so far (ties by name, then by share
+    index), so every rank computes the same shares from the same entries. Share ``r`` lists its names sorted."""
+    shares: list[list[str]] = [[] for _ in range(max(1, int(world_size)))]
+    loads = [0] * len(shares)
+    for name in sorted(entries, key=lambda n: (-int(entries[n].get("bytes", 0)), n)):
+        rank = loads.index(min(loads))
+        shares[rank].append(name)
+        loads[rank] += int(entries[name].get("bytes", 0))
+    return [sorted(share) for share in shares]
+
+
+def check_files_shared(
+    root: str | os.PathLike,
+    entries: Mapping[str, Mapping],
+    group=None,
+    progress: Callable[[int, int], None] | None = None,
+) -> list[tuple[str, str]]:
+    """Check the files ``entries`` (``{relative name: describe_file entry}``) under ``root`` with their sizes and
+    CRC-32 (``check_file``), this rank of ``group`` only its share (``share_files``), and return the problems
+    every rank found, ``[(name, what is wrong)]`` sorted by name: the same list on every rank.
+
+    Collective over ``group`` when torch.distributed is initialised (one ``all_gather_object`` of the problem
+    lists, on a group that carries CPU tensors: the control group); without a process group this process checks
+    every file. ``progress(bytes done, bytes of this rank's share)`` is called after each file. Every rank
+    gathers even when its own check raised nothing, so no rank is left waiting while another raises."""
+    root = Path(root)
+    rank, world_size = 0, 1
+    dist = None
+    if "torch.distributed" in sys.modules:  # no torch import for a process that has none (bigrank verify)
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            rank, world_size = dist.get_rank(group), dist.get_world_size(group)
+        else:
+            dist = None
+    mine = share_files(entries, world_size)[rank]
+    total = sum(int(entries[name].get("bytes", 0)) for name in mine)
+    problems, done = [], 0
+    for name in mine:
+        try:
+            problem = check_file(root / name, entries[name])
+        except OSError as error:  # an unreadable file is a problem to report, not a rank left out of the gather
+            problem = f"unreadable: {error}"
+        if problem is not None:
+            problems.append((name, problem))
+        done += int(entries[name].get("bytes", 0))
+        if progress is not None:
+            progress(done, total)
+    if dist is not None and world_size > 1:
+        gathered: list = [None] * world_size
+        dist.all_gather_object(gathered, problems, group=group)
+        problems = [problem for share in gathered for problem in share]
+    return sorted(problems)
 
 
 # ------------------------------------------------------------------------------------- verified Parquet reads

@@ -10,8 +10,9 @@ What each kind of directory records and what is checked (``bigrank.integrity``):
   every DCP file (``bigrank.train.checkpoint.verify_checkpoint``).
 
 Every damaged file is reported by name (not only the first). Exit status 0 when everything matches, 1 when a
-file is damaged, 2 when a PATH is none of these. Reads every byte: at ML-1B scale (~10 GB) about as long as
-reading the dataset once; opening the data for training checks only sizes and footers.
+file is damaged, 2 when a PATH is none of these. Reads every byte: at ML-1B scale about as long as reading the
+dataset once. Training checks the CRC-32s of the dataset files it reads, and loading a checkpoint those of its
+DCP files, but stops at the first damaged file; this command reports them all.
 """
 
 from __future__ import annotations

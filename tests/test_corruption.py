@@ -171,23 +171,53 @@ def test_a_dataset_without_checksums_still_loads_and_verifies_what_it_can(tmp_pa
     assert "train/part-00000.parquet: truncated" in capsys.readouterr().out
 
 
-def test_training_stops_before_its_first_step_on_a_flipped_byte(tiny_dataset, tmp_path):
+def test_the_ranks_check_disjoint_shares_of_about_equal_bytes():
+    from bigrank import integrity
+
+    entries = {f"part-{i:02d}": {"bytes": size} for i, size in enumerate([90, 10, 40, 40, 30, 30, 30, 5])}
+    shares = integrity.share_files(entries, 3)
+    assert sorted(name for share in shares for name in share) == sorted(entries)  # each file exactly once
+    loads = [sum(entries[name]["bytes"] for name in share) for share in shares]
+    assert max(loads) <= 4 / 3 * sum(loads) / 3, loads  # largest first: within 4/3 of an even split
+    assert integrity.share_files(entries, 1) == [sorted(entries)]
+    assert integrity.share_files({"a": {"bytes": 1}}, 4)[1:] == [[], [], []]  # more ranks than files
+
+
+def _train_records(run: Path) -> list[dict]:
+    metrics = run / "metrics.jsonl"
+    records = [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.is_file() else []
+    return [record for record in records if record.get("type") == "train"]
+
+
+def test_a_flip_in_a_row_group_read_late_is_named_before_the_first_step(tmp_path):
+    """The page checksums name a flip when its row group is read, which can be late in an epoch; the run's
+    CRC-32 check before step 1 (``data.verify: full``, the default) names it before anything is trained."""
     data = tmp_path / "data"
-    shutil.copytree(tiny_dataset, data)
-    manifest = layout.load_manifest(data)
-    victim = data / manifest["splits"]["train"]["files"][0]
-    silent_flip(victim, row_group=0, limit=manifest["num_users"])
+    make_dataset(data)
+    victim = data / "train/part-00001.parquet"
+    silent_flip(victim, row_group=1, limit=NUM_USERS)
+    # The flip is in a row group the run reads late: each rank's first batch reads fine (what the run's streams
+    # read before step 1, with data.prefetch 0 as below), reading the whole epoch names the row group.
+    streams = [
+        ParquetStream(data, "train", 256, rank=rank, world_size=2, seed=3, shuffle_buffer=256, prefetch=0)
+        for rank in range(2)
+    ]
+    for stream in streams:
+        next(iter(stream))
+    with pytest.raises(CorruptFileError, match="row group 1"):
+        for stream in streams:
+            for _ in stream:
+                pass
+
     config = tmp_path / "run.yaml"
-    train = "{batch_size: 64, epochs: 1, log_every: 1, progress: false}"
+    train = "{batch_size: 512, epochs: 1, log_every: 1, progress: false}"
     config.write_text(tiny_run_yaml(data, tmp_path / "run", train=train, eval="{every_epochs: null, at_end: false}"))
-    done = bigrank("train", config, "--launcher", "local", check=False, timeout=300)
+    done = bigrank("train", config, "--launcher", "local", "--set", "data.prefetch=0", check=False, timeout=300)
     output = done.stdout + done.stderr
     assert done.returncode != 0, output
-    assert f"{victim} is corrupt" in output and "row group 0" in output, output
-    metrics = tmp_path / "run" / "metrics.jsonl"
-    records = [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.is_file() else []
-    assert not [r for r in records if r.get("type") == "train"], records  # no step trained on the damaged data
-    assert latest_checkpoint(tmp_path / "run") is None
+    assert not _train_records(tmp_path / "run") and latest_checkpoint(tmp_path / "run") is None, output
+    assert f"failed: CorruptFileError: dataset file {victim} is corrupt: crc32" in output, output
+    assert "the damage is in row group 1" in output and "bigrank verify" in output, output
 
 
 # ---------------------------------------------------------------------------------------------------- exports
@@ -259,8 +289,66 @@ def test_checkpoint_files_are_recorded_and_a_truncated_one_is_named_at_load(tmp_
     flipped = bytearray(data)
     flipped[len(data) // 2] ^= 0x01  # same size: only the checksum tells
     shard.write_bytes(bytes(flipped))
-    checkpointer.load(latest)  # the size check passes; the full check is verify's
+    with pytest.raises(
+        CorruptFileError, match=rf"{shard.name} is corrupt: crc32 .*delete the directory {latest}.*step-00000001"
+    ):
+        checkpointer.load(latest)
     assert main(["verify", str(tmp_path)]) == 1
     out = capsys.readouterr().out
     assert f"DAMAGED  {shard.name}: corrupt: crc32" in out and "OK  checkpoint" in out  # step 1 is fine
     assert main(["verify", str(checkpoint_path(tmp_path, 1))]) == 0
+
+
+def test_a_flip_in_a_checkpoint_shard_is_named_at_resume(workflow_run, tmp_path):
+    """A same-size change of a DCP file loads as wrong weights unless its CRC-32 is checked: the resume (the same
+    command again on the run, 2 workers) names it before DCP reads a tensor."""
+    run = tmp_path / "run"
+    shutil.copytree(workflow_run.run, run)
+    latest = latest_checkpoint(run)
+    shard = sorted(latest.glob("*.distcp"))[-1]
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    shard.write_bytes(bytes(data))
+    done = bigrank("train", run / "config.yaml", "--launcher", "local", "--set", f"run_dir={run}", check=False)
+    output = done.stdout + done.stderr
+    assert done.returncode != 0, output
+    assert f"failed: CorruptFileError: checkpoint file {shard} is corrupt: crc32" in output, output
+    assert f"delete the directory {latest} and run the same command again" in output, output
+
+
+def _load_flipped(rank, world_size, group, run_dir):
+    """Each rank: save a checkpoint (collective), rank 0 flips a byte of the file in rank 1's share of the
+    checksum check, every rank loads; returns the error each rank raised (None: it loaded)."""
+    import torch.distributed as dist
+
+    from bigrank import integrity
+
+    checkpointer = Checkpointer(
+        run_dir, {"weights": _Weights(float(rank))}, every=None, keep=1, identity={}, group=group
+    )
+    path = checkpointer.save(1, {})
+    if rank == 0:
+        files = json.loads((path / "trainer.json").read_text())["files"]
+        shard = path / integrity.share_files(files, world_size)[1][0]
+        data = bytearray(shard.read_bytes())
+        data[len(data) // 2] ^= 0x01
+        shard.write_bytes(bytes(data))
+    dist.barrier(group)
+    try:
+        checkpointer.load(path)
+    except CorruptFileError as error:
+        return str(error)
+    return None
+
+
+def test_every_rank_names_a_flip_that_another_rank_checked():
+    """The ranks share the checksum work: the error of the rank that read the damaged file reaches every rank,
+    so none goes on into the collective load while another stops."""
+    import tempfile
+
+    from tests.distributed_utils import run_distributed
+
+    with tempfile.TemporaryDirectory() as run_dir:
+        errors = run_distributed(_load_flipped, 2, args=(run_dir,), timeout=90)
+    assert errors[0] is not None and errors[0] == errors[1], errors
+    assert "is corrupt: crc32" in errors[0] and "delete the directory" in errors[0]

@@ -41,6 +41,7 @@ from bigrank.data.manifest import DatasetManifest, dataset_manifest
 from bigrank.data.stream import ParquetStream
 from bigrank.devices import setup_precision
 from bigrank.distributed.collectives import all_gather_replicated, all_gather_rows_with_ids, all_reduce_no_grad
+from bigrank.distributed.groups import control_group
 from bigrank.losses.scores import replicated_inputs
 from bigrank.records import (
     EVAL,
@@ -247,6 +248,39 @@ class Trainer:
 
         # The dataset's manifest, read once in this process (or by the run's pre-flight) and passed down.
         self.manifest = dataset_manifest(config.data.root, manifest)
+        self._check_dataset()
+
+    def _check_dataset(self) -> None:
+        """Before anything reads the data (the model's history bags, item counts, the stream): the files of the
+        splits the run reads against the manifest, sizes and footers, then with ``data.verify: full`` (default)
+        their CRC-32s, each rank a disjoint share (collective; every rank raises the same CorruptFileError). A
+        flipped byte in a row group the stream reaches late in an epoch then stops the run before its first step,
+        not after hours of steps (and, without page checksums, never)."""
+        config = self.config
+        splits = ["train"]
+        if config.eval.every_epochs:
+            splits.append(config.eval.splits[0])
+        if config.eval.at_end:
+            splits.extend(config.eval.splits)
+        splits = [split for split in dict.fromkeys(splits) if split in self.manifest.splits]
+        self.manifest.validate(splits)  # sizes, footers: once per process, the readers skip it then
+        if config.data.verify != "full":
+            return
+        started = time.perf_counter()
+        say = (lambda line: print(line, flush=True)) if self.rank == 0 else None
+        files, size = self.manifest.check_checksums(splits, control_group(), progress=say)
+        if say is None:
+            return
+        if files == 0:
+            root = self.manifest.root
+            say(f"dataset {root} records no checksums (an older bigrank wrote it): sizes and footers checked")
+        else:
+            seconds = time.perf_counter() - started
+            plural = "s" if files != 1 else ""
+            say(
+                f"dataset checksums: {files} file{plural} of {', '.join(splits)}, {size / 1e6:,.1f} MB, match the "
+                f"manifest ({seconds:.1f} s, {self.world_size} workers; data.verify: quick skips this)"
+            )
 
     def _lr_schedule(self, steps_per_epoch: int) -> LearningRateSchedule:
         """The run's learning-rate schedule over ``train.epochs`` epochs of ``steps_per_epoch`` steps (or
