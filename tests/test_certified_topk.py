@@ -299,6 +299,13 @@ def test_the_fp32_fallback_triggers_and_still_equals_fp32():
     if CERTIFIES:
         assert 8 <= stats.fallback_rows < stats.bf16_rows == users.shape[0]
         assert stats.fp32_rows == stats.fallback_rows
+    # Chunks of 6 users in bf16, 3 in fp32 (the same bytes): a chunk's fallback rows are ranked 3 at a time.
+    stats = TopKStats()
+    catalog = TopKCatalog.build(items)
+    got = exact_topk(users, catalog, k, max_candidate_fraction=0.01, chunk_elements=3 * 20_000, stats=stats)
+    assert_same(got, brute_force(users, items, k))
+    if CERTIFIES:
+        assert 8 <= stats.fallback_rows == stats.fp32_rows
     # k above the fraction: every row goes straight to fp32, with the same answer.
     stats = TopKStats()
     got = exact_topk(users, TopKCatalog.build(items), 1500, stats=stats)

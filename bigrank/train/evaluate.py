@@ -78,7 +78,7 @@ from bigrank.records import write_eval_json  # noqa: E402 - re-exported
 DEFAULT_KS = (10, 100, 1000)
 # What the readers below take: the dataset's manifest (read once by the caller), or its directory (read here).
 Dataset = layout.DatasetManifest | str | Path
-MAX_SCORE_ELEMENTS = 1 << 25  # 128 MiB of float32 scores per batch and rank
+MAX_SCORE_ELEMENTS = 1 << 25  # 128 MiB of float32 scores per batch and rank (twice the elements in bf16)
 _MESSAGE_BYTES = 1024  # of a rank's read error, as the other ranks quote it
 
 
@@ -458,7 +458,8 @@ def ranked_batches(
     on the local rows, ranked exactly by ``exact_topk`` (in bf16 and certified, or in fp32 with
     ``certified_bf16=False``: the same lists) and merged over the ranks by ``merge_topk`` (ties: lower id
     first), all under ``no_grad``. The number of users per batch, ``min(batch_size, max_score_elements //
-    ceil(n / W))``, depends only on figures every rank shares, so all ranks run the same batches. ``excluded``:
+    ceil(n / W))`` (twice that many for a float32 catalog ranked in certified bf16: the same bytes), depends only
+    on figures every rank shares, so all ranks run the same batches. ``excluded``:
     the CSR of the users' excluded items within this rank's rows when already read (``EvaluationData.excluded``).
     ``stats``: a ``TopKStats`` that this rank's ranking figures are added to.
     """
@@ -481,9 +482,13 @@ def ranked_batches(
         )
     excluded_indptr, excluded_items = excluded
     widest_shard = math.ceil(num_items / group_size(group))
-    rows_per_batch = max(1, min(int(batch_size), int(max_score_elements) // max(widest_shard, 1)))
     weight = shard.weight.detach()
     certified = use_certified_bf16(certified_bf16, weight.device)
+    # bf16 scores take half the bytes: twice the users fit the same cap (exact_topk ranks fp32 rows in halves).
+    # Decided from what every rank shares (a shard's own entries may still send it to fp32: same batches).
+    bf16_pass = certified and weight.dtype == torch.float32
+    score_elements = int(max_score_elements) * (2 if bf16_pass else 1)
+    rows_per_batch = max(1, min(int(batch_size), score_elements // max(widest_shard, 1)))
     catalog = TopKCatalog.build(weight, certified=certified)  # the bf16 copy, made once per call
     with torch.no_grad():
         for first in range(0, len(users), rows_per_batch):
