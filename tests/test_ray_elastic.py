@@ -53,32 +53,46 @@ PLACEMENT_TIMEOUT_S = 3.0
 ELASTIC_MAX_FAILURES = 6
 
 
-@pytest.fixture
-def two_node_cluster(monkeypatch):
-    """A Ray head and a worker node with one CPU each; yields (cluster, worker_node); shuts both down."""
+@pytest.fixture(scope="module")
+def ray_head():
+    """A Ray head node with one CPU, and this process connected to it; shared by the tests (each adds its own
+    worker node); yields the ``Cluster``; shuts it down."""
     import ray
     import ray._private.ray_constants as ray_constants
     from ray.cluster_utils import Cluster
 
-    # ray.init rewrites 127.0.0.1 in a cluster address to this machine's public address, where the test
-    # cluster's GCS does not listen; with this flag off it keeps the loopback address (driver side only).
-    monkeypatch.setattr(ray_constants, "ENABLE_RAY_CLUSTER", False)
-    # Read by Ray Train's controller actor, a process of this cluster: set before the cluster starts.
-    monkeypatch.setenv("RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S", str(PLACEMENT_TIMEOUT_S))
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "node_ip_address": "127.0.0.1"})
+    with pytest.MonkeyPatch.context() as patch:
+        # ray.init rewrites 127.0.0.1 in a cluster address to this machine's public address, where the test
+        # cluster's GCS does not listen; with this flag off it keeps the loopback address (driver side only).
+        patch.setattr(ray_constants, "ENABLE_RAY_CLUSTER", False)
+        # Read by Ray Train's controller actor, a process of this cluster: set before the cluster starts.
+        patch.setenv("RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S", str(PLACEMENT_TIMEOUT_S))
+        cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "node_ip_address": "127.0.0.1"})
+        try:
+            ray.init(
+                address=cluster.address,
+                _node_ip_address="127.0.0.1",  # the driver too: Ray would otherwise pick the machine's public address
+                runtime_env={"env_vars": {"GLOO_SOCKET_IFNAME": "lo", "PYTHONPATH": os.environ.get("PYTHONPATH", "")}},
+                logging_config=ray.LoggingConfig(log_level="ERROR"),
+            )
+            yield cluster
+        finally:
+            ray.shutdown()
+            cluster.shutdown()
+
+
+@pytest.fixture
+def two_node_cluster(ray_head):
+    """The head and a new worker node with one CPU; yields (cluster, worker_node); removes the node if still
+    there. Ray Train's placement waits see a 2-CPU cluster, as with a fresh one."""
+    cluster = ray_head
     worker_node = cluster.add_node(num_cpus=1, node_ip_address="127.0.0.1")
     cluster.wait_for_nodes()
-    ray.init(
-        address=cluster.address,
-        _node_ip_address="127.0.0.1",  # the driver too: Ray would otherwise pick the machine's public address
-        runtime_env={"env_vars": {"GLOO_SOCKET_IFNAME": "lo", "PYTHONPATH": os.environ.get("PYTHONPATH", "")}},
-        logging_config=ray.LoggingConfig(log_level="ERROR"),
-    )
     try:
         yield cluster, worker_node
     finally:
-        ray.shutdown()
-        cluster.shutdown()
+        if worker_node in cluster.worker_nodes:
+            cluster.remove_node(worker_node)
 
 
 def _remove_node_after_first_checkpoint(cluster, node, run_dir: Path, *, refresh: bool = False) -> threading.Thread:
