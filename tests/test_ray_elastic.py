@@ -115,9 +115,9 @@ def _remove_node_after_first_checkpoint(cluster, node, run_dir: Path, *, refresh
 
 
 def _refresh_autoscaling_coordinator(gone_node_id: str) -> None:
-    """Once the cluster lists ``gone_node_id`` as dead: one refresh of the AutoscalingCoordinator (Ray Train's
-    elastic scaling policy made it) as its 20 s tick does: the nodes it counts, the resources each requester
-    gets. Only when Ray Train learns the cluster's size changes; what the run does with it is the code's."""
+    """Once the cluster lists ``gone_node_id`` as dead, refresh Ray Train's AutoscalingCoordinator (its elastic
+    scaling policy made it) as its own 20 s tick would: the live nodes and the resources reserved for each run.
+    This only brings forward when Ray Train sees the smaller cluster; restarting on it is the code under test."""
     import ray
 
     deadline = time.monotonic() + 60
