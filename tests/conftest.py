@@ -30,6 +30,18 @@ settings.register_profile(
 settings.register_profile("long", max_examples=2000, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
+
+@pytest.fixture(scope="session", autouse=True)
+def ray_train_polls_its_workers_often():
+    """Ray Train's controller looks at its workers every RAY_TRAIN_HEALTH_CHECK_INTERVAL_S (2 s by default): the
+    end of every Ray run, and every worker death, is seen up to that late. 0.2 s here, for every Ray run of the
+    suite: in this process, the commands it starts and the Ray heads it starts (they inherit the environment; the
+    driver passes the variable on to Ray Train's controller and workers). Only the waiting changes."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.2")
+        yield
+
+
 TINY_USERS, TINY_ITEMS, TINY_TOPICS = 120, 101, 8  # 101 items: uneven catalog shards [0, 51) and [51, 101)
 
 

@@ -190,7 +190,8 @@ def test_sigterm_stops_a_ray_launched_run_at_a_step_boundary_with_143_and_it_res
     """`bigrank train --launcher ray` (an embedded runtime): SIGTERM once a checkpoint exists reaches the Ray Train
     workers through the run directory's stop request; they agree on a step, write a final checkpoint there and
     end, and the command exits 143 with every process it started (the Ray runtime, its Train workers) gone within
-    10 s. The run resumes from that checkpoint (here with the local launcher)."""
+    10 s. The same command with the local launcher resumes from that checkpoint and trains on (its next checkpoint
+    shows it; the stop-and-resume test above runs a resumed run to its end)."""
     config, run_dir = run_config
     log = tmp_path / "ray.log"
     longer = ("--set", "train.max_steps=1500", "--set", SPARSE_CHECKPOINTS)  # Ray's start-up makes it come late
@@ -209,8 +210,19 @@ def test_sigterm_stops_a_ray_launched_run_at_a_step_boundary_with_143_and_it_res
     assert "did not stop within" not in output and "Traceback" not in output, output
     stopped_at = _stopped_at_boundary(output, run_dir, "SIGTERM", periodic)
     assert not (run_dir / "stop-request").exists()  # the request is not left for the next run
-    done = bigrank("train", config, "--launcher", "local", *longer)  # the same run, finished by the other launcher
-    assert f"resuming from {stopped_at}" in done.stdout, done.stdout
+    # The same run, resumed by the other launcher, until it has written a checkpoint past the stop (then stopped:
+    # the ~1,400 steps left to max_steps would show nothing more).
+    log = tmp_path / "resumed.log"
+    proc = _start(config, log, *longer[1::2])
+    try:
+        _wait_for_line(proc, log, f"resuming from {stopped_at} ")
+        deadline = time.monotonic() + 120
+        while latest_checkpoint(run_dir) == stopped_at:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                pytest.fail(f"no checkpoint after {stopped_at} (exit status {proc.returncode}):\n{log.read_text()}")
+            time.sleep(0.05)
+    finally:
+        _kill_group(proc.pid)
 
 
 @pytest.mark.parametrize("command", ["evaluate", "export"])

@@ -44,51 +44,68 @@ def _config(root, run_dir, **ray):
 # Seconds Ray Train waits for a worker group's placement (its CPUs reserved; the workers start after it) before
 # the attempt fails (Ray's default: 60). A reservation on this idle 2-CPU cluster takes < 0.1 s (0.9 s seen under
 # a load of 16 on 2 cores). The group that no longer fits waits it out twice (ray_train._placement_retries).
-PLACEMENT_TIMEOUT_S = 5.0
+PLACEMENT_TIMEOUT_S = 3.0
 # The elastic restart decides its size on Ray Train's view of the cluster (its AutoscalingCoordinator), which is
-# refreshed every 20 s: the first attempt after the node loss still asks for 2 workers and times out, and so may
-# the attempts after it until the next refresh (21 s seen: 4 timed-out attempts). Enough placement retries (a
-# placement timeout counts as a controller failure, up to ray.max_failures: 6 x 5 s) cover one refresh period
-# with a margin (with max_failures 1 and a 15 s timeout, a node lost within 5 s after a refresh fails the run).
+# refreshed every 20 s: until then the attempts after the node loss still ask for 2 workers and time out (21 s
+# seen: 4 timed-out attempts). The test asks the coordinator for a refresh as soon as the node is dead
+# (_remove_node_after_first_checkpoint); placement retries (a placement timeout counts as a controller failure,
+# up to ray.max_failures: 6 x 3 s) still cover a full refresh period should that refresh come too early.
 ELASTIC_MAX_FAILURES = 6
 
 
-@pytest.fixture
-def two_node_cluster(monkeypatch):
-    """A Ray head and a worker node with one CPU each; yields (cluster, worker_node); shuts both down."""
+@pytest.fixture(scope="module")
+def ray_head():
+    """A Ray head node with one CPU, and this process connected to it; shared by the tests (each adds its own
+    worker node); yields the ``Cluster``; shuts it down."""
     import ray
     import ray._private.ray_constants as ray_constants
     from ray.cluster_utils import Cluster
 
-    # ray.init rewrites 127.0.0.1 in a cluster address to this machine's public address, where the test
-    # cluster's GCS does not listen; with this flag off it keeps the loopback address (driver side only).
-    monkeypatch.setattr(ray_constants, "ENABLE_RAY_CLUSTER", False)
-    # Read by Ray Train's controller actor, a process of this cluster: set before the cluster starts.
-    monkeypatch.setenv("RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S", str(PLACEMENT_TIMEOUT_S))
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "node_ip_address": "127.0.0.1"})
+    with pytest.MonkeyPatch.context() as patch:
+        # ray.init rewrites 127.0.0.1 in a cluster address to this machine's public address, where the test
+        # cluster's GCS does not listen; with this flag off it keeps the loopback address (driver side only).
+        patch.setattr(ray_constants, "ENABLE_RAY_CLUSTER", False)
+        # Read by Ray Train's controller actor, a process of this cluster: set before the cluster starts.
+        patch.setenv("RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S", str(PLACEMENT_TIMEOUT_S))
+        cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "node_ip_address": "127.0.0.1"})
+        try:
+            ray.init(
+                address=cluster.address,
+                _node_ip_address="127.0.0.1",  # the driver too: Ray would otherwise pick the machine's public address
+                runtime_env={"env_vars": {"GLOO_SOCKET_IFNAME": "lo", "PYTHONPATH": os.environ.get("PYTHONPATH", "")}},
+                logging_config=ray.LoggingConfig(log_level="ERROR"),
+            )
+            yield cluster
+        finally:
+            ray.shutdown()
+            cluster.shutdown()
+
+
+@pytest.fixture
+def two_node_cluster(ray_head):
+    """The head and a new worker node with one CPU; yields (cluster, worker_node); removes the node if still
+    there. Ray Train's placement waits see a 2-CPU cluster, as with a fresh one."""
+    cluster = ray_head
     worker_node = cluster.add_node(num_cpus=1, node_ip_address="127.0.0.1")
     cluster.wait_for_nodes()
-    ray.init(
-        address=cluster.address,
-        _node_ip_address="127.0.0.1",  # the driver too: Ray would otherwise pick the machine's public address
-        runtime_env={"env_vars": {"GLOO_SOCKET_IFNAME": "lo", "PYTHONPATH": os.environ.get("PYTHONPATH", "")}},
-        logging_config=ray.LoggingConfig(log_level="ERROR"),
-    )
     try:
         yield cluster, worker_node
     finally:
-        ray.shutdown()
-        cluster.shutdown()
+        if worker_node in cluster.worker_nodes:
+            cluster.remove_node(worker_node)
 
 
-def _remove_node_after_first_checkpoint(cluster, node, run_dir: Path) -> threading.Thread:
-    """Removes ``node`` (its workers die with it) once the run has a complete checkpoint."""
+def _remove_node_after_first_checkpoint(cluster, node, run_dir: Path, *, refresh: bool = False) -> threading.Thread:
+    """Removes ``node`` (its workers die with it) once the run has a complete checkpoint; ``refresh``: then has
+    Ray Train's AutoscalingCoordinator see the cluster without it at once, not at its next 20 s tick."""
 
     def watch() -> None:
         deadline = time.monotonic() + 600
         while time.monotonic() < deadline:
             if (run_dir / "checkpoints" / "step-00000004").is_dir():
                 cluster.remove_node(node)
+                if refresh:
+                    _refresh_autoscaling_coordinator(node.node_id)
                 return
             time.sleep(0.05)
 
@@ -97,10 +114,25 @@ def _remove_node_after_first_checkpoint(cluster, node, run_dir: Path) -> threadi
     return thread
 
 
+def _refresh_autoscaling_coordinator(gone_node_id: str) -> None:
+    """Once the cluster lists ``gone_node_id`` as dead, refresh Ray Train's AutoscalingCoordinator (its elastic
+    scaling policy made it) as its own 20 s tick would: the live nodes and the resources reserved for each run.
+    This only brings forward when Ray Train sees the smaller cluster; restarting on it is the code under test."""
+    import ray
+
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        if not any(n["NodeID"] == gone_node_id and n["Alive"] for n in ray.nodes()):
+            break
+        time.sleep(0.05)
+    coordinator = ray.get_actor("AutoscalingCoordinator", namespace="AutoscalingCoordinator")
+    ray.get(coordinator.get_reserved_resources.remote("bigrank-test", recompute=True), timeout=30)
+
+
 def test_a_group_restarted_on_fewer_workers_finishes_when_min_workers_allows(two_node_cluster, tiny_dataset, tmp_path):
     cluster, worker_node = two_node_cluster
     run_dir = tmp_path / "run"
-    watcher = _remove_node_after_first_checkpoint(cluster, worker_node, run_dir)
+    watcher = _remove_node_after_first_checkpoint(cluster, worker_node, run_dir, refresh=True)
     summary = run.train(
         _config(tiny_dataset, run_dir, min_workers=1, max_failures=ELASTIC_MAX_FAILURES), launcher="ray"
     )
