@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 import zlib
 from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
@@ -51,6 +52,7 @@ __all__ = [
 
 CHECKSUM = "crc32"  # the whole-file checksum recorded beside each file's size (key of its hex value)
 BLOCK_BYTES = 1 << 22  # 4 MiB reads: larger blocks measured no faster, smaller ones pay per-call overhead
+PROGRESS_SECONDS = 10  # check_files_shared reports its progress at most this often
 # Passed to every pyarrow Parquet writer of bigrank (pq.write_table, pq.ParquetWriter).
 PARQUET_WRITE_OPTIONS = {"write_page_checksum": True}
 # The text of pyarrow's error for a page whose CRC does not match (pyarrow 14 - 26: an OSError).
@@ -122,7 +124,8 @@ def check_files_shared(
     root: str | os.PathLike,
     entries: Mapping[str, Mapping],
     group=None,
-    progress: Callable[[int, int], None] | None = None,
+    progress: Callable[[str], None] | None = None,
+    what: str = "checksums",
 ) -> list[tuple[str, str]]:
     """Check the files ``entries`` (``{relative name: describe_file entry}``) under ``root`` with their sizes and
     CRC-32 (``check_file``), this rank of ``group`` only its share (``share_files``), and return the problems
@@ -130,8 +133,9 @@ def check_files_shared(
 
     Collective over ``group`` when torch.distributed is initialised (one ``all_gather_object`` of the problem
     lists, on a group that carries CPU tensors: the control group); without a process group this process checks
-    every file. ``progress(bytes done, bytes of this rank's share)`` is called after each file. Every rank
-    gathers even when its own check raised nothing, so no rank is left waiting while another raises."""
+    every file. ``progress``: called with a line (``what``, the GB of this rank's share done, the seconds) after a
+    file when the last line is over ``PROGRESS_SECONDS`` old. Every rank gathers even when its own check raised
+    nothing, so no rank is left waiting while another raises."""
     root = Path(root)
     rank, world_size = 0, 1
     dist = None
@@ -145,6 +149,7 @@ def check_files_shared(
     mine = share_files(entries, world_size)[rank]
     total = sum(int(entries[name].get("bytes", 0)) for name in mine)
     problems, done = [], 0
+    started = reported = time.monotonic()
     for name in mine:
         try:
             problem = check_file(root / name, entries[name])
@@ -153,8 +158,9 @@ def check_files_shared(
         if problem is not None:
             problems.append((name, problem))
         done += int(entries[name].get("bytes", 0))
-        if progress is not None:
-            progress(done, total)
+        if progress is not None and time.monotonic() - reported > PROGRESS_SECONDS:
+            reported = time.monotonic()
+            progress(f"  {what}: {done / 1e9:.2f} of {total / 1e9:.2f} GB, {reported - started:.0f} s")
     if dist is not None and world_size > 1:
         gathered: list = [None] * world_size
         dist.all_gather_object(gathered, problems, group=group)

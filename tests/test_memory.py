@@ -1,8 +1,10 @@
-"""bigrank.memory: a step's freed buffers stay mapped in the process instead of going back to the kernel.
+"""The worker bootstrap's allocator setting (``bigrank.train.bootstrap.keep_freed_memory``): a step's freed
+buffers stay mapped in the process instead of going back to the kernel.
 
 Checked on glibc's own accounting (``mallinfo2``) in a fresh process: a 16 MB block — a step's score block — is
-served from the heap (not a private mmap that ``free`` unmaps) and stays in the heap once freed. The effect on a
-training run (page faults, system time, examples/s) is measured, not asserted: see bigrank/memory.py.
+served from the heap (not a private mmap that ``free`` unmaps) and stays in the heap once freed (the probe imports
+the bootstrap, and so torch, first: as a worker does). The effect on a training run (page faults, system time,
+examples/s) is measured, not asserted: see bigrank/train/bootstrap.py.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import sys
 
 import pytest
 
-from bigrank.memory import keep_freed_memory
+from bigrank.train.bootstrap import keep_freed_memory
 
 PROBE = """
 import ctypes, json, sys
@@ -26,7 +28,7 @@ libc.mallinfo2.restype = Info
 libc.malloc.restype = ctypes.c_void_p
 libc.free.argtypes = [ctypes.c_void_p]
 if sys.argv[1] == "keep":
-    from bigrank.memory import keep_freed_memory
+    from bigrank.train.bootstrap import keep_freed_memory
     assert keep_freed_memory()
 block = libc.malloc(16 << 20)
 ctypes.memset(block, 1, 16 << 20)  # touched, as a score block is

@@ -1,9 +1,14 @@
 """The configured loss module, built from the loss registry (``bigrank.losses.registry``).
 
-``build_loss(config.loss)`` returns the named loss's module with its checked parameters, wrapped in
+``build_loss(config.loss)`` returns the named loss's module built from the section's parameters, wrapped in
 ``LossWarmupWrapper`` when ``loss.warmup`` is set; candidate losses come wrapped in :class:`CandidateLoss`
 (one call for all of them). Used by the trainer (``bigrank.train.losses.StepLoss``) and by the pre-flight of
 every run (``bigrank.run.prepare_run`` → :func:`check_loss_config`).
+
+The parameters are taken as the config holds them: loading a config (``bigrank.config.resolve``) has already
+merged them over their defaults and checked their keys, types and values (``bigrank.losses.registry.parse_params``),
+once, so building the loss does not convert them again. What a loss module itself refuses (the same rules as
+its ``*Params`` check, ``tests/test_loss_registry.py``) is still a ConfigError naming the key.
 """
 
 from __future__ import annotations
@@ -14,7 +19,7 @@ from typing import TYPE_CHECKING
 from torch import nn
 
 from bigrank.errors import ConfigError
-from bigrank.losses.registry import CANDIDATE, FULL_CATALOG, LOSSES, parse_params
+from bigrank.losses.registry import CANDIDATE, FULL_CATALOG, LOSSES
 from bigrank.losses.warmup import LossWarmupWrapper
 
 if TYPE_CHECKING:  # annotations only: bigrank.config imports the registry, which this module imports
@@ -54,7 +59,6 @@ class CandidateLoss(nn.Module):
 
 
 def _module(name: str, params: dict, key: str) -> nn.Module:
-    params = parse_params(name, params, key)
     try:
         if LOSSES[name].kind == FULL_CATALOG:
             return LOSSES[name].module(**params)
@@ -64,8 +68,9 @@ def _module(name: str, params: dict, key: str) -> nn.Module:
 
 
 def build_loss(config: LossConfig) -> nn.Module:
-    """The loss module of the ``loss`` config section: the named loss, wrapped in ``LossWarmupWrapper`` when
-    ``loss.warmup`` is set. Errors are ConfigErrors naming the key."""
+    """The loss module of the ``loss`` config section (its parameters as a loaded config holds them: merged over
+    the defaults and checked), wrapped in ``LossWarmupWrapper`` when ``loss.warmup`` is set. Errors are
+    ConfigErrors naming the key."""
     main = _module(config.name, config.params, "loss.params")
     if config.warmup is None:
         return main

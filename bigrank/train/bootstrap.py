@@ -16,7 +16,17 @@ Two steps, each in one place:
 
 2. The job, by every worker function (train, evaluate, export, a tune trial's training) under either
    launcher: :func:`start_worker` — the process group checked, the CPU control group, the device, the seed, the
-   allocator settings and torchrec's per-step warnings silenced. The Trainer and ``load_trained_model`` call it.
+   allocator settings (:func:`keep_freed_memory`, below) and torchrec's per-step warnings silenced. The Trainer
+   and ``load_trained_model`` call it.
+
+Freed memory stays in the process: a training step frees and re-allocates the same large buffers every step.
+Each step allocates its score blocks, gradients and statistics (megabytes each) and frees them at the end.
+glibc's malloc serves blocks above its mmap threshold (128 KiB, raised dynamically up to 32 MiB) with fresh
+``mmap`` calls and returns them with ``munmap``, and gives back freed memory at the top of its heap above the
+trim threshold (128 KiB): either way the next step touches new pages, one minor page fault per 4 KiB page.
+Measured on MovieLens-1M (``configs/ml-1m-softmax.yaml``, 1 worker, 300 steps, ``/usr/bin/time -v``): 1.74M
+minor page faults and 3.4 s of system time; with the thresholds of :func:`keep_freed_memory` 156K faults and
+0.7 s, and 1.29x the examples/s (rankmax: 2.06M → 154K faults, 1.14x).
 
 Signals in a local worker. While a training loop runs, SIGINT and SIGTERM only ask it to stop: every rank
 records the request, the ranks agree on the step to stop at inside a collective the step makes anyway, write a
@@ -31,6 +41,8 @@ command ignores (a shell's background job ignores SIGINT) stays ignored in its w
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import datetime
 import logging
 import os
@@ -48,6 +60,7 @@ from bigrank.signals import defer_stop_signals
 __all__ = [
     "PROCESS_GROUP_TIMEOUT",
     "Worker",
+    "keep_freed_memory",
     "loopback_store",
     "require_process_group",
     "silence_torchrec_step_warnings",
@@ -60,16 +73,22 @@ __all__ = [
 PROCESS_GROUP_TIMEOUT = datetime.timedelta(minutes=30)
 _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 _LOOPBACK = ("127.0.0.1", "localhost", "::1")
+_M_TRIM_THRESHOLD = -1  # glibc malloc.h
+_M_MMAP_THRESHOLD = -3
+MMAP_THRESHOLD = 32 << 20
+TRIM_THRESHOLD = 1 << 30
 
 
 @dataclass(frozen=True)
 class Worker:
-    """A started worker: its process group, rank and world size, and its device."""
+    """A started worker: its process group, rank and world size, its device, and the group for CPU-side
+    control traffic (``bigrank.distributed.groups.init_control_group``: the world itself unless it is nccl-only)."""
 
     group: dist.ProcessGroup
     rank: int
     world_size: int
     device: torch.device
+    control_group: dist.ProcessGroup
 
 
 def start_local_process(backend: str = "gloo", threads: int | None = None, parent_pid: int | None = None) -> None:
@@ -148,7 +167,7 @@ def start_worker(config) -> Worker:
 
     The CPU control group (``bigrank.distributed.groups``), the device (``bigrank.devices.worker_device``: sets
     the current CUDA device; raises DeviceError when a requested GPU is missing), the torch seed
-    ``seed * 1000 + rank``, glibc's allocator thresholds (``bigrank.memory``) and torchrec's per-step warnings
+    ``seed * 1000 + rank``, glibc's allocator thresholds (:func:`keep_freed_memory`) and torchrec's per-step warnings
     off (:func:`silence_torchrec_step_warnings`). Raises RuntimeError when no process group is initialised.
     """
     group, rank, world_size = require_process_group()
@@ -156,14 +175,32 @@ def start_worker(config) -> Worker:
 
     from bigrank.devices import worker_device
     from bigrank.distributed.groups import init_control_group
-    from bigrank.memory import keep_freed_memory
 
     silence_torchrec_step_warnings()
-    keep_freed_memory()  # every step frees and re-allocates the same buffers (bigrank.memory)
-    init_control_group()
+    keep_freed_memory()  # every step frees and re-allocates the same buffers (the module docstring)
+    control = init_control_group()
     device = worker_device(config.train.device)
     torch.manual_seed(config.seed * 1_000 + rank)
-    return Worker(group, rank, world_size, device)
+    return Worker(group, rank, world_size, device, control)
+
+
+def keep_freed_memory() -> bool:
+    """Raise glibc's mmap and trim thresholds in this process with ``mallopt`` (glibc only; elsewhere it does
+    nothing): blocks up to 32 MiB (glibc's largest allowed mmap threshold) come from the heap, and up to 1 GiB of
+    freed heap stays mapped for the next step (the module docstring says why). True when set;
+    ``BIGRANK_MALLOC_DEFAULTS=1`` keeps glibc's defaults."""
+    if os.environ.get("BIGRANK_MALLOC_DEFAULTS") == "1":
+        return False
+    name = ctypes.util.find_library("c")
+    if name is None:
+        return False
+    try:
+        libc = ctypes.CDLL(name)
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):  # not glibc (musl, macOS): nothing to tune
+        return False
+    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
+    return bool(mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD)) and bool(mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD))
 
 
 def silence_torchrec_step_warnings() -> None:
@@ -215,8 +252,6 @@ def _exit_with_parent(parent_pid: int) -> None:
     Linux: nothing."""
     if not sys.platform.startswith("linux"):
         return
-    import ctypes
-
     try:
         libc = ctypes.CDLL(None, use_errno=True)
         libc.prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)

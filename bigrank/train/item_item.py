@@ -35,6 +35,7 @@ from bigrank.model.catalog import CatalogView, owned_range
 from bigrank.model.item_item import ItemItemModel, multi_hot
 from bigrank.train.checkpoint import Checkpointer
 from bigrank.train.evaluator import Evaluator
+from bigrank.train.schedule import LearningRateSchedule
 from bigrank.train.state import RNGState, StreamState, TrainState
 from bigrank.train.trainer import Trainer, _fail_once
 
@@ -234,7 +235,7 @@ class ItemItemTrainer(Trainer):
         )
         self.optimizer = DenseAdam({name: getattr(module, name) for name in _PARAMETERS}, config.optim.item_lr)
         self.state = TrainState()
-        self.lr_schedule = self._lr_schedule(self.stream.steps_per_epoch())
+        self.lr_schedule = LearningRateSchedule.for_run(config, self.stream.steps_per_epoch())
         self.lr_factor = 1.0
         self.local_batch = config.train.batch_size // self.world_size
         self.checkpointer = Checkpointer(

@@ -60,8 +60,14 @@ class LearningRateSchedule:
             raise ValueError(f"final_ratio must be in [0, 1], got {self.final_ratio}")
 
     @classmethod
-    def from_config(cls, optim, total_steps: int) -> LearningRateSchedule:
-        """The schedule of an ``OptimConfig`` (``lr_warmup_steps``, ``lr_decay``, ``lr_final_ratio``)."""
+    def for_run(cls, config, steps_per_epoch: int) -> LearningRateSchedule:
+        """The schedule of the run of ``config`` (a :class:`~bigrank.config.Config`: ``optim.lr_warmup_steps``,
+        ``lr_decay``, ``lr_final_ratio``) over ``train.epochs`` epochs of ``steps_per_epoch`` steps, or
+        ``train.max_steps`` steps when fewer."""
+        train, optim = config.train, config.optim
+        total_steps = train.epochs * steps_per_epoch
+        if train.max_steps is not None:
+            total_steps = min(total_steps, train.max_steps)
         return cls(total_steps, optim.lr_warmup_steps, optim.lr_decay, optim.lr_final_ratio)
 
     @property

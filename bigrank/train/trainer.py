@@ -41,7 +41,6 @@ from bigrank.data.manifest import DatasetManifest, dataset_manifest
 from bigrank.data.stream import ParquetStream
 from bigrank.devices import setup_precision
 from bigrank.distributed.collectives import all_gather_replicated, all_gather_rows_with_ids, all_reduce_no_grad
-from bigrank.distributed.groups import control_group
 from bigrank.losses.scores import replicated_inputs
 from bigrank.records import (
     EVAL,
@@ -198,7 +197,7 @@ class Trainer:
             max_touched_rows=self.local_batch + self.step_loss.num_samples,
         )
         self.state = TrainState()
-        self.lr_schedule = self._lr_schedule(steps_per_epoch)
+        self.lr_schedule = LearningRateSchedule.for_run(config, steps_per_epoch)
         self.lr_factor = 1.0
         self.checkpointer = Checkpointer(
             self.run_dir,
@@ -233,6 +232,7 @@ class Trainer:
             worker.world_size,
             worker.device,
         )
+        self.control_group = worker.control_group  # CPU-side control traffic (the dataset check)
         self.precision = setup_precision(config.train.precision, self.device)  # how this device scores
         train_cfg = config.train
         if train_cfg.batch_size % self.world_size:
@@ -267,29 +267,21 @@ class Trainer:
         if config.data.verify != "full":
             return
         started = time.perf_counter()
-        say = (lambda line: print(line, flush=True)) if self.rank == 0 else None
-        files, size = self.manifest.check_checksums(splits, control_group(), progress=say)
-        if say is None:
+        progress = (lambda line: print(line, flush=True)) if self.rank == 0 else None
+        files, size = self.manifest.check_checksums(splits, self.control_group, progress=progress)
+        if self.rank != 0:
             return
         if files == 0:
             root = self.manifest.root
-            say(f"dataset {root} records no checksums (an older bigrank wrote it): sizes and footers checked")
+            line = f"dataset {root} records no checksums (an older bigrank wrote it): sizes and footers checked"
         else:
             seconds = time.perf_counter() - started
             plural = "s" if files != 1 else ""
-            say(
+            line = (
                 f"dataset checksums: {files} file{plural} of {', '.join(splits)}, {size / 1e6:,.1f} MB, match the "
                 f"manifest ({seconds:.1f} s, {self.world_size} workers; data.verify: quick skips this)"
             )
-
-    def _lr_schedule(self, steps_per_epoch: int) -> LearningRateSchedule:
-        """The run's learning-rate schedule over ``train.epochs`` epochs of ``steps_per_epoch`` steps (or
-        ``train.max_steps``, when fewer)."""
-        train_cfg = self.config.train
-        run_steps = train_cfg.epochs * steps_per_epoch
-        if train_cfg.max_steps is not None:
-            run_steps = min(run_steps, train_cfg.max_steps)
-        return LearningRateSchedule.from_config(self.config.optim, run_steps)
+        print(line, flush=True)
 
     # ----- the loop -----
     def train(self) -> dict[str, Any]:
