@@ -162,6 +162,11 @@ def main(argv=None) -> None:
     print(f"metrics of every evaluation identical: {same}")
     print(f"load: {load}")
     if not same:
+        first_name, (_, first) = next(iter(timings.items()))
+        for name, (_, metrics) in timings.items():
+            for key in sorted(set(first) | set(metrics)):
+                if metrics.get(key) != first.get(key):
+                    print(f"  {key}: {first_name} {first.get(key)!r}, {name} {metrics.get(key)!r}")
         raise SystemExit("the evaluations disagree")
 
 

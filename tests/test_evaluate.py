@@ -194,13 +194,13 @@ def test_two_ranks_equal_brute_force(tiny, tmp_path):
     assert results["sample"]["sampled"] and not results["valid"]["sampled"]
     assert results["sample"]["users"] == sample < results["valid"]["users"]
 
-    # Batches: valid in 7s; test capped at 100 scores per rank -> 100 // ceil(37 / 2) = 5 users; the sample and the
+    # Batches: valid in 7s; test capped at 100 scores per rank -> 2 * 100 // ceil(37 / 2) = 10 users; the sample and the
     # ranking in one batch each. Both ranks made the same calls (the all-reduce inside the tower checked it).
     def chunks(total, size):
         return [size] * (total // size) + ([total % size] if total % size else [])
 
     n_valid, n_test = results["valid"]["users"], results["test"]["users"]
-    assert outputs[0]["calls"] == chunks(n_valid, 7) + chunks(n_test, 5) + [sample] + chunks(n_valid, 7) + [n_valid]
+    assert outputs[0]["calls"] == chunks(n_valid, 7) + chunks(n_test, 10) + [sample] + chunks(n_valid, 7) + [n_valid]
     assert outputs[1]["calls"] == outputs[0]["calls"]
 
     # Data read in shares and exchanged equals a single reader's; each rank keeps only its catalog rows.
@@ -245,6 +245,29 @@ def test_exclusion_changes_the_answer_when_train_items_score_highest(tiny):
     top = np.concatenate([t.numpy() for *_, t in ranked_batches(fn, shard, tiny, users, 1, exclude_splits=())])
     with_train = [(int(t), int(u)) for t, u in zip(top[:, 0], users, strict=True) if int(u) in train]
     assert len(with_train) > 20 and all(t in train[u] for t, u in with_train)
+
+
+def test_certified_and_fp32_rankings_run_the_same_batches_and_metrics(tiny):
+    # A float32 catalog (what training exports): the certified bf16 path may take it, and the batches must not
+    # depend on the path, or the metric sums add up in another order and differ in the last bit.
+    user_table, item_table = (table.float() for table in tables(seed=4))
+    shard = CatalogShard(NUM_ITEMS, DIM)
+    with torch.no_grad():
+        shard.weight.copy_(item_table)
+    fn = embedding_fn(user_table, None, [])
+    users = evaluation_users(tiny, "valid")
+    runs = {}
+    for certified in (True, False):
+        batches = ranked_batches(fn, shard, tiny, users, 5, max_score_elements=3 * NUM_ITEMS, certified_bf16=certified)
+        runs[certified] = [(first, last, top.numpy()) for first, last, top in batches]
+    assert [(first, last) for first, last, _ in runs[True]] == [(first, last) for first, last, _ in runs[False]]
+    assert [(first, last) for first, last, _ in runs[True]][0] == (0, 6)  # 2 x 3 x NUM_ITEMS scores a batch
+    assert all(np.array_equal(a, b) for (*_, a), (*_, b) in zip(runs[True], runs[False], strict=True))
+    metrics = [
+        evaluate_model(fn, shard, tiny, "valid", KS, max_score_elements=3 * NUM_ITEMS, certified_bf16=c)
+        for c in (True, False)
+    ]
+    assert metrics[0] == metrics[1]
 
 
 def test_bad_inputs(tiny):

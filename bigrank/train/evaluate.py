@@ -24,7 +24,8 @@ users' slices of it instead and nothing is exchanged: 10K ML-1B users' items in 
 
 Memory: the held-out and excluded items are streamed row group by row group and only those of the evaluated users
 are kept (for exclusion, only the items of this rank's shard, once exchanged), so sampling users bounds the
-memory; the score block ``[b, n_local]`` of one batch is capped by ``max_score_elements``.
+memory; the scores of one batch are capped at the bytes of ``max_score_elements`` fp32 scores (a batch's
+``[b, n_local]`` block in bf16, or fp32 in two halves).
 
 A trainer that evaluates repeatedly builds each split's :class:`EvaluationData` (users, relevant and excluded
 items) once with :func:`evaluation_data` and passes it to every :func:`evaluate_model` call: the dataset files are
@@ -78,7 +79,7 @@ from bigrank.records import write_eval_json  # noqa: E402 - re-exported
 DEFAULT_KS = (10, 100, 1000)
 # What the readers below take: the dataset's manifest (read once by the caller), or its directory (read here).
 Dataset = layout.DatasetManifest | str | Path
-MAX_SCORE_ELEMENTS = 1 << 25  # 128 MiB of float32 scores per batch and rank (twice the elements in bf16)
+MAX_SCORE_ELEMENTS = 1 << 25  # 128 MiB of scores per batch and rank: 2^25 in fp32, a batch of 2^26 in bf16
 _MESSAGE_BYTES = 1024  # of a rank's read error, as the other ranks quote it
 
 
@@ -367,7 +368,8 @@ def evaluate_model(
         group: process group the catalog is split over (None: one process holds all items).
         sample_users: evaluate a deterministic sample (``seed``) of this many users instead of all users with an
             item in ``split``.
-        batch_size: users per batch (lowered when ``b x ceil(n / W)`` scores would exceed ``max_score_elements``).
+        batch_size: users per batch (lowered when ``b x ceil(n / W)`` scores would exceed ``2 x max_score_elements``:
+            see :func:`ranked_batches`).
         exclude_splits: splits whose items of the user are never recommended (its train items by default).
         data: the split's :class:`EvaluationData` built earlier (then ``sample_users``, ``seed`` and
             ``exclude_splits`` are those it was built with, and no dataset file is read).
@@ -457,9 +459,10 @@ def ranked_batches(
     with fewer eligible items), replicated on every rank. Scores are ``user_vectors_fn(ids) @ shard.weight.T``
     on the local rows, ranked exactly by ``exact_topk`` (in bf16 and certified, or in fp32 with
     ``certified_bf16=False``: the same lists) and merged over the ranks by ``merge_topk`` (ties: lower id
-    first), all under ``no_grad``. The number of users per batch, ``min(batch_size, max_score_elements //
-    ceil(n / W))`` (twice that many for a float32 catalog ranked in certified bf16: the same bytes), depends only
-    on figures every rank shares, so all ranks run the same batches. ``excluded``:
+    first), all under ``no_grad``. The number of users per batch, ``min(batch_size, 2 * max_score_elements //
+    ceil(n / W))`` (bf16 scores, or fp32 ones ranked in two halves: ``max_score_elements`` fp32 scores' bytes at
+    a time), depends only on figures every rank shares, so all ranks run the same batches, and not on the
+    ranking path, so the certified and the fp32 rankings sum the metrics in the same order. ``excluded``:
     the CSR of the users' excluded items within this rank's rows when already read (``EvaluationData.excluded``).
     ``stats``: a ``TopKStats`` that this rank's ranking figures are added to.
     """
@@ -484,11 +487,10 @@ def ranked_batches(
     widest_shard = math.ceil(num_items / group_size(group))
     weight = shard.weight.detach()
     certified = use_certified_bf16(certified_bf16, weight.device)
-    # bf16 scores take half the bytes: twice the users fit the same cap (exact_topk ranks fp32 rows in halves).
-    # Decided from what every rank shares (a shard's own entries may still send it to fp32: same batches).
-    bf16_pass = certified and weight.dtype == torch.float32
-    score_elements = int(max_score_elements) * (2 if bf16_pass else 1)
-    rows_per_batch = max(1, min(int(batch_size), score_elements // max(widest_shard, 1)))
+    # As many users as 2 x max_score_elements scores: the bf16 chunk of exact_topk (the bytes of max_score_elements
+    # fp32 scores), which ranks fp32 rows in halves of it. The same batches whichever path ranks them, so the
+    # metric sums add up in the same order and certified and fp32 metrics agree to the last bit.
+    rows_per_batch = max(1, min(int(batch_size), 2 * int(max_score_elements) // max(widest_shard, 1)))
     catalog = TopKCatalog.build(weight, certified=certified)  # the bf16 copy, made once per call
     with torch.no_grad():
         for first in range(0, len(users), rows_per_batch):
