@@ -152,7 +152,8 @@ class TopKCatalog:
     ``items`` float32[n, d] (the caller's tensor, not copied); ``items_bf16`` its bf16 copy and ``norms`` its
     :class:`VectorNorms` (None when not certifiable); ``max_norm`` / ``max_error`` the largest of them;
     ``certifiable``: every entry finite and ``max_norm <= 2^60`` (else every row takes the fp32 path);
-    ``workspace``: the score and gather buffers of :func:`exact_topk` (at most ``chunk_elements`` scores).
+    ``workspace``: the score and gather buffers of :func:`exact_topk` (at most ``chunk_elements`` fp32 scores, or
+    twice as many bf16 ones: the same bytes).
     """
 
     items: torch.Tensor
