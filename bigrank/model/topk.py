@@ -768,7 +768,6 @@ def merge_topk(
         values = all_gather_no_grad(values.contiguous(), group).view(world, batch, k)
         ids = all_gather_no_grad(ids.contiguous(), group).view(world, batch, k)
         values, ids = values.permute(1, 0, 2).reshape(batch, -1), ids.permute(1, 0, 2).reshape(batch, -1)
-    order = torch.argsort(ids.masked_fill(ids < 0, torch.iinfo(torch.int64).max), dim=1, stable=True)
-    values, ids = values.gather(1, order), ids.gather(1, order)
-    order = torch.argsort(values, dim=1, descending=True, stable=True)[:, :k]
-    return values.gather(1, order), ids.gather(1, order)
+    # One top-k over (value, id) keys rather than two stable sorts (~2 s of an ML-1B evaluation of 10K users);
+    # "no item" (-1) sorts after every id of an equal value.
+    return _lexicographic_topk(values, torch.where(ids < 0, _NO_COLUMN, ids), k)
