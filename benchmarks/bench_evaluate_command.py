@@ -46,6 +46,10 @@ Measured again 2026-11-26 on a quieter machine (load 1.4-1.8, the evaluate worke
 ``bigrank.run.INFERENCE_ENV``): step 0.150 s; evaluate 25.7 s certified bf16 (172 steps), 30.1 s fp32 (201),
 35.5 s certified with ``--no-index`` (236), identical metrics. On a kept run, ``--workers 1`` 24.6 and 25.0 s
 wall (35 s CPU) against ``--workers 2`` 25.8 s (45 s CPU): still above the 150-step target (22.5 s here).
+
+Measured 2026-11-26 at the end of the day (quiet, load 1.8-2.7), after a loaded model stopped drawing initial rows,
+bf16 chunks doubled and the ranks' merge became one top-k: step 0.168 / 0.171 s; evaluate 21.9 / 21.6 s certified
+bf16 (130 / 126 steps: the target is met), 27.2 / 26.3 s fp32, 30.3 / 28.9 s with ``--no-index``, identical metrics.
 """
 
 from __future__ import annotations
