@@ -45,6 +45,7 @@ __all__ = [
     "Stopped",
     "defer_stop_signals",
     "graceful_stop",
+    "held_stop_signals",
     "raise_for",
     "raise_in_ray",
     "signal_name",
@@ -135,6 +136,27 @@ def graceful_stop(on_signal: Callable[[int], None] | None = None) -> Iterator[St
     finally:
         for signum, handler in previous.items():
             signal.signal(signum, handler if handler is not None else signal.SIG_DFL)
+
+
+@contextlib.contextmanager
+def held_stop_signals() -> Iterator[None]:
+    """Hold SIGINT/SIGTERM back while the block runs (a few lines that must not be cut in half, such as building an
+    asyncio event loop: one interrupted half-way leaves an object whose finaliser prints a traceback); a signal that
+    came meanwhile goes to the handler it would have met, once, when the block ends. The handlers are swapped
+    rather than the signals masked: a mask is per thread, and another thread would take the signal. Main thread
+    only; elsewhere it holds nothing."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    came: list[int] = []
+    previous = {signum: signal.signal(signum, lambda signum, frame: came.append(signum)) for signum in STOP_SIGNALS}
+    try:
+        yield
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler if handler is not None else signal.SIG_DFL)
+        if came:
+            signal.raise_signal(came[0])
 
 
 # ------------------------------------------------------------------------------- workers: stop at a step boundary

@@ -680,6 +680,28 @@ def test_a_stop_at_once_leaves_graceful_stop_as_the_exception_of_its_signal():
             wait_for_the_handler()
 
 
+def test_a_signal_during_held_stop_signals_waits_for_the_block_to_end_and_follow_logs_holds_its_loop_set_up():
+    """A signal raised half-way through building an asyncio loop left a loop whose finaliser printed a traceback
+    (`submit --wait` in CI): held_stop_signals delivers such a signal only when its block ends, and follow_logs
+    builds its loop inside one."""
+    import inspect
+
+    from bigrank.errors import Terminated
+    from bigrank.launch import jobs
+    from bigrank.signals import graceful_stop, held_stop_signals, raise_for
+
+    with pytest.raises(Terminated):
+        with graceful_stop(raise_for):
+            with held_stop_signals():
+                os.kill(os.getpid(), signal.SIGTERM)
+                time.sleep(0.2)  # the handler would have run by now (it runs between two bytecodes)
+                inside = True
+            inside = False
+    assert inside  # raised after the block, not in it
+    source = inspect.getsource(jobs.follow_logs)
+    assert source.index("held_stop_signals()") < source.index("runner.get_loop()") < source.index("runner.run(")
+
+
 def test_a_worker_watching_a_stop_file_sees_the_request_once_it_is_written(tmp_path):
     """The Ray launcher's workers read their stop request from a file (they never see the command's signals):
     inside step_boundaries it is None until the driver writes the signal's number, then that number."""

@@ -34,7 +34,7 @@ from urllib.parse import urlparse
 
 from bigrank.config import dump_config
 from bigrank.errors import CommandError
-from bigrank.signals import STOP_GRACE_SECONDS
+from bigrank.signals import STOP_GRACE_SECONDS, held_stop_signals
 
 __all__ = [
     "CONFIG_ENV",
@@ -277,7 +277,10 @@ def follow_logs(address: str | None, job_id: str, out=None) -> None:
             out.write(lines)
             out.flush()
 
-    asyncio.run(tail())
+    with asyncio.Runner() as runner:  # closes the loop and its log stream however the follow ends
+        with held_stop_signals():  # `submit --wait` stops on a signal's exception: never inside the loop's set-up
+            runner.get_loop()
+        runner.run(tail())
 
 
 def wait_for_job(address: str | None, job_id: str, *, poll_s: float = 2.0, timeout_s: float | None = None) -> str:
