@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import shlex
+import signal
 import sys
 
 from bigrank.errors import CommandError, Terminated
@@ -49,6 +50,7 @@ def _stopped(args: argparse.Namespace, argv: list[str], why: str) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
+    the_process = argv is None  # the command line of this process, not a call from Python (tests, notebooks)
     argv = sys.argv[1:] if argv is None else list(argv)
     args = parser.parse_args(argv)
     try:
@@ -56,13 +58,29 @@ def main(argv: list[str] | None = None) -> int:
     except (CommandError, FileNotFoundError, ValueError) as error:
         print(f"bigrank {args.command}: error: {error}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        print(_stopped(args, argv, "interrupted"), file=sys.stderr)
-        return 130
-    except Terminated:
+    except (KeyboardInterrupt, Terminated) as stop:
+        if the_process:
+            _ignore_interrupts_while_exiting()  # before anything else: the exit status is chosen
+        if isinstance(stop, KeyboardInterrupt):
+            print(_stopped(args, argv, "interrupted"), file=sys.stderr)
+            return 130
         print(_stopped(args, argv, "stopped by SIGTERM"), file=sys.stderr)
         return 143
     return int(code or 0)
+
+
+def _ignore_interrupts_while_exiting() -> None:
+    """The stop is reported and the exit status chosen: a later interrupt must not turn that exit into a death by
+    SIGINT while Python shuts Ray down (atexit). One came once in CI after `serve --ray` stopped in its start-up
+    (exit -2 after "stopped by SIGTERM"): a second Ctrl+C, or Ray's ``_thread.interrupt_main`` (PyErr_SetInterrupt
+    does nothing for an ignored SIGINT). SIGTERM keeps its default action: it still ends a stuck exit at once.
+    An interrupt already pending runs its handler before the new one is in place: take it, and try again."""
+    while True:
+        try:
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
+            return
+        except KeyboardInterrupt:
+            continue
 
 
 if __name__ == "__main__":

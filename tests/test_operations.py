@@ -702,6 +702,42 @@ def test_a_signal_during_held_stop_signals_waits_for_the_block_to_end_and_follow
     assert source.index("held_stop_signals()") < source.index("runner.get_loop()") < source.index("runner.run(")
 
 
+_STRAY_INTERRUPT = """
+import argparse, os, signal, sys, threading, time
+from bigrank import cli
+from bigrank.errors import Terminated
+
+def stopped(args):
+    def interrupt_later():  # as Ray's threads may while the interpreter shuts Ray down
+        time.sleep(0.3)
+        os.kill(os.getpid(), signal.SIGINT)
+    threading.Thread(target=interrupt_later).start()
+    raise Terminated(signal.SIGTERM)
+
+build_parser = cli.build_parser
+def with_stopped_command():
+    parser = build_parser()
+    commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    commands.add_parser("stopped").set_defaults(func=stopped)
+    return parser
+cli.build_parser = with_stopped_command
+sys.argv = ["bigrank", "stopped"]
+sys.exit(cli.main())
+"""
+
+
+def test_an_interrupt_after_a_reported_stop_keeps_the_exit_status_and_prints_no_traceback():
+    """`serve --ray` stopped by SIGTERM in its start-up printed its stop, then died by SIGINT (-2) in CI: once a
+    command has reported its stop, a later interrupt while the process exits changes neither its status nor its
+    output (a command run from Python, argv given, keeps its handlers)."""
+    result = subprocess.run(
+        [sys.executable, "-c", _STRAY_INTERRUPT], cwd=REPO, capture_output=True, text=True, timeout=60,
+        preexec_fn=_as_from_a_terminal,
+    )  # fmt: skip
+    assert result.returncode == 143, result.stderr
+    assert "bigrank stopped: stopped by SIGTERM" in result.stderr and "Traceback" not in result.stderr, result.stderr
+
+
 def test_a_worker_watching_a_stop_file_sees_the_request_once_it_is_written(tmp_path):
     """The Ray launcher's workers read their stop request from a file (they never see the command's signals):
     inside step_boundaries it is None until the driver writes the signal's number, then that number."""
