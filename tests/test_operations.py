@@ -615,13 +615,33 @@ def test_serve_ray_killed_outright_leaves_no_haproxy_holding_its_port(tiny_expor
         assert not alive, f"HAProxy still running after the command was killed: {alive}"
         # The port is free again: a new server can listen on it. With SO_REUSEADDR, as servers bind (HAProxy, the
         # stdlib server): connections HAProxy closed may leave the port in TIME_WAIT, which blocks only a plain
-        # bind, while a process still listening on it blocks this one too.
-        with socket.socket() as sock:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            sock.bind(("127.0.0.1", port))
-            sock.listen()
+        # bind, while a process still listening on it blocks this one too. Ray's other processes of the command
+        # end as its raylet goes, within seconds (once in CI one still held the port at the first try).
+        deadline = time.monotonic() + 20
+        while not _can_listen_on(port) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert _can_listen_on(port), f"port {port} still in use: {_listeners_on_port(port)}"
     finally:
         _kill_group(proc.pid)
+
+
+def _can_listen_on(port: int) -> bool:
+    with socket.socket() as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind(("127.0.0.1", port))
+            sock.listen()
+        except OSError:
+            return False
+    return True
+
+
+def _listeners_on_port(port: int) -> list:
+    """Every process listening on ``port`` (for a failure's message)."""
+    from tests.test_loopback import listeners_of
+
+    pids = [int(entry.name) for entry in Path("/proc").iterdir() if entry.name.isdigit()]
+    return [entry for entry in listeners_of(pids) if entry[1] == port]
 
 
 def _command_line(pid: int) -> str:
