@@ -66,15 +66,15 @@ ROW_STATISTICS = 4  # float64 values per row in the loss's exchanges (top-k of 1
 class Link:
     """This machine's measured constants (:func:`measure_link`)."""
 
-    latency_s: float  # one small all-reduce (8 bytes), median
+    latency_s: float  # one all-reduce of 4 KB right after some compute, mean (what a step's collective waits)
     bandwidth_bytes_s: float  # bytes one worker sends per second in a 4 MiB all-reduce
     update_s_per_element: float  # a dense row-wise Adagrad step, per float updated
 
     def describe(self) -> str:
         bandwidth = "∞" if self.bandwidth_bytes_s == float("inf") else f"{self.bandwidth_bytes_s / 1e9:.2f} GB/s"
         return (
-            f"collective latency {self.latency_s * 1e6:.0f} µs, bandwidth {bandwidth}, dense update "
-            f"{self.update_s_per_element * 1e9:.2f} ns/element"
+            f"collective wait {self.latency_s * 1e6:.0f} µs (mean, between compute), bandwidth {bandwidth}, "
+            f"dense update {self.update_s_per_element * 1e9:.2f} ns/element"
         )
 
 
@@ -194,6 +194,17 @@ def format_layout_plan(shape: StepShape, requested: dict[str, str], chosen: dict
 
 
 # ---------------------------------------------------------------------------------------------- measurement
+def _mean_between_compute(fn, compute, repeats: int) -> float:
+    """Mean seconds of ``fn`` called right after ``compute`` (not timed), as a step calls its collectives."""
+    total = 0.0
+    for _ in range(repeats):
+        compute()
+        started = time.perf_counter()
+        fn()
+        total += time.perf_counter() - started
+    return total / repeats
+
+
 def _timed(fn, repeats: int) -> float:
     times = []
     for _ in range(repeats):
@@ -206,7 +217,7 @@ def _timed(fn, repeats: int) -> float:
 @torch.no_grad()
 def measure_link(group: dist.ProcessGroup | None, device: torch.device | str = "cpu") -> Link:
     """This machine's collective latency and bandwidth over ``group`` and its dense-update speed (collective;
-    ~0.1 s). Every figure is the maximum over the workers, so every worker decides the same layouts."""
+    ~0.2 s). Every figure is the maximum over the workers, so every worker decides the same layouts."""
     device = torch.device(device)
     rows, dim = 16_384, 64  # a 4 MiB table
     weight, grad = torch.randn(rows, dim, device=device), torch.randn(rows, dim, device=device)
@@ -223,9 +234,14 @@ def measure_link(group: dist.ProcessGroup | None, device: torch.device | str = "
     if is_distributed(group):
         small, large = torch.zeros(1, dtype=torch.float64, device=device), torch.zeros(1 << 20, device=device)
         dist.all_reduce(small, group=group)
-        latency = _timed(lambda: dist.all_reduce(small, group=group), 20)
-        seconds = max(_timed(lambda: dist.all_reduce(large, group=group), 5) - latency, 1e-9)
+        idle_latency = _timed(lambda: dist.all_reduce(small, group=group), 20)
+        seconds = max(_timed(lambda: dist.all_reduce(large, group=group), 5) - idle_latency, 1e-9)
         bandwidth = _ring(group_size(group))[1] * large.numel() * FLOAT_BYTES / seconds
+        # A step calls its collectives between bursts of compute, with row statistics of a few KB: their mean
+        # wait is what it pays. On a virtual machine whose idle vCPUs halt, that is ~4x the idle median here
+        # (benchmarks/bench_collectives.py: 1.0-1.4 ms against 0.26 ms, a tail near a 4 ms scheduler tick).
+        row_stats = torch.zeros(512, dtype=torch.float64, device=device)
+        latency = _mean_between_compute(lambda: dist.all_reduce(row_stats, group=group), update, 40)
     figures = torch.tensor([latency, 1.0 / bandwidth, update_s], dtype=torch.float64, device=device)
     if is_distributed(group):
         dist.all_reduce(figures, op=dist.ReduceOp.MAX, group=group)
