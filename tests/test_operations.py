@@ -710,6 +710,7 @@ def test_a_signal_during_held_stop_signals_waits_for_the_block_to_end_and_follow
     from bigrank.launch import jobs
     from bigrank.signals import graceful_stop, held_stop_signals, raise_for
 
+    inside = None
     with pytest.raises(Terminated):
         with graceful_stop(raise_for):
             with held_stop_signals():
@@ -717,7 +718,7 @@ def test_a_signal_during_held_stop_signals_waits_for_the_block_to_end_and_follow
                 time.sleep(0.2)  # the handler would have run by now (it runs between two bytecodes)
                 inside = True
             inside = False
-    assert inside  # raised after the block, not in it
+    assert inside is True  # raised after the block, not in it
     source = inspect.getsource(jobs.follow_logs)
     assert source.index("held_stop_signals()") < source.index("runner.get_loop()") < source.index("runner.run(")
 
@@ -746,16 +747,37 @@ sys.exit(cli.main())
 """
 
 
-def test_an_interrupt_after_a_reported_stop_keeps_the_exit_status_and_prints_no_traceback():
+def test_an_interrupt_after_a_reported_stop_keeps_the_exit_status_and_prints_no_traceback(monkeypatch):
     """`serve --ray` stopped by SIGTERM in its start-up printed its stop, then died by SIGINT (-2) in CI: once a
     command has reported its stop, a later interrupt while the process exits changes neither its status nor its
-    output (a command run from Python, argv given, keeps its handlers)."""
+    output. A command run from Python (argv given: a test, a notebook) keeps the caller's SIGINT handler."""
     result = subprocess.run(
         [sys.executable, "-c", _STRAY_INTERRUPT], cwd=REPO, capture_output=True, text=True, timeout=60,
         preexec_fn=_as_from_a_terminal,
     )  # fmt: skip
     assert result.returncode == 143, result.stderr
     assert "bigrank stopped: stopped by SIGTERM" in result.stderr and "Traceback" not in result.stderr, result.stderr
+
+    import argparse
+
+    from bigrank import cli
+    from bigrank.errors import Terminated
+
+    def stopped(args):
+        raise Terminated(signal.SIGTERM)
+
+    build_parser = cli.build_parser
+
+    def with_stopped_command():
+        parser = build_parser()
+        commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+        commands.add_parser("stopped").set_defaults(func=stopped)
+        return parser
+
+    monkeypatch.setattr(cli, "build_parser", with_stopped_command)
+    handler = signal.getsignal(signal.SIGINT)
+    assert cli.main(["stopped"]) == 143
+    assert signal.getsignal(signal.SIGINT) is handler
 
 
 def test_a_worker_watching_a_stop_file_sees_the_request_once_it_is_written(tmp_path):
