@@ -723,25 +723,37 @@ def test_a_signal_during_held_stop_signals_waits_for_the_block_to_end_and_follow
     assert source.index("held_stop_signals()") < source.index("runner.get_loop()") < source.index("runner.run(")
 
 
+def _with_stopped_command(build_parser, on_stop=None):
+    """``cli.build_parser`` plus a command ``stopped`` that ends as a command stopped by SIGTERM does (after
+    calling ``on_stop``)."""
+    import argparse
+
+    from bigrank.errors import Terminated
+
+    def stopped(args):
+        if on_stop is not None:
+            on_stop()
+        raise Terminated(signal.SIGTERM)
+
+    def build():
+        parser = build_parser()
+        commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+        commands.add_parser("stopped").set_defaults(func=stopped)
+        return parser
+
+    return build
+
+
 _STRAY_INTERRUPT = """
-import argparse, os, signal, sys, threading, time
+import os, signal, sys, threading, time
 from bigrank import cli
-from bigrank.errors import Terminated
+from tests.test_operations import _with_stopped_command
 
-def stopped(args):
-    def interrupt_later():  # as Ray's threads may while the interpreter shuts Ray down
-        time.sleep(0.3)
-        os.kill(os.getpid(), signal.SIGINT)
-    threading.Thread(target=interrupt_later).start()
-    raise Terminated(signal.SIGTERM)
+def interrupt_later():  # as Ray's threads may while the interpreter shuts Ray down
+    time.sleep(0.3)
+    os.kill(os.getpid(), signal.SIGINT)
 
-build_parser = cli.build_parser
-def with_stopped_command():
-    parser = build_parser()
-    commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
-    commands.add_parser("stopped").set_defaults(func=stopped)
-    return parser
-cli.build_parser = with_stopped_command
+cli.build_parser = _with_stopped_command(cli.build_parser, lambda: threading.Thread(target=interrupt_later).start())
 sys.argv = ["bigrank", "stopped"]
 sys.exit(cli.main())
 """
@@ -751,6 +763,8 @@ def test_an_interrupt_after_a_reported_stop_keeps_the_exit_status_and_prints_no_
     """`serve --ray` stopped by SIGTERM in its start-up printed its stop, then died by SIGINT (-2) in CI: once a
     command has reported its stop, a later interrupt while the process exits changes neither its status nor its
     output. A command run from Python (argv given: a test, a notebook) keeps the caller's SIGINT handler."""
+    from bigrank import cli
+
     result = subprocess.run(
         [sys.executable, "-c", _STRAY_INTERRUPT], cwd=REPO, capture_output=True, text=True, timeout=60,
         preexec_fn=_as_from_a_terminal,
@@ -758,23 +772,7 @@ def test_an_interrupt_after_a_reported_stop_keeps_the_exit_status_and_prints_no_
     assert result.returncode == 143, result.stderr
     assert "bigrank stopped: stopped by SIGTERM" in result.stderr and "Traceback" not in result.stderr, result.stderr
 
-    import argparse
-
-    from bigrank import cli
-    from bigrank.errors import Terminated
-
-    def stopped(args):
-        raise Terminated(signal.SIGTERM)
-
-    build_parser = cli.build_parser
-
-    def with_stopped_command():
-        parser = build_parser()
-        commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
-        commands.add_parser("stopped").set_defaults(func=stopped)
-        return parser
-
-    monkeypatch.setattr(cli, "build_parser", with_stopped_command)
+    monkeypatch.setattr(cli, "build_parser", _with_stopped_command(cli.build_parser))
     handler = signal.getsignal(signal.SIGINT)
     assert cli.main(["stopped"]) == 143
     assert signal.getsignal(signal.SIGINT) is handler
