@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import statistics
 import time
 
@@ -29,14 +28,10 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from bigrank.train.launcher import free_port
+
 SIZES = (8, 4096, 131072)  # bytes: a flag, a row statistic of 512 rows, a 512 x 64 float32 gradient
 PATTERNS = ("idle", "between compute", "between compute, spin-wait")
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _time_one(x: torch.Tensor, pattern: str, work_matrix: torch.Tensor) -> float:
@@ -78,7 +73,7 @@ def main() -> None:
     args = parser.parse_args()
     with mp.Manager() as manager:
         results = manager.dict()
-        mp.spawn(_worker, args=(args.workers, _free_port(), args.iterations, results), nprocs=args.workers)
+        mp.spawn(_worker, args=(args.workers, free_port(), args.iterations, results), nprocs=args.workers)
         results = dict(results)
     print(f"gloo all-reduce, {args.workers} local workers of 1 thread, {args.iterations} calls per cell")
     print(f"machine load (1/5/15 min): {' '.join(f'{x:.2f}' for x in os.getloadavg())}")

@@ -48,6 +48,7 @@ __all__ = [
     "held_stop_signals",
     "raise_for",
     "raise_in_ray",
+    "restore_handlers",
     "signal_name",
     "step_boundaries",
     "stop_exception",
@@ -99,6 +100,13 @@ class StopRequest:
                 signal.signal(signum, self._handler)
 
 
+def restore_handlers(previous: dict[int, Callable | int | None]) -> None:
+    """Put back the handlers ``previous`` maps each signal to (what ``signal.signal`` returned when they were
+    replaced); None, a handler installed from C that Python cannot reinstall, becomes the default action."""
+    for signum, handler in previous.items():
+        signal.signal(signum, handler if handler is not None else signal.SIG_DFL)
+
+
 @contextlib.contextmanager
 def graceful_stop(on_signal: Callable[[int], None] | None = None) -> Iterator[StopRequest]:
     """While the block runs, the first SIGINT/SIGTERM records itself in the yielded StopRequest, sets its event
@@ -134,8 +142,7 @@ def graceful_stop(on_signal: Callable[[int], None] | None = None) -> Iterator[St
             raise
         raise stop_exception(signum) from None
     finally:
-        for signum, handler in previous.items():
-            signal.signal(signum, handler if handler is not None else signal.SIG_DFL)
+        restore_handlers(previous)
 
 
 @contextlib.contextmanager
@@ -153,8 +160,7 @@ def held_stop_signals() -> Iterator[None]:
     try:
         yield
     finally:
-        for signum, handler in previous.items():
-            signal.signal(signum, handler if handler is not None else signal.SIG_DFL)
+        restore_handlers(previous)
         if came:
             signal.raise_signal(came[0])
 

@@ -51,7 +51,7 @@ from pathlib import Path
 from typing import Any
 
 from bigrank.atomic import write_text_atomic
-from bigrank.signals import STOP_GRACE_SECONDS, STOP_SIGNALS, StopFile, Stopped, stop_exception
+from bigrank.signals import STOP_GRACE_SECONDS, STOP_SIGNALS, StopFile, Stopped, restore_handlers, stop_exception
 
 __all__ = ["STOP_GRACE_SECONDS", "WorkerError", "free_port", "launch_local"]
 
@@ -356,8 +356,7 @@ def _caller_signals(main_thread: bool, timeout: float | None, stop: _StopForward
     finally:
         if main_thread and timeout is not None:
             signal.setitimer(signal.ITIMER_REAL, 0)
-        for signum, handler in previous.items():
-            signal.signal(signum, handler if handler is not None else signal.SIG_DFL)
+        restore_handlers(previous)
         for name, value in saved.items():
             if value is None:
                 os.environ.pop(name, None)
