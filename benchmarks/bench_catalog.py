@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import os
 import resource
-import socket
 import time
 
 import torch
@@ -54,11 +53,11 @@ def _worker(rank, world_size, port, args, batch, chunk, items, queue):
 
 
 def run(args, world_size, batch, chunk, items):
+    from bigrank.train.launcher import free_port
+
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    port = free_port()
     procs = [
         ctx.Process(target=_worker, args=(r, world_size, port, args, batch, chunk, items, queue))
         for r in range(world_size)

@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
-import socket
 import tempfile
 import time
 from pathlib import Path
@@ -87,9 +86,9 @@ def _rank_main(rank, world_size, port, out, items, users, dim, quantize, queue):
 def export_two_ranks(out: Path, items: int, users: int, dim: int, quantize) -> float:
     import torch.multiprocessing as mp
 
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    from bigrank.train.launcher import free_port
+
+    port = free_port()
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     args = (2, port, str(out), items, users, dim, quantize, queue)

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import statistics
 import time
 from dataclasses import dataclass
@@ -92,11 +91,11 @@ def _count_worker(rank, world, port, scale, loss, queue):
 
 def measured_catalog_traffic(scale: Scale, loss: str, world: int) -> tuple[float, int]:
     """(bytes one worker sends, collectives) in one sharded-catalog step on ``world`` gloo processes."""
+    from bigrank.train.launcher import free_port
+
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    port = free_port()
     procs = [ctx.Process(target=_count_worker, args=(r, world, port, scale, loss, queue)) for r in range(world)]
     for p in procs:
         p.start()
