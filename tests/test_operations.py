@@ -552,10 +552,10 @@ def test_two_processes_updating_eval_json_lose_no_section(tmp_path):
 
 def _start_serve_ray(export, log: Path):
     """``bigrank serve EXPORT --ray`` on a free loopback port, output to ``log``: ``(process, log, port)``."""
+    from bigrank.train.launcher import free_port
+
     pytest.importorskip("ray.serve")
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    port = free_port()
     proc = _start_command(log, "serve", str(export), "--ray", "--port", str(port), "--replica-cpus", "0.5")
     return proc, log, port
 
