@@ -66,3 +66,20 @@ def test_losses_agree_across_kernel_modes(monkeypatch, mode):
         monkeypatch.setenv("BIGRANK_COMPILE", mode)
         torch.testing.assert_close(value.double(), expected, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(ours.grad.double(), reference.grad, rtol=1e-5, atol=1e-6)
+
+
+def test_auto_compiles_a_two_worker_shard_block_and_leaves_small_blocks_eager(monkeypatch):
+    # The dispatch decision only: torch.compile is replaced by a recorder that returns the eager function.
+    compiled = []
+    monkeypatch.setattr(kernels.torch, "compile", lambda fn, dynamic: compiled.append(fn.__name__) or fn)
+    monkeypatch.setattr(kernels, "_compiled", {})
+    monkeypatch.setenv("BIGRANK_COMPILE", "auto")
+    mu = torch.zeros(256, dtype=torch.float64)
+    kernels.support_sum_count(torch.randn(16, 1_000), mu[:16])  # 16K entries: a test-sized block
+    assert compiled == []
+    # One worker's block of a 2-worker ml-latest-small run (512 rows over 2 workers x 9,742 items) and of ML-1M
+    # (3,706 items): the 1-worker run's full block compiles too, so the two compare on the same kernels.
+    for items in (9_742, 3_706):
+        kernels.support_sum_count(torch.randn(256, items), mu)
+    assert compiled == ["_support_sum_count"]
+    assert kernels.COMPILE_MIN_ELEMENTS <= 256 * 1_500  # the demo's 2-worker block (1,500 items)

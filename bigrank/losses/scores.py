@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import torch
 
 from bigrank.distributed.collectives import all_gather_equal, all_reduce_no_grad, group_size, is_distributed
-from bigrank.losses.kernels import COMPILE_MIN_ELEMENTS, topk_values
+from bigrank.losses.kernels import topk_values
 from bigrank.losses.validation import check_target, check_target_range, first_nonfinite_row
 
 __all__ = [
@@ -197,9 +197,10 @@ class ChunkedScores:
         return grad_users, grad_items
 
 
-# Scores per block for chunk_size="auto": on CPU 2^22 (16 MB in float32: cache-sized, yet large enough for the
-# fused kernels); on CUDA 2^27 (512 MB) so that each block is a few large kernels, not thousands of launches.
-AUTO_BLOCK_ELEMENTS = {"cpu": COMPILE_MIN_ELEMENTS, "cuda": 1 << 27}
+# Scores per block for chunk_size="auto": on CPU 2^22 (16 MB in float32: cache-sized, and 16x the block size from
+# which the row passes run compiled); on CUDA 2^27 (512 MB) so that each block is a few large kernels, not
+# thousands of launches.
+AUTO_BLOCK_ELEMENTS = {"cpu": 1 << 22, "cuda": 1 << 27}
 
 
 def score_matrix(
@@ -217,7 +218,7 @@ def score_matrix(
             return user_vectors.to(dtype) @ item_rows.to(dtype).T
         return user_vectors @ item_rows.T
     if chunk_size == "auto":
-        elements = AUTO_BLOCK_ELEMENTS.get(user_vectors.device.type, COMPILE_MIN_ELEMENTS)
+        elements = AUTO_BLOCK_ELEMENTS.get(user_vectors.device.type, AUTO_BLOCK_ELEMENTS["cpu"])
         chunk_size = -(-elements // max(user_vectors.shape[0], 1))
     return ChunkedScores(user_vectors, item_rows, chunk_size, dtype)
 
