@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from bigrank.config import ConfigError, config_from_dict
-from bigrank.model.layout import Link, StepShape, choose_layouts, format_layout_plan, predict_step
+from bigrank.model.layout import Link, StepShape, choose_layouts, format_layout_plan, measure_link, predict_step
 from bigrank.train.launcher import launch_local
 from tests.conftest import read_checkpoint
 
@@ -64,6 +64,39 @@ def test_the_plan_lists_every_assignment_and_marks_the_chosen_one():
     rows = [line for line in text.splitlines() if line.startswith("  catalog ")]
     assert text.count("<- chosen") == 1 and len(rows) == 8
     assert "collective wait 175 µs" in text
+
+
+def test_each_table_is_charged_its_own_optimizers_update():
+    # A replicated catalog is updated with the catalog's optimizer, a replicated tower table with the tower's:
+    # an Adagrad catalog with weight decay (~2 ns/element here) against row-wise Adagrad users (~0.6 ns).
+    shape = _shape(history=True, mean_history=40.0)
+    catalog_only = {"catalog": "replicated", "user_table": "sharded", "history_table": "sharded"}
+    tower_only = {"catalog": "sharded", "user_table": "replicated", "history_table": "replicated"}
+    slow_catalog = Link(175e-6, 1e9, update_s_per_element=2e-9, tower_update_s_per_element=0.5e-9)
+    cost = predict_step(shape, catalog_only)
+    assert cost.update_elements == shape.num_items * shape.dim and cost.tower_update_elements == 0
+    assert cost.seconds(slow_catalog) - cost.seconds(LINK) == pytest.approx(0.0)  # LINK charges 2e-9 for all
+    tower = predict_step(shape, tower_only)
+    assert tower.tower_update_elements == (shape.num_users + shape.num_items) * shape.dim
+    saved = tower.tower_update_elements * (2e-9 - 0.5e-9)
+    assert tower.seconds(LINK) - tower.seconds(slow_catalog) == pytest.approx(saved)
+    assert "dense update 2.00 ns/element (catalog), 0.50 (user tower)" in slow_catalog.describe()
+
+
+def test_measure_link_times_the_optimizers_it_is_given():
+    calls = {"catalog": [], "tower": []}
+
+    def factory(table):
+        def make(weight):
+            assert isinstance(weight, torch.nn.Parameter) and weight.dim() == 2
+            return lambda grad: calls[table].append(grad.shape)
+
+        return make
+
+    link = measure_link(None, "cpu", catalog_update=factory("catalog"), tower_update=factory("tower"))
+    assert len(calls["catalog"]) > 1 and len(calls["tower"]) > 1  # a warm-up call, then the timed ones
+    assert link.latency_s == 0.0 and link.bandwidth_bytes_s == float("inf")  # one process: no collective
+    assert link.update_s_per_element > 0 and link.tower_update_s > 0
 
 
 def test_bad_layout_keys_and_values_name_the_key():

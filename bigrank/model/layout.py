@@ -28,10 +28,12 @@ from __future__ import annotations
 import itertools
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from bigrank.config import LAYOUT_TABLES, LAYOUTS
 from bigrank.distributed.collectives import group_size, is_distributed
@@ -68,13 +70,19 @@ class Link:
 
     latency_s: float  # one all-reduce of 4 KB right after some compute, mean (what a step's collective waits)
     bandwidth_bytes_s: float  # bytes one worker sends per second in a 4 MiB all-reduce
-    update_s_per_element: float  # a dense row-wise Adagrad step, per float updated
+    update_s_per_element: float  # a dense step of the catalog's optimizer, per float updated
+    tower_update_s_per_element: float | None = None  # the same for the tower's tables (None: as the catalog)
+
+    @property
+    def tower_update_s(self) -> float:
+        return self.update_s_per_element if self.tower_update_s_per_element is None else self.tower_update_s_per_element
 
     def describe(self) -> str:
         bandwidth = "∞" if self.bandwidth_bytes_s == float("inf") else f"{self.bandwidth_bytes_s / 1e9:.2f} GB/s"
         return (
             f"collective wait {self.latency_s * 1e6:.0f} µs (mean, between compute), bandwidth {bandwidth}, "
-            f"dense update {self.update_s_per_element * 1e9:.2f} ns/element"
+            f"dense update {self.update_s_per_element * 1e9:.2f} ns/element (catalog), "
+            f"{self.tower_update_s * 1e9:.2f} (user tower)"
         )
 
 
@@ -99,7 +107,8 @@ class TableCost:
 
     collectives: int = 0
     bytes: float = 0.0
-    update_elements: float = 0.0
+    update_elements: float = 0.0  # catalog rows x d updated by this worker
+    tower_update_elements: float = 0.0  # replicated tower rows x d updated by this worker
     notes: list[str] = field(default_factory=list)
 
     def seconds(self, link: Link) -> float:
@@ -107,6 +116,7 @@ class TableCost:
             self.collectives * link.latency_s
             + self.bytes / link.bandwidth_bytes_s
             + self.update_elements * link.update_s_per_element
+            + self.tower_update_elements * link.tower_update_s
         )
 
 
@@ -145,7 +155,7 @@ def predict_step(shape: StepShape, layout: dict[str, str]) -> TableCost:
             cost.bytes += gather * local * (ids_per_user * ID_BYTES + 2 * dim * FLOAT_BYTES)
         else:
             cost.bytes += reduce * rows * dim * FLOAT_BYTES
-            cost.update_elements += rows * dim
+            cost.tower_update_elements += rows * dim
             if layout["catalog"] == "sharded":
                 cost.collectives += 0 if table != tower[0][0] and layout[tower[0][0]] == "replicated" else 1
     if world == 1:
@@ -186,8 +196,9 @@ def format_layout_plan(shape: StepShape, requested: dict[str, str], chosen: dict
         cost = predict_step(shape, assignment)
         mark = "  <- chosen" if assignment == chosen else ""
         name = ", ".join(f"{t} {v[:4]}" for t, v in assignment.items())
+        updated = cost.update_elements + cost.tower_update_elements
         lines.append(
-            f"  {name:<52}{cost.collectives:>12}{cost.bytes / 1e6:>10.2f}{cost.update_elements / 1e6:>11.2f}"
+            f"  {name:<52}{cost.collectives:>12}{cost.bytes / 1e6:>10.2f}{updated / 1e6:>11.2f}"
             f"{cost.seconds(link) * 1e3:>14.2f}{mark}"
         )
     return "\n".join(lines)
@@ -214,22 +225,58 @@ def _timed(fn, repeats: int) -> float:
     return statistics.median(times)
 
 
-@torch.no_grad()
-def measure_link(group: dist.ProcessGroup | None, device: torch.device | str = "cpu") -> Link:
-    """This machine's collective latency and bandwidth over ``group`` and its dense-update speed (collective;
-    ~0.2 s). Every figure is the maximum over the workers, so every worker decides the same layouts."""
-    device = torch.device(device)
-    rows, dim = 16_384, 64  # a 4 MiB table
-    weight, grad = torch.randn(rows, dim, device=device), torch.randn(rows, dim, device=device)
-    accumulator = torch.zeros(rows, device=device)
+# Builds, for a parameter, one dense step of an optimizer (called with the gradient): the run's own optimizers,
+# which the training layer passes in (bigrank.train.model.decide_layout).
+UpdateFactory = Callable[[nn.Parameter], Callable[[torch.Tensor], None]]
 
-    def update() -> None:  # what a dense row-wise Adagrad step does to every row (bigrank.train.item_optim)
+
+def _rowwise_adagrad(weight: torch.Tensor) -> Callable[[torch.Tensor], None]:
+    """A dense row-wise Adagrad step on ``weight`` (the default optimizer of both tables)."""
+    accumulator = torch.zeros(weight.shape[0], device=weight.device)
+
+    def step(grad: torch.Tensor) -> None:
         accumulator.add_(grad.square().mean(dim=1))
-        weight.addcdiv_(grad, accumulator.sqrt().add_(1e-8).unsqueeze(1), value=-1e-3)
+        weight.data.addcdiv_(grad, accumulator.sqrt().add_(1e-8).unsqueeze(1), value=-1e-3)
+
+    return step
+
+
+def _update_seconds(make_step: UpdateFactory, device: torch.device) -> float:
+    """Seconds per element of one dense step of the optimizer ``make_step`` builds, on a 4 MiB table."""
+    rows, dim = 16_384, 64
+    weight = nn.Parameter(torch.randn(rows, dim, device=device))
+    grad = torch.randn(rows, dim, device=device)
+    step = make_step(weight)
+
+    def update() -> None:
+        step(grad)
         grad.mul_(1.0)  # the gradient buffer is written once a step too
 
     update()
-    update_s = _timed(update, 5) / (rows * dim)
+    return _timed(update, 5) / (rows * dim)
+
+
+@torch.no_grad()
+def measure_link(
+    group: dist.ProcessGroup | None,
+    device: torch.device | str = "cpu",
+    catalog_update: UpdateFactory | None = None,
+    tower_update: UpdateFactory | None = None,
+) -> Link:
+    """This machine's collective latency and bandwidth over ``group`` and the speed of a dense step of the
+    catalog's and the user tower's optimizers (``catalog_update`` / ``tower_update``; default: row-wise
+    Adagrad) (collective; ~0.2 s). Every figure is the maximum over the workers, so every worker decides the
+    same layouts."""
+    device = torch.device(device)
+    update_s = _update_seconds(catalog_update or _rowwise_adagrad, device)
+    tower_update_s = _update_seconds(tower_update or _rowwise_adagrad, device)
+    grad = torch.randn(16_384, 64, device=device)
+    row_update = _rowwise_adagrad(nn.Parameter(torch.randn(16_384, 64, device=device)))
+
+    def update() -> None:  # a burst of memory-bound compute, as a step has between its collectives
+        row_update(grad)
+        grad.mul_(1.0)
+
     latency, bandwidth = 0.0, float("inf")
     if is_distributed(group):
         small, large = torch.zeros(1, dtype=torch.float64, device=device), torch.zeros(1 << 20, device=device)
@@ -242,8 +289,8 @@ def measure_link(group: dist.ProcessGroup | None, device: torch.device | str = "
         # (benchmarks/bench_collectives.py: 1.0-1.4 ms against 0.26 ms, a tail near a 4 ms scheduler tick).
         row_stats = torch.zeros(512, dtype=torch.float64, device=device)
         latency = _mean_between_compute(lambda: dist.all_reduce(row_stats, group=group), update, 40)
-    figures = torch.tensor([latency, 1.0 / bandwidth, update_s], dtype=torch.float64, device=device)
+    figures = torch.tensor([latency, 1.0 / bandwidth, update_s, tower_update_s], dtype=torch.float64, device=device)
     if is_distributed(group):
         dist.all_reduce(figures, op=dist.ReduceOp.MAX, group=group)
-    latency, inverse_bandwidth, update_s = figures.tolist()
-    return Link(latency, 1.0 / inverse_bandwidth if inverse_bandwidth else float("inf"), update_s)
+    latency, inverse_bandwidth, update_s, tower_update_s = figures.tolist()
+    return Link(latency, 1.0 / inverse_bandwidth if inverse_bandwidth else float("inf"), update_s, tower_update_s)

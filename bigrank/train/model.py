@@ -155,9 +155,26 @@ def decide_layout(
         return dict.fromkeys(requested, "sharded"), "layout: one worker holds every table whole (one shard)"
     if not explain and "auto" not in requested.values():  # nothing to decide or show: nothing to measure
         return requested, ""
-    link = measure_link(group, device)
+    link = measure_link(group, device, *_dense_updates(config))
     chosen = choose_layouts(shape, requested, link)
     return chosen, format_layout_plan(shape, requested, chosen, link)
+
+
+def _dense_updates(config: Config):
+    """The cost model's dense-update factories: a step of this run's catalog optimizer and of the tower's
+    replicated-table optimizer (``bigrank.train.replicas``), as ``measure_link`` times them."""
+    from bigrank.train.item_optim import RowOptimizer
+    from bigrank.train.replicas import TOWER_EPS
+
+    optim = config.optim
+
+    def catalog(weight):
+        return RowOptimizer(weight, optim.item_optimizer, optim.item_lr, weight_decay=optim.weight_decay).step_dense
+
+    def tower(weight):
+        return RowOptimizer(weight, optim.user_optimizer, optim.user_lr, eps=TOWER_EPS).step_dense
+
+    return catalog, tower
 
 
 def history_bags(

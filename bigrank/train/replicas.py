@@ -22,9 +22,9 @@ import torch
 from bigrank.distributed.collectives import all_gather_no_grad, all_reduce_inplace, group_size, is_distributed
 from bigrank.train.item_optim import RowOptimizer
 
-__all__ = ["ReplicaSync"]
+__all__ = ["TOWER_EPS", "ReplicaSync"]
 
-_FUSED_EPS = 1e-8  # bigrank.model.sharding.fused_params: the eps of the fused user-table updates
+TOWER_EPS = 1e-8  # bigrank.model.sharding.fused_params: the eps of the fused user-table updates
 
 
 class ReplicaSync:
@@ -47,7 +47,7 @@ class ReplicaSync:
         self.item_optimizer = item_optimizer
         self.max_touched_rows = int(max_touched_rows)
         self.tower_optimizers = {
-            table: RowOptimizer(parameter, user_optimizer, user_lr, eps=_FUSED_EPS)
+            table: RowOptimizer(parameter, user_optimizer, user_lr, eps=TOWER_EPS)
             for table, parameter in model.replicated_tower.items()
         }
         self._flat: torch.Tensor | None = None
