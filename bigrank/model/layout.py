@@ -265,7 +265,7 @@ def measure_link(
 ) -> Link:
     """This machine's collective latency and bandwidth over ``group`` and the speed of a dense step of the
     catalog's and the user tower's optimizers (``catalog_update`` / ``tower_update``; default: row-wise
-    Adagrad) (collective; ~0.2 s). Every figure is the maximum over the workers, so every worker decides the
+    Adagrad) (collective; ~0.25 s). Every figure is the maximum over the workers, so every worker decides the
     same layouts."""
     device = torch.device(device)
     update_s = _update_seconds(catalog_update or _rowwise_adagrad, device)
@@ -282,7 +282,8 @@ def measure_link(
         small, large = torch.zeros(1, dtype=torch.float64, device=device), torch.zeros(1 << 20, device=device)
         dist.all_reduce(small, group=group)
         idle_latency = _timed(lambda: dist.all_reduce(small, group=group), 20)
-        seconds = max(_timed(lambda: dist.all_reduce(large, group=group), 5) - idle_latency, 1e-9)
+        # The median of 15: of 5 it read 0.66-1.26 GB/s in 8 runs here, of 15 0.79-0.95 (~50 ms more).
+        seconds = max(_timed(lambda: dist.all_reduce(large, group=group), 15) - idle_latency, 1e-9)
         bandwidth = _ring(group_size(group))[1] * large.numel() * FLOAT_BYTES / seconds
         # A step calls its collectives between bursts of compute, with row statistics of a few KB: their mean
         # wait is what it pays. On a virtual machine whose idle vCPUs halt, that is ~4x the idle median here
