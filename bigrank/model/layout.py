@@ -13,7 +13,10 @@ of the user tower.
 The cost of one step under each assignment is predicted from the run's shapes and this machine's measured
 constants (:func:`measure_link`):
 
-    seconds = collectives * latency + bytes / bandwidth + updated elements * update_seconds
+    seconds = collectives * latency + bytes / bandwidth + sum over tables of updated elements * update_seconds
+
+where ``update_seconds`` is a dense step of the table's own optimizer (the catalog's ``optim.item_optimizer``
+with its weight decay, the tower's ``optim.user_optimizer``), timed at start-up.
 
 ``bytes`` is what one worker sends: ring collectives move ``(W - 1) / W`` of the gathered payload
 (all-gather, reduce-scatter, all-to-all) and ``2 (W - 1) / W`` of an all-reduced one (Thakur, Rabenseifner &
