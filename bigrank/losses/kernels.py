@@ -8,11 +8,11 @@ GEMMs themselves. For blocks of at least ``COMPILE_MIN_ELEMENTS`` entries the sa
 machine where compilation fails, use the eager versions, which compute the same values.
 
 ``COMPILE_MIN_ELEMENTS`` is 2^18 (``python -m benchmarks.bench_kernels``, d 64, one full step: GEMM, loss,
-backward): from 256K entries up the compiled step of rankmax and softmax measured 1.6-3.6x faster than eager on
+backward): from 256K entries up the compiled step of rankmax and softmax measured 1.4-3.6x faster than eager on
 one or two threads, and the ~3.5 s a process spends compiling is repaid in 40-3,400 steps; at 64K entries the
-two tie. It used to be 2^22, which sent the half-size blocks of a 2-worker run (256 x 9,742 for
-ml-latest-small, 256 x 3,706 for ML-1M) to the eager kernels while the 1-worker run compiled: half of the
-gap between 2 workers and 1 (issue 26).
+two tie. It used to be 2^22, which sent a 2-worker ml-latest-small run's half-size blocks (256 x 9,742) to the
+eager kernels while the 1-worker run's 512 x 9,742 compiled: half of the gap between 2 workers and 1 (issue
+26). ML-1M's blocks (512 x 3,706) ran eager even on one worker.
 
 Set ``BIGRANK_COMPILE=0`` to force eager, ``BIGRANK_COMPILE=1`` to compile whatever the size (tests). On CUDA
 the compiled kernels are Triton kernels.
