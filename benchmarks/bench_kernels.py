@@ -27,26 +27,26 @@ def cell(loss: str, rows: int, items: int, dim: int, threads: int) -> dict:
     """One process's timing (run by ``--cell``): first call and median step, in seconds."""
     import torch
 
-    from bigrank.losses import rankmax_loss, softmax_loss, sparsemax_loss
+    from benchmarks.bench_losses import loss_step
+    from benchmarks.bench_train import FULL_CATALOG
 
     torch.set_num_threads(threads)
-    fn = {"rankmax": rankmax_loss, "softmax": softmax_loss, "sparsemax": sparsemax_loss}[loss]
+    step = loss_step(FULL_CATALOG[loss])
     generator = torch.Generator().manual_seed(0)
-    users = torch.randn(rows, dim, generator=generator).requires_grad_(True)
-    catalog = (torch.randn(items, dim, generator=generator) * 0.1).requires_grad_(True)
+    users = torch.randn(rows, dim, generator=generator)
+    catalog = torch.randn(items, dim, generator=generator) * 0.1
     target = torch.randint(0, items, (rows,), generator=generator)
 
-    def step() -> float:
+    def timed() -> float:
         start = time.perf_counter()
-        users.grad = catalog.grad = None
-        fn(users @ catalog.T, target).backward()
+        step(users, catalog, target, None, None)  # one block: chunk_size None, the scores' own dtype
         return time.perf_counter() - start
 
-    first = step()
+    first = timed()
     for _ in range(3):
-        step()
+        timed()
     repeats = max(7, min(200, int(3e8 / (rows * items))))
-    times = sorted(step() for _ in range(repeats))
+    times = sorted(timed() for _ in range(repeats))
     return {"first_s": first, "step_s": times[len(times) // 2]}
 
 

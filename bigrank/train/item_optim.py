@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["ITEM_OPTIMIZERS", "RowOptimizer"]
+__all__ = ["ITEM_OPTIMIZERS", "RowOptimizer", "catalog_optimizer"]
 
 ITEM_OPTIMIZERS = ("sgd", "adagrad", "rowwise_adagrad", "adam")
 _DEFAULT_EPS = {"sgd": 0.0, "adagrad": 1e-10, "rowwise_adagrad": 1e-8, "adam": 1e-8}
@@ -209,3 +209,9 @@ class RowOptimizer:
             bias_correction2_sqrt = (1 - torch.pow(beta2, steps)).sqrt()
             denom = (exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(self.eps)
             weight.addcdiv_(exp_avg / bias_correction1, denom, value=-self.lr)
+
+
+def catalog_optimizer(weight: torch.Tensor, optim) -> RowOptimizer:
+    """The catalog's optimizer as the run's ``optim`` section sets it (``item_optimizer``, ``item_lr``,
+    ``weight_decay``): what the trainer steps, and what the layout cost model times."""
+    return RowOptimizer(weight, optim.item_optimizer, optim.item_lr, weight_decay=optim.weight_decay)

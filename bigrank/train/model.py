@@ -163,16 +163,16 @@ def decide_layout(
 def _dense_updates(config: Config):
     """The cost model's dense-update factories: a step of this run's catalog optimizer and of the tower's
     replicated-table optimizer (``bigrank.train.replicas``), as ``measure_link`` times them."""
-    from bigrank.train.item_optim import RowOptimizer
-    from bigrank.train.replicas import TOWER_EPS
+    from bigrank.train.item_optim import catalog_optimizer
+    from bigrank.train.replicas import tower_optimizer
 
     optim = config.optim
 
     def catalog(weight):
-        return RowOptimizer(weight, optim.item_optimizer, optim.item_lr, weight_decay=optim.weight_decay).step_dense
+        return catalog_optimizer(weight, optim).step_dense
 
     def tower(weight):
-        return RowOptimizer(weight, optim.user_optimizer, optim.user_lr, eps=TOWER_EPS).step_dense
+        return tower_optimizer(weight, optim.user_optimizer, optim.user_lr).step_dense
 
     return catalog, tower
 

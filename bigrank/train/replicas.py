@@ -22,9 +22,15 @@ import torch
 from bigrank.distributed.collectives import all_gather_no_grad, all_reduce_inplace, group_size, is_distributed
 from bigrank.train.item_optim import RowOptimizer
 
-__all__ = ["TOWER_EPS", "ReplicaSync"]
+__all__ = ["ReplicaSync", "tower_optimizer"]
 
-TOWER_EPS = 1e-8  # bigrank.model.sharding.fused_params: the eps of the fused user-table updates
+_FUSED_EPS = 1e-8  # bigrank.model.sharding.fused_params: the eps of the fused user-table updates
+
+
+def tower_optimizer(weight: torch.Tensor, user_optimizer: str, user_lr: float) -> RowOptimizer:
+    """The dense optimizer of a replicated tower table: ``optim.user_optimizer`` with fbgemm's ``eps``, the
+    update its fused row-wise kernels apply (what :class:`ReplicaSync` steps, and what the cost model times)."""
+    return RowOptimizer(weight, user_optimizer, user_lr, eps=_FUSED_EPS)
 
 
 class ReplicaSync:
@@ -47,7 +53,7 @@ class ReplicaSync:
         self.item_optimizer = item_optimizer
         self.max_touched_rows = int(max_touched_rows)
         self.tower_optimizers = {
-            table: RowOptimizer(parameter, user_optimizer, user_lr, eps=TOWER_EPS)
+            table: tower_optimizer(parameter, user_optimizer, user_lr)
             for table, parameter in model.replicated_tower.items()
         }
         self._flat: torch.Tensor | None = None

@@ -56,7 +56,7 @@ from bigrank.signals import Stopped, signal_name, step_boundaries
 from bigrank.train.bootstrap import start_worker
 from bigrank.train.checkpoint import Checkpointer, latest_checkpoint, model_identity, remove_partial_checkpoints
 from bigrank.train.evaluator import Evaluator
-from bigrank.train.item_optim import RowOptimizer
+from bigrank.train.item_optim import catalog_optimizer
 from bigrank.train.losses import StepLoss
 from bigrank.train.model import build_model, history_generator, user_vectors
 from bigrank.train.regularization import user_l2_penalty
@@ -169,9 +169,7 @@ class Trainer:
         shard = model.shard
         optim = config.optim
         by_popularity = config.loss.sampler == "popularity" and config.loss.candidates == "sampled"
-        self.item_optimizer = RowOptimizer(
-            shard.weight, optim.item_optimizer, optim.item_lr, weight_decay=optim.weight_decay
-        )
+        self.item_optimizer = catalog_optimizer(shard.weight, optim)
         self.step_loss = StepLoss(
             config.loss,
             num_items=model.num_items,
