@@ -43,18 +43,95 @@ def register(subparsers) -> None:
 
     ingest = subparsers.add_parser(
         "ingest",
-        help="ingest MovieLens ratings into the bigrank Parquet layout",
-        description="Read MovieLens ratings.csv / ratings.dat / u.data, remap ids densely and split them.",
+        help="ingest interaction logs (Parquet, CSV/TSV, JSON Lines; MovieLens) into the bigrank layout",
+        description="Read interaction logs (files, directories of parts, globs; Parquet, CSV/TSV, JSON Lines, "
+        "text compressed with .gz/.zst) with a column mapping, clean them (null ids, --min-rating, duplicates, "
+        "k-core), give users and items dense ids (their original ids kept in users/items.parquet) and split them. "
+        "A MovieLens directory (ratings.csv / ratings.dat / u.data) needs no mapping. Runs on DuckDB here, in "
+        "bounded memory (spills to disk), or on a Ray cluster with --address.",
     )
-    ingest.add_argument("path", metavar="PATH", help="ratings file, or the directory that holds it")
+    ingest.add_argument("paths", metavar="PATH", nargs="+", help="input files, directories of parts or globs")
     ingest.add_argument("--out", required=True, help="output dataset directory (new or empty)")
-    ingest.add_argument(
-        "--split",
-        choices=["random", "last"],
-        default="random",
-        help="random: 80/10/10 over (user, item) pairs (default); last: per-user by timestamp",
+    columns = ingest.add_argument_group("columns (a name, or a 0-based position for headerless text)")
+    columns.add_argument("--user", metavar="COL", help="user id column (integers or strings)")
+    columns.add_argument("--item", metavar="COL", help="item id column (integers or strings)")
+    columns.add_argument("--time", metavar="COL", help="time column: epoch seconds/milliseconds or ISO-8601")
+    value = columns.add_mutually_exclusive_group()
+    value.add_argument("--rating", metavar="COL", help="explicit rating column (a number)")
+    value.add_argument("--weight", metavar="COL", help="implicit weight column (a number: plays, quantity, …)")
+    columns.add_argument(
+        "--time-unit", choices=["auto", "s", "ms"], default="auto", help="unit of numeric times (auto: by size)"
     )
-    ingest.add_argument("--seed", type=int, default=0, help="random seed of the split (default 0)")
+    reading = ingest.add_argument_group("reading")
+    reading.add_argument(
+        "--format",
+        default="auto",
+        choices=["auto", "parquet", "csv", "tsv", "jsonl"],
+        help="input format (auto: from the file names)",
+    )
+    reading.add_argument("--delimiter", help="CSV delimiter (default , and tab for .tsv)")
+    header = reading.add_mutually_exclusive_group()
+    header.add_argument(
+        "--header", dest="header", action="store_true", default=None, help="CSV files have a header line (default)"
+    )
+    header.add_argument(
+        "--no-header", dest="header", action="store_false", help="CSV files have no header: columns by position"
+    )
+    cleaning = ingest.add_argument_group("cleaning")
+    cleaning.add_argument("--min-rating", type=float, help="keep rows rated at least this (explicit -> implicit)")
+    cleaning.add_argument(
+        "--dedup",
+        choices=["last", "first", "sum", "max"],
+        help="merge a pair's rows: latest/earliest by time, or sum/max of rating or weight (default last with --time, else max)",
+    )
+    cleaning.add_argument(
+        "--min-user-items",
+        type=int,
+        default=1,
+        metavar="N",
+        help="k-core: users keep at least N items (default 1: off)",
+    )
+    cleaning.add_argument(
+        "--min-item-users",
+        type=int,
+        default=1,
+        metavar="M",
+        help="k-core: items keep at least M users (default 1: off)",
+    )
+    splits = ingest.add_argument_group("split")
+    splits.add_argument(
+        "--split",
+        choices=["random", "last", "time"],
+        default="random",
+        help="random: fractions of the pairs (default); last: per user by time; time: a global cut",
+    )
+    splits.add_argument(
+        "--fractions", default="0.8,0.1,0.1", help="train,valid,test fractions (random and last; default 0.8,0.1,0.1)"
+    )
+    splits.add_argument(
+        "--valid-from", metavar="T", help="--split time: valid from this time (epoch seconds or ISO-8601)"
+    )
+    splits.add_argument("--test-from", metavar="T", help="--split time: test from this time")
+    splits.add_argument("--seed", type=int, default=0, help="seed of the random split (default 0)")
+    items = ingest.add_argument_group("item attributes")
+    items.add_argument(
+        "--items-file", metavar="PATH", help="a file of item attributes (titles, categories, …) carried to the export"
+    )
+    items.add_argument("--item-key", metavar="COL", help="its column holding the item id")
+    engine = ingest.add_argument_group("engine")
+    engine.add_argument(
+        "--memory-limit", help="DuckDB memory before it spills to disk: 8GB, or a fraction of memory (default 0.5)"
+    )
+    engine.add_argument("--threads", type=int, help="DuckDB threads (default: the CPUs available)")
+    engine.add_argument(
+        "--address", help="run on a Ray cluster (e.g. auto, HOST:6379, or local for a local Ray runtime)"
+    )
+    engine.add_argument(
+        "--buckets",
+        type=int,
+        help="with --address: buckets of users, one DuckDB each (default 2 per node CPU... see docs)",
+    )
+    ingest.add_argument("--no-progress", action="store_true", help="no progress lines")
     ingest.set_defaults(func=run_ingest)
 
     info = subparsers.add_parser(
@@ -66,12 +143,12 @@ def register(subparsers) -> None:
 
 
 def load_seed_pairs(path: str | Path):
-    """(users, items, num_users, num_items) of a seed: a bigrank dataset (all splits) or MovieLens ratings."""
+    """(users, items, num_users, num_items) of a seed: a bigrank dataset (all splits) or MovieLens ratings (read
+    through the MovieLens preset of ``bigrank ingest``; ids numbered in the order of the original ids)."""
     path = Path(path)
     import numpy as np
 
     from bigrank.data import manifest as layout
-    from bigrank.data.movielens import read_ratings
     from bigrank.data.stream import iter_row_groups
 
     if (path / layout.MANIFEST_NAME).is_file():
@@ -84,12 +161,35 @@ def load_seed_pairs(path: str | Path):
         users, items = np.concatenate(users), np.concatenate(items)
         num_users, num_items = manifest["num_users"], manifest["num_items"]
     else:
-        ratings = read_ratings(path)
-        _, users = np.unique(ratings["user"], return_inverse=True)
-        _, items = np.unique(ratings["item"], return_inverse=True)
+        users, items = _movielens_pairs(path)
+        _, users = np.unique(users, return_inverse=True)
+        _, items = np.unique(items, return_inverse=True)
         num_users, num_items = int(users.max()) + 1, int(items.max()) + 1
     keys = np.unique(users.astype(np.int64) * num_items + items)
     return (keys // num_items).astype(np.int32), (keys % num_items).astype(np.int32), num_users, num_items
+
+
+def _movielens_pairs(path: Path):
+    """The (user, item) original ids (int64 arrays) of the MovieLens ratings at ``path``."""
+    from bigrank.data.ingest import IngestOptions, movielens
+    from bigrank.data.ingest.sources import duckdb_error, open_source, quote_identifier
+
+    paths, options = movielens.apply_preset([path], IngestOptions())
+    if options.preset != "movielens":
+        raise CommandError(
+            f"{path} is neither a bigrank dataset nor MovieLens ratings ({', '.join(movielens.RATING_FILES)})"
+        )
+    source = open_source(paths, "csv", options.delimiter, options.header)
+    user, item = (quote_identifier(source.column(c, "seed")) for c in ("0", "1"))
+    import duckdb
+
+    try:
+        columns = duckdb.sql(
+            f"SELECT CAST({user} AS BIGINT) AS u, CAST({item} AS BIGINT) AS i FROM {source.scan()}"
+        ).fetchnumpy()
+    except Exception as error:  # DuckDB's conversion/IO errors name the file and line
+        raise CommandError(f"cannot read the seed ratings {paths[0]}: {duckdb_error(error)}") from None
+    return columns["u"], columns["i"]
 
 
 def run_generate(args: argparse.Namespace) -> int:
@@ -128,9 +228,37 @@ def run_generate(args: argparse.Namespace) -> int:
 
 
 def run_ingest(args: argparse.Namespace) -> int:
-    from bigrank.data.movielens import ingest
+    from bigrank.data.ingest import IngestOptions, ingest
+    from bigrank.data.ingest.options import parse_fractions
 
-    manifest = ingest(args.path, args.out, split=args.split, seed=args.seed)
+    options = IngestOptions(
+        user=args.user,
+        item=args.item,
+        time=args.time,
+        rating=args.rating,
+        weight=args.weight,
+        format=args.format,
+        delimiter=args.delimiter,
+        header=args.header,
+        time_unit=args.time_unit,
+        min_rating=args.min_rating,
+        dedup=args.dedup,
+        min_user_items=args.min_user_items,
+        min_item_users=args.min_item_users,
+        split=args.split,
+        fractions=parse_fractions(args.fractions),
+        valid_from=args.valid_from,
+        test_from=args.test_from,
+        seed=args.seed,
+        items_file=args.items_file,
+        item_key=args.item_key,
+        memory_limit=args.memory_limit,
+        threads=args.threads,
+        address=args.address,
+        buckets=args.buckets,
+        progress=not args.no_progress,
+    )
+    manifest = ingest(args.paths, args.out, options)
     print(format_manifest(manifest, args.out))
     return 0
 
@@ -143,6 +271,41 @@ def run_data_info(args: argparse.Namespace) -> int:
     if args.check:
         print("files: all present and consistent with the manifest")
     return 0
+
+
+def format_ingest(record: dict) -> list[str]:
+    """What an ingest did (the manifest's ``ingest`` entry): rows read, rows each rule dropped, k-core rounds."""
+    counts, options, inputs = record["counts"], record["options"], record["inputs"]
+
+    def row(label: str, value: int, what: str = "") -> str:
+        return f"  {label:<26}{value:>15,}{' ' + what if what else ''}"
+
+    ids = ", ".join(f"{name} {kind}" for name, kind in record["id_types"].items())
+    lines = [
+        f"ingest       {inputs['files']:,} {inputs['format']} file(s), {inputs['bytes'] / 1e6:,.1f} MB, read with "
+        f"{record['engine']} in {record['seconds']:.1f} s; original ids: {ids}",
+        row("rows read", counts["rows_read"]),
+        row("null or empty user id", counts["dropped_null_user"], "dropped"),
+        row("null or empty item id", counts["dropped_null_item"], "dropped"),
+    ]
+    if options.get("min_rating") is not None:
+        lines.append(row(f"rating below {options['min_rating']:g}", counts["dropped_below_min_rating"], "dropped"))
+    lines.append(row(f"duplicates ({options['dedup']})", counts["merged_duplicates"], "merged"))
+    if options["min_user_items"] > 1 or options["min_item_users"] > 1:
+        lines.append(
+            f"  k-core ({options['min_user_items']} items a user, {options['min_item_users']} users an item): "
+            f"{counts['k_core_rounds']} round(s) dropped {counts['k_core_dropped_rows']:,} rows, "
+            f"{counts['k_core_dropped_users']:,} users, {counts['k_core_dropped_items']:,} items"
+        )
+    split = record["split"]
+    if split["mode"] == "time":
+        how = f"valid from {split['valid_from']}, test from {split['test_from']}"
+    else:
+        how = "/".join(f"{f:g}" for f in split["fractions"]) + (
+            f", seed {options['seed']}" * (split["mode"] == "random")
+        )
+    lines.append(f"split        {split['mode']} ({how})")
+    return lines
 
 
 def format_manifest(manifest: dict, root) -> str:
@@ -165,6 +328,8 @@ def format_manifest(manifest: dict, root) -> str:
         )
         total += split["rows"]
     lines.append(f"{'total':<12} {total:>15,} ratings")
+    if manifest.get("ingest"):
+        lines.extend(format_ingest(manifest["ingest"]))
     if manifest.get("truth"):
         lines.append(f"truth        {manifest['truth']} (true user/item factors)")
     recorded = manifest.get("integrity")

@@ -38,6 +38,7 @@ stream, evaluation, export); the readers also take a directory (:func:`as_manife
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -49,7 +50,10 @@ from bigrank import integrity
 from bigrank.atomic import temporary_path, write_atomic, write_json_atomic  # noqa: F401 (re-exported)
 from bigrank.errors import CorruptFileError
 
-FORMAT_VERSION = 1
+# 2: ingested datasets: original ids of any type with counts in users/items.parquet, dense ids by hash order, the
+# random split by a seeded hash; every dataset: the per-user index written with it (``user_index``). 1 still reads.
+FORMAT_VERSION = 2
+READABLE_VERSIONS = (1, 2)
 MANIFEST_NAME = "manifest.json"
 SPLITS = ("train", "valid", "test")
 ROW_GROUP_SIZE = 1 << 20
@@ -154,17 +158,83 @@ def write_split_parts(
 
     Returns the relative paths written (none when the columns are empty).
     """
-    root = Path(root)
     lengths = {len(values) for values in columns.values()}
     if len(lengths) != 1:
         raise ValueError(f"columns of split {split!r} have different lengths: {sorted(lengths)}")
-    (rows,) = lengths
-    written = []
-    for index, start in enumerate(range(0, rows, rows_per_file)):
-        name = part_name(split, first_part + index)
-        piece = {key: values[start : start + rows_per_file] for key, values in columns.items()}
-        write_parquet_atomic(root / name, piece, row_group_size=row_group_size, compression=compression)
-        written.append(name)
+    return write_split_batches(
+        root,
+        split,
+        [arrow_table(columns)],
+        lambda index: part_name(split, first_part + index),
+        rows_per_file,
+        row_group_size,
+        compression,
+    )
+
+
+def write_split_batches(
+    root: str | Path,
+    split: str,
+    batches: Iterable,
+    name_of: Callable[[int], str] | None = None,
+    rows_per_file: int = ROWS_PER_FILE,
+    row_group_size: int = ROW_GROUP_SIZE,
+    compression: str = COMPRESSION,
+) -> list[str]:
+    """Stream ``batches`` (pyarrow RecordBatches or Tables of one schema, in the layout's column types) into part
+    files of ``rows_per_file`` rows and row groups of ``row_group_size`` rows, each written atomically with page
+    checksums; memory holds one row group. ``name_of(k)`` is the relative path of the k-th file (default
+    ``part_name(split, k)``). Returns the relative paths written (none for no rows)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    root = Path(root)
+    name_of = name_of or (lambda index: part_name(split, index))
+    written: list[str] = []
+    state = {"writer": None, "tmp": None, "rows": 0}
+
+    def close() -> None:
+        if state["writer"] is not None:
+            state["writer"].close()
+            os.replace(state["tmp"], root / written[-1])
+            state["writer"] = None
+
+    def write(table) -> None:
+        if state["writer"] is None:
+            written.append(name_of(len(written)))
+            path = root / written[-1]
+            path.parent.mkdir(parents=True, exist_ok=True)
+            state["tmp"] = temporary_path(path)
+            state["writer"] = pq.ParquetWriter(
+                state["tmp"], table.schema, compression=compression, **integrity.PARQUET_WRITE_OPTIONS
+            )
+            state["rows"] = 0
+        state["writer"].write_table(table, row_group_size=row_group_size)
+        state["rows"] += table.num_rows
+        if state["rows"] >= rows_per_file:
+            close()
+
+    pending, pending_rows = [], 0
+    try:
+        for batch in batches:
+            pending.append(batch if isinstance(batch, pa.Table) else pa.Table.from_batches([batch]))
+            pending_rows += batch.num_rows
+            # Emit whole row groups, never crossing a file boundary, so every file but the last holds exactly
+            # rows_per_file rows and every row group but a file's last exactly row_group_size.
+            while pending_rows >= row_group_size:
+                table = pa.concat_tables(pending)
+                room = rows_per_file - state["rows"] if state["writer"] is not None else rows_per_file
+                take = min(row_group_size, room)
+                write(table.slice(0, take))
+                rest = table.slice(take)
+                pending, pending_rows = ([rest] if rest.num_rows else []), rest.num_rows
+        if pending_rows:
+            write(pa.concat_tables(pending))
+        close()
+    finally:
+        if state["writer"] is not None:
+            state["writer"].close()
+            Path(state["tmp"]).unlink(missing_ok=True)
     return written
 
 
@@ -223,12 +293,16 @@ def write_manifest(
     source: str,
     generator: Mapping,
     extra: Mapping | None = None,
+    user_index: bool = True,
+    progress: Callable[[str], None] | None = None,
 ) -> dict:
     """Describe the split files from their footers and write ``<root>/manifest.json`` atomically.
 
     Call it only after every data file is in place: the manifest is the mark of a complete dataset.
     ``extra`` adds keys (e.g. ``num_rated_items``). Records the size and CRC-32 of every data file
-    (``integrity_entry``). Returns the manifest.
+    (``integrity_entry``). With ``user_index`` it first writes each split's per-user index
+    (``bigrank.data.user_index``: what evaluation reads a user's items from), streamed, and lists them under
+    ``user_index``; ``progress`` gets a line now and then. Returns the manifest.
     """
     root = Path(root)
     splits = {name: describe_files(root, files) for name, files in split_files.items()}
@@ -250,6 +324,15 @@ def write_manifest(
     }
     manifest.update(extra or {})
     manifest["integrity"] = integrity_entry(root, [name for split in splits.values() for name in split["files"]])
+    if user_index:
+        from bigrank.data.user_index import build_index
+
+        dataset = DatasetManifest(root, int(num_users), int(num_items), manifest["splits"], manifest)
+        manifest["user_index"] = {
+            name: build_index(dataset, name, progress).relative_to(root).as_posix()
+            for name, split in splits.items()
+            if split["rows"]
+        }
     write_json_atomic(root / MANIFEST_NAME, manifest)
     return manifest
 
@@ -287,8 +370,11 @@ def load_manifest(root: str | Path) -> dict:
     missing = [key for key in REQUIRED_KEYS if key not in manifest]
     if missing:
         raise ValueError(f"{path} lacks the keys {missing}")
-    if manifest["format_version"] != FORMAT_VERSION:
-        raise ValueError(f"{path} has format_version {manifest['format_version']}, this bigrank reads {FORMAT_VERSION}")
+    if manifest["format_version"] not in READABLE_VERSIONS:
+        raise ValueError(
+            f"{path} has format_version {manifest['format_version']}, this bigrank reads "
+            f"{' and '.join(map(str, READABLE_VERSIONS))}"
+        )
     for name, split in manifest["splits"].items():
         for key in ("rows", "files", "file_rows", "row_groups"):
             if key not in split:

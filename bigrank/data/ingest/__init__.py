@@ -1,0 +1,122 @@
+"""``bigrank ingest``: interaction logs (Parquet, CSV/TSV, JSON Lines; MovieLens as a preset) -> a bigrank dataset.
+
+::
+
+    bigrank ingest PATH… --out DIR --user COL --item COL [--time COL] [--rating COL | --weight COL]
+                   [--min-rating X] [--dedup last|first|sum|max] [--min-user-items N] [--min-item-users M]
+                   [--split random|last|time] [--fractions 0.8,0.1,0.1] [--valid-from T --test-from T] [--seed S]
+                   [--items-file PATH --item-key COL] [--memory-limit 8GB] [--threads N] [--address RAY]
+
+What it reads: ``bigrank.data.ingest.sources``; the steps: ``bigrank.data.ingest.pipeline``; one machine's engine
+is DuckDB (``bigrank.data.ingest.store``: spills to disk under ``--memory-limit``), a cluster's is Ray tasks each
+running DuckDB on a bucket of users (``bigrank.data.ingest.cluster``), with the same result.
+
+The dataset (``bigrank.data.manifest``, format 2): ``{train,valid,test}/part-*.parquet`` sorted by
+``(user_id, item_id)``; ``users.parquet`` / ``items.parquet`` with ``original_id`` in the source's type (int64 or
+string), ``count`` and ``first_seen`` (epoch seconds, when there is a time), the items with the items file's
+attributes; the per-user index of each split; ``manifest.json`` last, with an ``ingest`` entry counting what
+each step did (``bigrank data-info DIR``). Dense ids are the ranks of the original ids by ``(xxh64, id)``
+(``bigrank.data.ingest.hashing``): the same input and options always give the same dataset.
+
+Bad input is a :class:`~bigrank.errors.CommandError` naming the problem (``bigrank`` prints one line, exit status
+2) and no manifest is written; SIGINT/SIGTERM stop the engine at once and delete what was written (exit status
+130/143). An ingest killed outright leaves its ``.ingest`` directory: the same command then starts over.
+"""
+
+from __future__ import annotations
+
+import shutil
+import threading
+from pathlib import Path
+
+from bigrank.data import manifest as layout
+from bigrank.data.ingest import movielens
+from bigrank.data.ingest.options import IngestOptions
+from bigrank.data.ingest.pipeline import WORK_DIR, LocalEngine, Progress, clear, prepare_out, run
+from bigrank.data.ingest.sources import open_source
+
+__all__ = ["IngestOptions", "ingest"]
+
+
+def ingest(paths, out, options: IngestOptions | None = None, **settings) -> dict:
+    """Ingest the interaction logs at ``paths`` (files, directories, globs; or a MovieLens directory) into the new
+    dataset ``out``; returns its manifest. ``options`` (or ``settings``, its fields by name) say what to read and
+    how to clean and split it (:class:`IngestOptions`)."""
+    options = options or IngestOptions(**settings)
+    paths = [paths] if isinstance(paths, str | Path) else list(paths)
+    paths, options = movielens.apply_preset(paths, options)
+    options = options.check()
+    say = Progress(options.progress)
+    source = open_source(paths, options.format, options.delimiter, options.header, options.encoding)
+    out = Path(out)
+    prepare_out(out)
+    engine = None
+    try:
+        engine = _engine(out / WORK_DIR, options)
+        record, split_files, num_users, num_items = _interruptible(
+            lambda: run(source, out, options, engine, say), engine
+        )
+        engine.close()
+        engine = None
+        from bigrank.signals import graceful_stop, raise_for
+
+        with graceful_stop(raise_for):  # a signal while the indexes are written stops at once, cleaned up below
+            manifest = layout.write_manifest(
+                out,
+                num_users=num_users,
+                num_items=num_items,
+                split_files=split_files,
+                seed=options.seed,
+                source=f"{options.preset or 'ingest'}:{source.files[0] if len(source.files) == 1 else Path(source.files[0]).parent}",
+                generator={
+                    "ingest": options.preset or "interactions",
+                    "split": options.split,
+                    "fractions": list(options.fractions),
+                },
+                extra={"num_rated_users": num_users, "num_rated_items": num_items, "truth": None, "ingest": record},
+                progress=say,
+            )
+    except BaseException:
+        if engine is not None:
+            engine.close()
+        clear(out)
+        raise
+    shutil.rmtree(out / WORK_DIR, ignore_errors=True)
+    say(f"done: {out} ({manifest['num_ratings']:,} ratings)")
+    return manifest
+
+
+def _engine(work: Path, options: IngestOptions):
+    if options.address is None:
+        return LocalEngine(work, options)
+    from bigrank.data.ingest.cluster import RayEngine
+
+    return RayEngine(work, options)
+
+
+def _interruptible(work, engine):
+    """Run ``work()`` in a thread while this (main) thread takes SIGINT/SIGTERM: the first signal interrupts the
+    engine's running query and the work thread ends; then the signal's exception (KeyboardInterrupt / Terminated)
+    is raised here. A second signal raises at once."""
+    from bigrank.signals import graceful_stop, raise_for
+
+    if threading.current_thread() is not threading.main_thread():
+        return work()
+    outcome: dict = {}
+
+    def target() -> None:
+        try:
+            outcome["value"] = work()
+        except BaseException as error:  # noqa: BLE001 - handed to the main thread
+            outcome["error"] = error
+
+    thread = threading.Thread(target=target, name="bigrank-ingest", daemon=True)
+    with graceful_stop(lambda signum: engine.interrupt()) as stop:
+        thread.start()
+        while thread.is_alive():
+            thread.join(0.2)
+    if stop.signum is not None:
+        raise_for(stop.signum)
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome["value"]

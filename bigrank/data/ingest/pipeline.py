@@ -1,0 +1,539 @@
+"""The ingest driver: the steps over the row stores, what is reduced between them, and the dataset it writes.
+
+Steps (``run``), each counted in the manifest's ``ingest`` entry:
+
+1. **load** — scan the inputs into the stores (``u, i, t, v``); count rows read, null or empty ids, times and
+   values that do not parse (an error naming the file and row), values below ``--min-rating``;
+2. **encode** — integer codes for the ids; items are coded by the driver from every store's distinct items, in
+   the order of their original ids (the ``last`` split breaks ties in time by it, as format 1 did);
+3. **dedup** — one row per (user, item) pair;
+4. **k-core** — drop users with fewer than ``--min-user-items`` pairs and items with fewer than
+   ``--min-item-users`` users, again until nothing changes (item counts summed over the stores each round);
+5. **vocabularies** — dense ids by ``(xxh64, id)`` (``bigrank.data.ingest.hashing``): a store ranks its users,
+   the driver offsets them by the stores before it (stores hold contiguous ranges of user hashes) and ranks the
+   items;
+6. **split** — random (exact sizes: the cut points are found from the stores' histograms of their rows' keys),
+   per user by time, or at a global time;
+7. **write** — each store writes its rows of each split sorted by ``(user_id, item_id)``; the driver names the
+   parts in order, writes ``users.parquet`` / ``items.parquet`` (with the items file's attributes), and the
+   manifest, which builds the per-user indexes first (``bigrank.data.manifest.write_manifest``).
+
+The stores are reached through an engine (:class:`LocalEngine` here, ``bigrank.data.ingest.cluster.RayEngine``
+on a cluster) whose ``map(method, *args)`` calls a :class:`~bigrank.data.ingest.store.RowStore` method on every
+store and returns their results in store order. Whatever the engine, the same input and options give the same
+dataset.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+
+from bigrank.data import manifest as layout
+from bigrank.data.ingest.hashing import rank_ids
+from bigrank.data.ingest.options import IngestOptions, parse_time
+from bigrank.data.ingest.sources import Source, duckdb_error, open_source, quote_identifier, quote_literal
+from bigrank.data.ingest.store import Columns, RowStore
+from bigrank.errors import CommandError
+
+__all__ = ["Interrupted", "LocalEngine", "Progress", "clear", "prepare_out", "run"]
+
+WORK_DIR = ".ingest"  # under --out: the stores' databases and spill files; its presence marks an unfinished ingest
+BATCH_ROWS = 1 << 17
+VOCAB_COLUMNS = ("original_id", "count", "first_seen")
+
+
+class Progress:
+    """Lines about the ingest's progress on stderr, with the seconds since it started (silent when off)."""
+
+    def __init__(self, enabled: bool):
+        self.enabled = enabled
+        self.started = time.monotonic()
+
+    def __call__(self, line: str) -> None:
+        if self.enabled:
+            print(f"[{time.monotonic() - self.started:7.1f}s] {line}", file=sys.stderr, flush=True)
+
+
+class Interrupted(CommandError):
+    """The engine was asked to stop (a signal reached the command): the ingest's work ends with this."""
+
+
+class LocalEngine:
+    """One :class:`RowStore` in this process holding every row (DuckDB spills what does not fit to disk)."""
+
+    def __init__(self, work: Path, options: IngestOptions):
+        self.stores = [RowStore(work / "store-00000", options.memory_bytes(), options.thread_count())]
+        self.name = "duckdb"
+        self.stopped = False
+
+    def load(self, source: Source, columns: Columns, min_rating) -> list[dict]:
+        """Scan every input file into the store."""
+        return self.map_each("load", [(source.scan(), columns, min_rating)])
+
+    def map(self, method: str, *args) -> list:
+        """``store.method(*args)`` of every store, in store order."""
+        return self.map_each(method, [args] * len(self.stores))
+
+    def map_each(self, method: str, args: list[tuple]) -> list:
+        """``store_k.method(*args[k])`` of every store k, in store order."""
+        results = []
+        for store, given in zip(self.stores, args, strict=True):
+            if self.stopped:
+                raise Interrupted("stopped")
+            results.append(getattr(store, method)(*given))
+        return results
+
+    def interrupt(self) -> None:
+        """Stop: the running query raises, and no other starts (from another thread, e.g. a signal handler's)."""
+        self.stopped = True
+        for store in self.stores:
+            store.interrupt()
+
+    def close(self) -> None:
+        for store in self.stores:
+            store.close()
+
+
+# ------------------------------------------------------------------------------------------------ the output
+def prepare_out(out: Path) -> None:
+    """Make ``out`` ready: new, empty, or left by an ingest that did not finish (its ``.ingest`` directory is there
+    and no manifest): its files are deleted. CommandError for any other non-empty directory."""
+    if out.exists() and not out.is_dir():
+        raise CommandError(f"--out {out} is a file; give a new or empty directory")
+    if out.is_dir() and any(out.iterdir()):
+        if (out / WORK_DIR).is_dir() and not (out / layout.MANIFEST_NAME).exists():
+            clear(out)
+        else:
+            raise CommandError(f"--out {out} is not empty; give a new or empty directory")
+    out.mkdir(parents=True, exist_ok=True)
+    (out / WORK_DIR).mkdir()
+
+
+def clear(out: Path) -> None:
+    """Delete what an ingest writes in ``out`` (it leaves ``out`` itself)."""
+    for child in out.iterdir():
+        if child.is_dir() and not child.is_symlink():
+            shutil.rmtree(child, ignore_errors=True)
+        else:
+            child.unlink(missing_ok=True)
+
+
+# ------------------------------------------------------------------------------------------------- the steps
+def _columns(source: Source, options: IngestOptions, say) -> Columns:
+    user = source.column(options.user, "--user")
+    item = source.column(options.item, "--item")
+    time_column = source.column(options.time, "--time") if options.time else None
+    value_option = "--rating" if options.rating else "--weight"
+    value = source.column(options.value, value_option) if options.value else None
+    factor = 1000
+    if time_column is not None:
+        unit = options.time_unit
+        if unit == "auto":
+            sample = _time_sample_max(source, time_column)
+            unit = "ms" if sample is not None and sample > 1e11 else "s"  # 1e11 s is the year 5138
+            if sample is not None:
+                say(
+                    f"times are numbers up to {sample:.0f} in the first rows: epoch {'milliseconds' if unit == 'ms' else 'seconds'} (--time-unit)"
+                )
+        factor = 1 if unit == "ms" else 1000
+    return Columns(source, user, item, time_column, value, factor)
+
+
+def _time_sample_max(source: Source, column: str) -> float | None:
+    import duckdb
+
+    con = duckdb.connect()
+    try:
+        value = con.sql(
+            f"SELECT max(abs(TRY_CAST({quote_identifier(column)} AS DOUBLE))) FROM "
+            f"(SELECT {quote_identifier(column)} FROM {source.scan(source.files[:1])} LIMIT 10000)"
+        ).fetchall()[0][0]
+    except Exception:  # a timestamp column: TRY_CAST gives NULL
+        value = None
+    finally:
+        con.close()
+    return None if value is None else float(value)
+
+
+def locate_bad_row(source: Source, columns: Columns, what: str) -> str:
+    """Where the first value of ``what`` ("time" or "value") that does not parse is: ``FILE row N: …``.
+
+    Reads the files in order, one at a time, in their row order (the error path only)."""
+    import duckdb
+
+    name = columns.time if what == "time" else columns.value
+    parsed = columns.time_sql() if what == "time" else columns.value_sql()
+    bad = "parsed IS NULL" if what == "time" else "parsed IS NULL OR NOT isfinite(parsed)"
+    ids = f"{columns.id_sql(columns.user)} IS NOT NULL AND {columns.id_sql(columns.item)} IS NOT NULL"
+    con = duckdb.connect(config={"preserve_insertion_order": True, "threads": 1})
+    con.execute("SET TimeZone = 'UTC'").fetchall()
+    try:
+        for file in source.files:
+            reader = con.sql(
+                f"SELECT CAST({quote_identifier(name)} AS VARCHAR) AS raw, ({bad}) AND {ids} AS bad FROM "
+                f"(SELECT *, {parsed} AS parsed FROM {source.scan([file])})"
+            ).to_arrow_reader(BATCH_ROWS)
+            seen = 0
+            for batch in reader:
+                flags = batch.column(1).to_numpy(zero_copy_only=False)
+                hits = np.flatnonzero(flags == True)  # noqa: E712 - nulls (a null id) are not hits
+                if len(hits):
+                    row = seen + int(hits[0])
+                    raw = batch.column(0)[int(hits[0])].as_py()
+                    line = f" (line {row + 1 + int(source.header)})" if source.format == "csv" else ""
+                    kind = (
+                        "a time (epoch seconds or milliseconds, or ISO-8601)" if what == "time" else "a finite number"
+                    )
+                    return f"{file} row {row + 1}{line}: column {name!r} holds {raw!r}, which is not {kind}"
+                seen += batch.num_rows
+    finally:
+        con.close()
+    return f"a {what} value that does not parse (column {name!r}; not located)"
+
+
+def _item_codes(distinct: list, integer_ids: bool):
+    """Every store's distinct items -> ``(ids, codes table)``: ids in the order of their original values (numeric
+    when ``integer_ids``), coded 0, 1, … in that order."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    ids = pc.unique(pa.chunked_array([d for d in distinct if len(d)] or [pa.array([], type=distinct[0].type)]))
+    ids = ids.combine_chunks() if isinstance(ids, pa.ChunkedArray) else ids
+    ordered = ids.cast(pa.int64()) if integer_ids and not pa.types.is_integer(ids.type) else ids
+    order = pc.sort_indices(ordered)
+    return ordered.take(order), pa.table({"id": ids.take(order), "ic": pa.array(np.arange(len(ids)), type=pa.int32())})
+
+
+def _all_integers(ids) -> bool:
+    """Whether every text id of the pyarrow array ``ids`` is a canonically written int64."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    if pa.types.is_integer(ids.type):
+        return True
+    try:
+        numbers = pc.cast(ids, pa.int64())
+    except (pa.ArrowInvalid, pa.ArrowNotImplementedError):
+        return False
+    return bool(pc.all(pc.equal(pc.cast(numbers, pa.string()), ids.cast(pa.string()))).as_py() is not False)
+
+
+def _random_cuts(engine, seed: int, total: int, fractions) -> list:
+    """The ``(key, user_id, item_id)`` cut points that give the random split its exact sizes
+    (``round(f * total)`` train and valid rows), from the stores' key histograms and the rows of the bins a cut
+    falls in. Rows are ranked by key (a seeded hash of the pair), ties by the pair."""
+    import pyarrow as pa
+
+    histogram = np.sum(engine.map("key_histogram", seed), axis=0)
+    before = np.concatenate([[0], np.cumsum(histogram)])
+    sizes = [int(round(fractions[0] * total)), int(round(fractions[1] * total))]
+    cuts = []
+    for rank in (sizes[0], sizes[0] + sizes[1]):  # the first row of valid, the first row of test
+        if rank >= total:
+            cuts.append(None)
+            continue
+        bin_ = int(np.searchsorted(before, rank, side="right") - 1)
+        rows = pa.concat_tables(engine.map("keys_in_bin", seed, bin_)).sort_by(
+            [("key", "ascending"), ("user_id", "ascending"), ("item_id", "ascending")]
+        )
+        row = rows.slice(rank - int(before[bin_]), 1).to_pylist()[0]
+        cuts.append((row["key"], row["user_id"], row["item_id"]))
+    return cuts
+
+
+def _vocabulary_table(id_name: str, count: int, originals, counts, firsts_ms, extra=None):
+    import pyarrow as pa
+
+    columns = {
+        id_name: pa.array(np.arange(count, dtype=np.int32)),
+        "original_id": originals,
+        "count": pa.array(np.asarray(counts, dtype=np.int64)),
+    }
+    if firsts_ms is not None:
+        columns["first_seen"] = pa.array(np.floor_divide(np.asarray(firsts_ms, dtype=np.int64), 1000))
+    table = pa.table(columns)
+    for name, column in (extra or {}).items():
+        table = table.append_column(name, column)
+    return table
+
+
+def _write_vocabulary(path: Path, table) -> None:
+    import pyarrow.parquet as pq
+
+    from bigrank import integrity
+
+    layout.write_atomic(
+        path, lambda tmp: pq.write_table(table, tmp, compression=layout.COMPRESSION, **integrity.PARQUET_WRITE_OPTIONS)
+    )
+
+
+def item_attributes(items, options: IngestOptions, integer_ids: bool, say):
+    """The attribute columns of the items file for ``items`` (original ids in dense order): ``{name: array}``,
+    null for items the file does not list. CommandError for a missing key column, a key that is not unique,
+    or an attribute named like a vocabulary column."""
+    import duckdb
+    import pyarrow as pa
+
+    spec = options.extra.get("items_source") or {}
+    source = open_source(
+        [options.items_file],
+        spec.get("format", options.items_format),
+        spec.get("delimiter"),
+        spec.get("header"),
+        spec.get("encoding", "utf-8"),
+        typed_text=True,
+    )
+    key = source.column(options.item_key, "--item-key")
+    renames = spec.get("columns") or {name: name for name in source.columns if name != key}
+    clash = sorted(set(renames.values()) & {"item_id", *VOCAB_COLUMNS})
+    if clash:
+        raise CommandError(
+            f"--items-file {options.items_file}: the columns {clash} clash with the vocabulary's; rename them"
+        )
+    con = duckdb.connect()
+    try:
+        key_type = "BIGINT" if integer_ids else "VARCHAR"
+        selected = ", ".join(f"{quote_identifier(src)} AS {quote_identifier(dst)}" for src, dst in renames.items())
+        con.execute(
+            f"CREATE TABLE attributes AS SELECT TRY_CAST({quote_identifier(key)} AS {key_type}) AS item_key"
+            f"{', ' + selected if selected else ''} FROM {source.scan()}"
+        ).fetchall()
+        duplicate = con.sql(
+            "SELECT item_key, count(*) FROM attributes WHERE item_key IS NOT NULL GROUP BY item_key HAVING count(*) > 1 "
+            "ORDER BY item_key LIMIT 1"
+        ).fetchall()
+        if duplicate:
+            duplicate = duplicate[0]
+            raise CommandError(
+                f"--items-file {options.items_file}: the key {duplicate[0]!r} of column {key!r} appears {duplicate[1]} "
+                "times; each item must appear once"
+            )
+        con.register("vocabulary", pa.table({"item_key": items, "position": np.arange(len(items))}))
+        joined = con.sql(
+            "SELECT attributes.* EXCLUDE (item_key) FROM vocabulary LEFT JOIN attributes USING (item_key) "
+            "ORDER BY position"
+        ).to_arrow_table()
+        listed = int(con.sql("SELECT count(*) FROM vocabulary SEMI JOIN attributes USING (item_key)").fetchall()[0][0])
+    except CommandError:
+        raise
+    except Exception as error:  # DuckDB's IO/conversion errors name the file
+        raise CommandError(f"cannot read --items-file {options.items_file}: {duckdb_error(error)}") from None
+    finally:
+        con.close()
+    say(f"items file: {listed:,} of {len(items):,} items have attributes ({', '.join(joined.column_names)})")
+    return {name: joined.column(name) for name in joined.column_names}
+
+
+def run(source: Source, out: Path, options: IngestOptions, engine, say) -> dict:
+    """The steps (module docstring) over ``engine``'s stores; writes the dataset in ``out`` and returns its
+    manifest."""
+    import pyarrow as pa
+
+    started = time.monotonic()
+    columns = _columns(source, options, say)
+    counts: dict[str, int] = {}
+    say(f"reading {len(source.files)} {source.format} file(s) ({_size(source.files)}) with {engine.name}")
+    loaded = engine.load(source, columns, options.min_rating)
+    for name in loaded[0]:
+        counts[name] = int(sum(part[name] for part in loaded))
+    say(f"read {counts['rows_read']:,} rows")
+    for what, key in (("time", "bad_time"), ("value", "bad_value")):
+        if counts[key]:
+            where = locate_bad_row(source, columns, what)
+            raise CommandError(f"{counts[key]:,} row(s) hold a {what} that does not parse; the first: {where}")
+    with_ids = counts["rows_read"] - counts["null_user"] - counts["null_item"]
+    if with_ids == 0:
+        raise CommandError(
+            f"nothing left: all {counts['rows_read']:,} rows have a null or empty user or item id "
+            f"(columns {columns.user!r}, {columns.item!r})"
+        )
+
+    # encode
+    distinct = engine.map("distinct_ids", "i")
+    integer_items = not columns.item_is_text() or (
+        source.format == "csv" and all(_all_integers(d) for d in distinct if len(d))
+    )
+    item_originals, item_codes = _item_codes(distinct, integer_items)
+    kept = sum(engine.map("encode", item_codes, options.min_rating))
+    if kept == 0:
+        raise CommandError(f"nothing left after --min-rating {options.min_rating}: every rating is below it")
+    say(
+        f"{kept:,} rows with both ids"
+        + (f" and a rating >= {options.min_rating}" if options.min_rating is not None else "")
+    )
+
+    # dedup
+    pairs = sum(engine.map("dedup", options.dedup))
+    counts["duplicates"] = kept - pairs
+    say(f"dedup ({options.dedup}): {counts['duplicates']:,} duplicate rows merged, {pairs:,} pairs")
+
+    # k-core
+    rounds, before = 0, pairs
+    num_codes = len(item_originals)
+    users_start = sum(engine.map("num_users"))
+    users_left = users_start
+    while options.min_user_items > 1 or options.min_item_users > 1:
+        item_counts = np.sum(engine.map("item_counts", num_codes), axis=0)
+        dropped_items = np.flatnonzero((item_counts > 0) & (item_counts < options.min_item_users)).astype(np.int32)
+        users_below = sum(engine.map("users_below", options.min_user_items))
+        if len(dropped_items) == 0 and users_below == 0:
+            break
+        rounds += 1
+        previous = pairs
+        results = engine.map("drop", options.min_user_items, dropped_items)
+        pairs, users_left = sum(r[0] for r in results), sum(r[1] for r in results)
+        say(
+            f"k-core round {rounds}: {users_below:,} users and {len(dropped_items):,} items below it, {pairs:,} pairs left"
+        )
+        if pairs == 0:
+            raise CommandError(
+                f"nothing left after the k-core (--min-user-items {options.min_user_items} --min-item-users "
+                f"{options.min_item_users}): round {rounds} removed the last {previous:,} pairs ({before:,} before it)"
+            )
+    counts["k_core_rows"] = before - pairs
+    counts["k_core_users"] = users_start - users_left
+
+    # vocabularies
+    item_count, item_first = _reduce_item_stats(engine.map("item_stats", num_codes))
+    present = np.flatnonzero(item_count > 0)
+    originals = item_originals.take(pa.array(present))
+    order = rank_ids(originals)
+    item_ids = np.empty(len(present), dtype=np.int32)
+    item_ids[order] = np.arange(len(present), dtype=np.int32)
+    integer_users = not columns.user_is_text() or (source.format == "csv" and all(engine.map("users_are_integers")))
+    user_tables = engine.map("user_vocabulary", integer_users)
+    offsets = np.concatenate([[0], np.cumsum([t.num_rows for t in user_tables])]).astype(np.int64)
+    engine.map_each(
+        "finalize",
+        [(int(o), pa.table({"ic": pa.array(present, type=pa.int32()), "item_id": item_ids})) for o in offsets[:-1]],
+    )
+    users = pa.concat_tables(user_tables)
+    num_users, num_items = users.num_rows, len(present)
+    say(f"vocabularies: {num_users:,} users, {num_items:,} items")
+
+    # split
+    if options.split == "random":
+        engine.map("label_random", options.seed, _random_cuts(engine, options.seed, pairs, options.fractions))
+    elif options.split == "last":
+        engine.map("label_last", options.fractions[1], options.fractions[2])
+    else:
+        engine.map(
+            "label_time", parse_time(options.valid_from, "--valid-from"), parse_time(options.test_from, "--test-from")
+        )
+    split_rows = np.sum(engine.map("split_counts"), axis=0).tolist()
+    for label, name in enumerate(layout.SPLITS):
+        expected = options.fractions[label] > 0 if options.split != "time" else True
+        if expected and split_rows[label] == 0:
+            raise CommandError(f"the {name} split has no rows ({_split_rule(options, name)}); {pairs:,} pairs in all")
+    say("split " + ", ".join(f"{name} {rows:,}" for name, rows in zip(layout.SPLITS, split_rows, strict=True)))
+
+    # write
+    split_files = {}
+    for label, name in enumerate(layout.SPLITS):
+        pieces = engine.map_each(
+            "write_split",
+            [(str(out), name, label, f".store-{k:05d}", options.value_name) for k in range(len(offsets) - 1)],
+        )
+        split_files[name] = []
+        for piece in pieces:
+            for relative in piece:
+                final = layout.part_name(name, len(split_files[name]))
+                os.replace(out / relative, out / final)
+                split_files[name].append(final)
+    firsts = users.column("first_seen_ms").to_numpy() if "first_seen_ms" in users.column_names else None
+    _write_vocabulary(
+        out / "users.parquet",
+        _vocabulary_table("user_id", num_users, users.column("original_id"), users.column("count"), firsts),
+    )
+    attributes = (
+        item_attributes(originals.take(pa.array(order)), options, integer_items, say) if options.items_file else None
+    )
+    item_firsts = None if item_first is None else item_first[present][order]
+    _write_vocabulary(
+        out / "items.parquet",
+        _vocabulary_table(
+            "item_id", num_items, originals.take(pa.array(order)), item_count[present][order], item_firsts, attributes
+        ),
+    )
+    record = {
+        "engine": engine.name,
+        "inputs": {
+            "files": len(source.files),
+            "format": source.format,
+            "first": source.files[0],
+            "bytes": _bytes(source.files),
+        },
+        "columns": {
+            "user": columns.user,
+            "item": columns.item,
+            "time": columns.time,
+            options.value_name or "value": columns.value,
+        },
+        "id_types": {"user": "int64" if integer_users else "string", "item": "int64" if integer_items else "string"},
+        "options": options.record(),
+        "time_unit": "ms" if columns.time_factor == 1 else "s",
+        "counts": {
+            "rows_read": counts["rows_read"],
+            "dropped_null_user": counts["null_user"],
+            "dropped_null_item": counts["null_item"],
+            "dropped_below_min_rating": counts["below_min_rating"],
+            "merged_duplicates": counts["duplicates"],
+            "k_core_rounds": rounds,
+            "k_core_dropped_rows": counts["k_core_rows"],
+            "k_core_dropped_users": counts["k_core_users"],
+            "k_core_dropped_items": int(num_codes - num_items),
+        },
+        "split": {
+            "mode": options.split,
+            "fractions": list(options.fractions),
+            "rows": dict(zip(layout.SPLITS, split_rows, strict=True)),
+        },
+        "duckdb": _duckdb_version(),
+        "seconds": round(time.monotonic() - started, 1),
+    }
+    if options.split == "time":
+        record["split"].update(valid_from=options.valid_from, test_from=options.test_from)
+    return record, split_files, num_users, num_items
+
+
+def _split_rule(options: IngestOptions, name: str) -> str:
+    if options.split == "time":
+        rules = {
+            "train": f"times before --valid-from {options.valid_from}",
+            "valid": f"times in [--valid-from {options.valid_from}, --test-from {options.test_from})",
+            "test": f"times from --test-from {options.test_from} on",
+        }
+        return rules[name]
+    if options.split == "last":
+        return (
+            f"--split last: users need 3 pairs to hold any out; fraction {options.fractions[layout.SPLITS.index(name)]}"
+        )
+    return f"--split random, fraction {options.fractions[layout.SPLITS.index(name)]}"
+
+
+def _reduce_item_stats(parts):
+    counts = np.sum([p[0] for p in parts], axis=0)
+    if parts[0][1] is None:
+        return counts, None
+    return counts, np.min([p[1] for p in parts], axis=0)
+
+
+def _duckdb_version() -> str:
+    import duckdb
+
+    return duckdb.__version__
+
+
+def _bytes(files) -> int:
+    return int(sum(os.path.getsize(f) for f in files))
+
+
+def _size(files) -> str:
+    return f"{_bytes(files) / 1e6:,.1f} MB"

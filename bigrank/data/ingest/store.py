@@ -1,0 +1,375 @@
+"""One DuckDB database holding interaction rows through the cleaning steps: the unit both engines run.
+
+One machine runs one :class:`RowStore` over every row; the cluster engine runs one per bucket of users (a Ray actor
+each, ``bigrank.data.ingest.cluster``). A store only does what needs its own rows; whatever needs every bucket
+(item counts for the k-core, the item vocabulary, the random split's cut points) is reduced by the driver
+(``bigrank.data.ingest.pipeline``) from what the stores return, and handed back. So the same steps, in the same
+order, give the same rows whatever the number of stores.
+
+Tables, in the order the steps create them (each replaces the one before, so one copy of the rows is kept):
+
+    raw     u, i (ids as scanned), t (epoch ms), v (rating or weight), bad (bit 1: time, bit 2: value)
+    rows    uc, ic (integer codes of the ids), t, v                      rows with both ids, above --min-rating
+    pairs   uc, ic, t, v                                                  one row per pair (dedup), then the k-core
+    final   user_id, item_id, ic, t, v, label                             dense ids and the split label (0/1/2)
+
+DuckDB keeps the database in a file under the ingest's temporary directory and spills what does not fit its
+memory limit to disk, so a store's memory is bounded by the limit, not by its rows.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from bigrank.data.ingest.hashing import rank_ids
+from bigrank.data.ingest.sources import INTEGER_TYPES, NUMBER_TYPES, TIME_TYPES, Source, quote_identifier
+
+__all__ = ["Columns", "RowStore", "KEY_BINS_SHIFT"]
+
+KEY_BINS_SHIFT = 48  # the random split's histogram bins are the top 16 bits of a row's 64-bit key
+BAD_TIME, BAD_VALUE = 1, 2
+
+
+class Columns:
+    """The mapped columns of a source and the SQL that turns them into ``u, i, t, v``.
+
+    ``time_factor`` is 1000 for epoch seconds and 1 for epoch milliseconds (numbers); times given as timestamps or
+    ISO-8601 text need none.
+    """
+
+    def __init__(self, source: Source, user: str, item: str, time: str | None, value: str | None, time_factor: int):
+        self.source, self.user, self.item, self.time, self.value = source, user, item, time, value
+        self.time_factor = time_factor
+
+    def id_sql(self, name: str) -> str:
+        kind = self.source.columns[name]
+        column = quote_identifier(name)
+        if kind in ("TINYINT", "SMALLINT", "INTEGER", "BIGINT", "UTINYINT", "USMALLINT", "UINTEGER"):
+            return f"CAST({column} AS BIGINT)"
+        return f"NULLIF(CAST({column} AS VARCHAR), '')"
+
+    def time_sql(self) -> str:
+        kind = self.source.columns[self.time]
+        column = quote_identifier(self.time)
+        number = f"CAST(round(TRY_CAST({column} AS DOUBLE) * {self.time_factor}) AS BIGINT)"
+        if kind in TIME_TYPES or kind.startswith("TIMESTAMP"):
+            return f"epoch_ms(CAST({column} AS TIMESTAMPTZ))"
+        if kind in NUMBER_TYPES:
+            return number
+        return f"COALESCE({number}, epoch_ms(TRY_CAST(CAST({column} AS VARCHAR) AS TIMESTAMPTZ)))"
+
+    def value_sql(self) -> str:
+        return f"TRY_CAST({quote_identifier(self.value)} AS DOUBLE)"
+
+    def select_sql(self) -> str:
+        """``u, i[, t][, v], bad`` of each scanned row."""
+        parts = [f"{self.id_sql(self.user)} AS u", f"{self.id_sql(self.item)} AS i"]
+        bad = []
+        if self.time:
+            parts.append(f"{self.time_sql()} AS t")
+            bad.append(f"(t IS NULL)::UTINYINT * {BAD_TIME}")
+        if self.value:
+            parts.append(f"{self.value_sql()} AS v")
+            bad.append(f"(v IS NULL OR NOT isfinite(v))::UTINYINT * {BAD_VALUE}")
+        return ", ".join(parts), (" + ".join(bad) if bad else "0::UTINYINT")
+
+    def user_is_text(self) -> bool:
+        return self.source.columns[self.user] not in INTEGER_TYPES
+
+    def item_is_text(self) -> bool:
+        return self.source.columns[self.item] not in INTEGER_TYPES
+
+
+class RowStore:
+    """A DuckDB database in ``directory`` holding one set of rows through the steps (see the module docstring).
+
+    ``memory_bytes`` and ``threads`` bound DuckDB; spilled data goes to ``directory/spill``.
+    """
+
+    def __init__(self, directory: str | Path, memory_bytes: int, threads: int):
+        import duckdb
+
+        self.directory = Path(directory)
+        self.directory.mkdir(parents=True, exist_ok=True)
+        config = {
+            "memory_limit": f"{max(int(memory_bytes) >> 20, 64)}MB",
+            "threads": int(threads),
+            "temp_directory": str(self.directory / "spill"),
+            "preserve_insertion_order": False,
+        }
+        self.con = duckdb.connect(str(self.directory / "rows.duckdb"), config=config)
+        self._run("SET TimeZone = 'UTC'")
+        self._run("SET enable_progress_bar = false")
+        self.has_time = self.has_value = False
+
+    def close(self) -> None:
+        """Close the database (its files stay for the caller to delete)."""
+        self.con.close()
+
+    def interrupt(self) -> None:
+        """Stop the query running now (from another thread): it raises in the thread that runs it."""
+        self.con.interrupt()
+
+    def _run(self, sql: str) -> list:
+        """Run ``sql`` to its end (DuckDB 2 wants every result consumed before the next) and return its rows."""
+        return self.con.execute(sql).fetchall()
+
+    def _scalar(self, sql: str):
+        return self._run(sql)[0][0]
+
+    def _arrow(self, sql: str):
+        return self.con.sql(sql).to_arrow_table()
+
+    # ------------------------------------------------------------------------------------------------ load
+    def load(self, scan: str, columns: Columns, min_rating: float | None) -> dict:
+        """Scan the rows (``scan``: a DuckDB table function or a table name) into ``raw``; returns the counts
+        ``rows_read, null_user, null_item, bad_time, bad_value, below_min_rating``."""
+        selected, bad = columns.select_sql()
+        self.has_time, self.has_value = columns.time is not None, columns.value is not None
+        self._run(f"CREATE OR REPLACE TABLE raw AS SELECT *, {bad} AS bad FROM (SELECT {selected} FROM {scan})")
+        both = "u IS NOT NULL AND i IS NOT NULL"
+        below = (
+            f"count(*) FILTER (WHERE {both} AND bad = 0 AND v < {float(min_rating)!r})"
+            if min_rating is not None
+            else "0"
+        )
+        (row,) = self._run(
+            f"SELECT count(*), count(*) FILTER (WHERE u IS NULL), count(*) FILTER (WHERE u IS NOT NULL AND i IS NULL), "
+            f"count(*) FILTER (WHERE {both} AND bad & {BAD_TIME} > 0), "
+            f"count(*) FILTER (WHERE {both} AND bad & {BAD_VALUE} > 0), {below} FROM raw"
+        )
+        names = ("rows_read", "null_user", "null_item", "bad_time", "bad_value", "below_min_rating")
+        return dict(zip(names, (int(x) for x in row), strict=True))
+
+    def distinct_ids(self, column: str):
+        """The distinct non-null ids of ``column`` ("u" or "i") among rows with both ids (a pyarrow array)."""
+        return self._arrow(f"SELECT DISTINCT {column} AS id FROM raw WHERE u IS NOT NULL AND i IS NOT NULL").column(0)
+
+    def encode(self, item_codes, min_rating: float | None) -> int:
+        """Replace the ids by integer codes (users: by this store, in id order; items: ``item_codes``, a pyarrow
+        table ``(id, ic)`` from the driver) and keep the rows with both ids and no value below ``min_rating``;
+        ``raw`` becomes ``rows``. Returns the rows kept."""
+        self._run(
+            "CREATE OR REPLACE TABLE user_codes AS SELECT id, (row_number() OVER (ORDER BY id) - 1)::INTEGER AS uc "
+            "FROM (SELECT DISTINCT u AS id FROM raw WHERE u IS NOT NULL AND i IS NOT NULL)"
+        )
+        self.con.register("item_codes_given", item_codes)
+        self._run("CREATE OR REPLACE TABLE item_codes AS SELECT * FROM item_codes_given")
+        self.con.unregister("item_codes_given")
+        columns = ["uc", "ic"] + (["t"] if self.has_time else []) + (["v"] if self.has_value else [])
+        where = "bad = 0" + (f" AND v >= {float(min_rating)!r}" if min_rating is not None else "")
+        self._run(
+            f"CREATE OR REPLACE TABLE rows AS SELECT {', '.join(columns)} FROM raw "
+            "JOIN user_codes ON raw.u = user_codes.id JOIN item_codes ON raw.i = item_codes.id "
+            f"WHERE {where}"
+        )
+        self._run("DROP TABLE raw")
+        return int(self._scalar("SELECT count(*) FROM rows"))
+
+    # ----------------------------------------------------------------------------------------------- dedup
+    def dedup(self, mode: str) -> int:
+        """Merge the rows of each (user, item) pair into one (``rows`` becomes ``pairs``); returns the pairs.
+
+        ``last``/``first``: the row with the latest/earliest time (ties: the larger/smaller value); ``sum``/``max``:
+        the sum/max of the values, at the latest time. Without a time or value column the pair is kept once.
+        """
+        keep = []
+        if self.has_time and self.has_value and mode in ("last", "first"):
+            pick = "max" if mode == "last" else "min"
+            keep = [f"{pick}(struct_pack(t := t, v := v)) AS m"]
+            select = "uc, ic, m.t AS t, m.v AS v"
+        else:
+            if self.has_time:
+                keep.append(f"{'min' if mode == 'first' else 'max'}(t) AS t")
+            if self.has_value:
+                keep.append(f"{'sum' if mode == 'sum' else 'max'}(v) AS v")
+            select = "*"
+        aggregates = ", ".join(["uc", "ic", *keep])
+        self._run(
+            f"CREATE OR REPLACE TABLE pairs AS SELECT {select} FROM (SELECT {aggregates} FROM rows GROUP BY uc, ic)"
+        )
+        self._run("DROP TABLE rows")
+        return self.count()
+
+    def count(self) -> int:
+        """Rows of ``pairs``."""
+        return int(self._scalar("SELECT count(*) FROM pairs"))
+
+    # ---------------------------------------------------------------------------------------------- k-core
+    def item_counts(self, num_codes: int) -> np.ndarray:
+        """Pairs per item code: int64[num_codes]."""
+        table = self._arrow("SELECT ic, count(*) AS c FROM pairs GROUP BY ic")
+        counts = np.zeros(num_codes, dtype=np.int64)
+        counts[table.column("ic").to_numpy()] = table.column("c").to_numpy()
+        return counts
+
+    def users_below(self, min_items: int) -> int:
+        """Users with fewer than ``min_items`` pairs."""
+        return int(
+            self._scalar(f"SELECT count(*) FROM (SELECT uc FROM pairs GROUP BY uc HAVING count(*) < {int(min_items)})")
+        )
+
+    def drop(self, min_items: int, dropped_items: np.ndarray) -> tuple[int, int]:
+        """One k-core pass: drop the pairs of users with fewer than ``min_items`` pairs and of the item codes
+        ``dropped_items``; returns ``(pairs, users)`` left."""
+        import pyarrow as pa
+
+        self.con.register("dropped_items", pa.table({"ic": pa.array(dropped_items, type=pa.int32())}))
+        self._run(
+            "CREATE OR REPLACE TABLE pairs_kept AS SELECT * FROM pairs "
+            f"WHERE uc IN (SELECT uc FROM pairs GROUP BY uc HAVING count(*) >= {int(min_items)}) "
+            "AND ic NOT IN (SELECT ic FROM dropped_items)"
+        )
+        self.con.unregister("dropped_items")
+        self._run("DROP TABLE pairs")
+        self._run("ALTER TABLE pairs_kept RENAME TO pairs")
+        return self.count(), self.num_users()
+
+    def num_users(self) -> int:
+        """Distinct users of ``pairs``."""
+        return int(self._scalar("SELECT count(DISTINCT uc) FROM pairs"))
+
+    # ------------------------------------------------------------------------------------------ vocabulary
+    def item_stats(self, num_codes: int) -> tuple[np.ndarray, np.ndarray | None]:
+        """``(pairs, first time in ms or None)`` per item code, int64[num_codes] each (first: INT64 max where
+        the item has no pair)."""
+        first = ", min(t) AS f" if self.has_time else ""
+        table = self._arrow(f"SELECT ic, count(*) AS c{first} FROM pairs GROUP BY ic")
+        codes = table.column("ic").to_numpy()
+        counts = np.zeros(num_codes, dtype=np.int64)
+        counts[codes] = table.column("c").to_numpy()
+        if not self.has_time:
+            return counts, None
+        firsts = np.full(num_codes, np.iinfo(np.int64).max, dtype=np.int64)
+        firsts[codes] = table.column("f").to_numpy()
+        return counts, firsts
+
+    def user_vocabulary(self, integer_ids: bool):
+        """This store's users in dense-id order (by ``(xxh64, id)``, ``bigrank.data.ingest.hashing``) as a pyarrow
+        table ``original_id, count[, first_seen_ms]``; ranks them (``user_ranks``) for :meth:`finalize`."""
+        import pyarrow as pa
+
+        first = ", min(t) AS first_seen_ms" if self.has_time else ""
+        table = self._arrow(
+            f"SELECT user_codes.uc AS uc, id AS original_id, count(*) AS count{first} FROM pairs "
+            "JOIN user_codes ON pairs.uc = user_codes.uc GROUP BY user_codes.uc, id"
+        )
+        ids = table.column("original_id")
+        if integer_ids and not pa.types.is_integer(ids.type):
+            ids = ids.cast(pa.int64())
+        order = rank_ids(ids.combine_chunks() if isinstance(ids, pa.ChunkedArray) else ids)
+        ranks = np.empty(len(order), dtype=np.int32)
+        ranks[order] = np.arange(len(order), dtype=np.int32)
+        self.con.register("user_ranks_given", pa.table({"uc": table.column("uc"), "rank": ranks}))
+        self._run("CREATE OR REPLACE TABLE user_ranks AS SELECT * FROM user_ranks_given")
+        self.con.unregister("user_ranks_given")
+        table = table.set_column(1, "original_id", ids)
+        return table.drop_columns(["uc"]).take(order)
+
+    def users_are_integers(self) -> bool:
+        """Whether every user id (text) is an integer written canonically ("42", not "042" or "4.2e1")."""
+        return bool(
+            self._scalar(
+                "SELECT coalesce(bool_and(CAST(TRY_CAST(id AS BIGINT) AS VARCHAR) = id), true) FROM user_codes"
+            )
+        )
+
+    def finalize(self, user_offset: int, item_ids) -> None:
+        """Give the pairs their dense ids: user ``offset + rank`` (:meth:`user_vocabulary`), item from ``item_ids``
+        (a pyarrow table ``ic, item_id`` from the driver); ``pairs`` becomes ``final``."""
+        self.con.register("item_ids_given", item_ids)
+        columns = ["t"] * self.has_time + ["v"] * self.has_value
+        rest = "".join(f", pairs.{c}" for c in columns)
+        self._run(
+            f"CREATE OR REPLACE TABLE final AS SELECT (user_ranks.rank + {int(user_offset)})::INTEGER AS user_id, "
+            f"item_ids_given.item_id::INTEGER AS item_id, pairs.ic AS ic{rest}, 0::UTINYINT AS label FROM pairs "
+            "JOIN user_ranks ON pairs.uc = user_ranks.uc JOIN item_ids_given ON pairs.ic = item_ids_given.ic"
+        )
+        self.con.unregister("item_ids_given")
+        self._run("DROP TABLE pairs")
+
+    # ----------------------------------------------------------------------------------------------- split
+    def _key(self, seed: int) -> str:
+        return f"hash(user_id, item_id, {int(seed)}::BIGINT)"
+
+    def key_histogram(self, seed: int) -> np.ndarray:
+        """Rows per bin of their random-split key (its top 16 bits): int64[65536]."""
+        table = self._arrow(
+            f"SELECT ({self._key(seed)} >> {KEY_BINS_SHIFT})::INTEGER AS b, count(*) AS c FROM final GROUP BY b"
+        )
+        counts = np.zeros(1 << (64 - KEY_BINS_SHIFT), dtype=np.int64)
+        counts[table.column("b").to_numpy()] = table.column("c").to_numpy()
+        return counts
+
+    def keys_in_bin(self, seed: int, bin_: int):
+        """``(key, user_id, item_id)`` of the rows whose key falls in ``bin_``, sorted (a pyarrow table)."""
+        return self._arrow(
+            f"SELECT * FROM (SELECT {self._key(seed)} AS key, user_id, item_id FROM final) "
+            f"WHERE key >> {KEY_BINS_SHIFT} = {int(bin_)} ORDER BY key, user_id, item_id"
+        )
+
+    def label_random(self, seed: int, cuts: list[tuple[int, int, int] | None]) -> None:
+        """Label each row by where its ``(key, user_id, item_id)`` falls among the cut points (train below the
+        first, valid below the second, test above; None: past every row)."""
+        row = f"({self._key(seed)}, user_id, item_id)"
+        cases = []
+        for label, cut in enumerate(cuts):
+            if cut is None:
+                cases.append(f"WHEN true THEN {label}")
+            else:
+                key, user, item = cut
+                cases.append(f"WHEN {row} < ({int(key)}::UBIGINT, {int(user)}, {int(item)}) THEN {label}")
+        self._relabel(f"CASE {' '.join(cases)} ELSE {len(cuts)} END")
+
+    def label_last(self, valid: float, test: float) -> None:
+        """Per user by time: its latest ``round(test * n)`` pairs (at least 1) to test, the ``round(valid * n)``
+        before them to valid (at least 1), for users with ``n >= 3`` pairs; ties in time go by item code (the
+        order of the original item ids). Halves round to even, as numpy's ``round`` did before (format 1)."""
+
+        def held(fraction: float) -> str:
+            if fraction == 0:
+                return "0"
+            return f"CASE WHEN n >= 3 THEN greatest(1, round_even({fraction!r}::DOUBLE * n, 0)) ELSE 0 END"
+
+        self._run(
+            "CREATE OR REPLACE TABLE final AS SELECT * EXCLUDE (from_end, n), "
+            f"(CASE WHEN from_end < {held(test)} THEN 2 WHEN from_end < {held(test)} + {held(valid)} THEN 1 "
+            "ELSE 0 END)::UTINYINT AS label FROM (SELECT * EXCLUDE (label), "
+            "row_number() OVER (PARTITION BY user_id ORDER BY t DESC, ic DESC) - 1 AS from_end, "
+            "count(*) OVER (PARTITION BY user_id) AS n FROM final)"
+        )
+
+    def label_time(self, valid_from_ms: int, test_from_ms: int) -> None:
+        """A global cut: time < ``valid_from_ms`` is train, < ``test_from_ms`` valid, the rest test."""
+        self._relabel(f"CASE WHEN t < {int(valid_from_ms)} THEN 0 WHEN t < {int(test_from_ms)} THEN 1 ELSE 2 END")
+
+    def _relabel(self, expression: str) -> None:
+        self._run(
+            f"CREATE OR REPLACE TABLE final AS SELECT * EXCLUDE (label), ({expression})::UTINYINT AS label FROM final"
+        )
+
+    def split_counts(self) -> list[int]:
+        """Rows per label (train, valid, test)."""
+        counts = [0, 0, 0]
+        for label, count in self._run("SELECT label, count(*) FROM final GROUP BY label"):
+            counts[int(label)] = int(count)
+        return counts
+
+    # ----------------------------------------------------------------------------------------------- write
+    def write_split(self, root: str, split: str, label: int, prefix: str, value_name: str | None) -> list[str]:
+        """Write split ``label``'s rows under ``root/split/`` as hidden parts ``prefix-NNNNN.parquet`` (the driver
+        names them in order) in the layout's columns (``user_id, item_id``, ``rating``/``weight``, ``timestamp``
+        in epoch seconds), sorted by ``(user_id, item_id)``; returns their paths relative to ``root``."""
+        from bigrank.data import manifest as layout
+
+        columns = ["user_id", "item_id"]
+        if self.has_value:
+            columns.append(f"v::FLOAT AS {value_name}")
+        if self.has_time:
+            columns.append("floor(t / 1000)::BIGINT AS timestamp")
+        reader = self.con.sql(
+            f"SELECT {', '.join(columns)} FROM final WHERE label = {int(label)} ORDER BY user_id, item_id"
+        ).to_arrow_reader(layout.ROW_GROUP_SIZE)
+        return layout.write_split_batches(root, split, reader, lambda k: f"{split}/{prefix}-{k:05d}.parquet")
