@@ -1,7 +1,9 @@
-"""MovieLens ingest: the real ml-latest-small (skipped when absent) and tiny files in the other formats."""
+"""MovieLens through the ingest's preset: the real ml-latest-small (skipped when absent) and tiny files in the other
+formats (ratings.dat with movies.dat in Latin-1, u.data with u.item)."""
 
 from __future__ import annotations
 
+import csv
 from pathlib import Path
 
 import numpy as np
@@ -9,7 +11,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from bigrank.data import manifest as layout
-from bigrank.data.movielens import ingest, read_ratings
+from bigrank.data.ingest import ingest
 from bigrank.data.stream import iter_row_groups
 
 ML_SMALL = Path(__file__).resolve().parents[1].parent / "shared" / "datasets" / "ml-latest-small"
@@ -21,72 +23,117 @@ def split_frame(root, split):
     return {key: np.concatenate([p[key] for p in parts]) for key in parts[0]}
 
 
+def original_rows(root) -> dict[str, set]:
+    """``{split: {(original user, original item, rating, timestamp)}}`` of a dataset."""
+    users = pq.read_table(root / "users.parquet").to_pydict()
+    items = pq.read_table(root / "items.parquet").to_pydict()
+    user_of = dict(zip(users["user_id"], users["original_id"], strict=True))
+    item_of = dict(zip(items["item_id"], items["original_id"], strict=True))
+    out = {}
+    for split in layout.SPLITS:
+        f = split_frame(root, split)
+        out[split] = {
+            (user_of[u], item_of[i], float(r), int(t))
+            for u, i, r, t in zip(f["user_id"], f["item_id"], f["rating"], f["timestamp"], strict=True)
+        }
+    return out
+
+
+def read_ratings_csv(path) -> list[tuple]:
+    with open(path) as handle:
+        rows = list(csv.reader(handle))[1:]
+    return [(int(u), int(i), float(r), int(t)) for u, i, r, t in rows]
+
+
+def format1_last_labels(users: np.ndarray, items: np.ndarray, timestamps: np.ndarray) -> np.ndarray:
+    """The per-user temporal split of format 1 (bigrank before the ingest engine), kept as the reference: the latest
+    10% of a user's ratings (at least one when the user has three or more) to test, the 10% before them to valid;
+    ties in time by item id. ``items`` must be numbered in the order of the original ids."""
+    order = np.lexsort((items, timestamps, users))
+    sorted_users = users[order]
+    counts = np.bincount(sorted_users)
+    starts = np.concatenate([[0], np.cumsum(counts)[:-1]])
+    from_end = counts[sorted_users] - 1 - (np.arange(len(order)) - starts[sorted_users])
+    held = np.where(counts >= 3, np.maximum(1, np.round(0.1 * counts)), 0).astype(np.int64)
+    labels_sorted = np.zeros(len(order), dtype=np.int8)
+    labels_sorted[from_end < 2 * held[sorted_users]] = 1
+    labels_sorted[from_end < held[sorted_users]] = 2
+    labels = np.empty_like(labels_sorted)
+    labels[order] = labels_sorted
+    return labels
+
+
 @needs_ml_small
 def test_ml_latest_small_random_split(tmp_path):
-    manifest = ingest(ML_SMALL, tmp_path / "mls")
+    manifest = ingest(ML_SMALL, tmp_path / "mls", progress=False)
     root = tmp_path / "mls"
     assert (manifest["num_users"], manifest["num_items"], manifest["num_ratings"]) == (610, 9724, 100_836)
-    assert [manifest["splits"][s]["rows"] for s in layout.SPLITS] == [80_669, 10_084, 10_083]
+    assert [manifest["splits"][s]["rows"] for s in layout.SPLITS] == [80_669, 10_084, 10_083]  # exact sizes
+    assert manifest["format_version"] == 2 and manifest["ingest"]["id_types"] == {"user": "int64", "item": "int64"}
     layout.validate_dataset(root, deep=True)
     assert manifest["schema"] == {"user_id": "int32", "item_id": "int32", "rating": "float", "timestamp": "int64"}
     # the mapping back to MovieLens ids and the titles are kept
     items = pq.read_table(root / "items.parquet").to_pydict()
-    assert items["item_id"][:2] == [0, 1] and items["original_id"][0] == 1
-    assert items["title"][0] == "Toy Story (1995)" and all(t is not None for t in items["title"])
+    title = dict(zip(items["original_id"], items["title"], strict=True))
+    assert title[1] == "Toy Story (1995)" and all(t is not None for t in items["title"])
+    assert dict(zip(items["original_id"], items["genres"], strict=True))[1] == "Adventure|Animation|Children|Comedy|Fantasy"
     users = pq.read_table(root / "users.parquet").to_pydict()
-    assert len(users["user_id"]) == 610 and users["original_id"][-1] == 610
+    assert sorted(users["original_id"]) == list(range(1, 611))
     # every original rating is present exactly once, with its rating and timestamp
-    original = read_ratings(ML_SMALL / "ratings.csv")
-    frames = [split_frame(root, s) for s in layout.SPLITS]
-    users_orig = np.asarray(users["original_id"])
-    items_orig = np.asarray(items["original_id"])
-    ingested = np.concatenate([users_orig[f["user_id"]] * 10**7 + items_orig[f["item_id"]] for f in frames])
-    assert np.array_equal(np.sort(ingested), np.sort(original["user"] * 10**7 + original["item"]))
-    rating_sum = sum(float(f["rating"].sum()) for f in frames)
-    assert rating_sum == pytest.approx(float(original["rating"].sum()))
+    rows = original_rows(root)
+    assert set().union(*rows.values()) == set(read_ratings_csv(ML_SMALL / "ratings.csv"))
+    assert sum(len(r) for r in rows.values()) == 100_836
 
 
 @needs_ml_small
-def test_ml_latest_small_last_split_is_temporal(tmp_path):
-    manifest = ingest(ML_SMALL / "ratings.csv", tmp_path / "last", split="last")
+def test_ml_latest_small_last_split_is_format_1s(tmp_path):
+    manifest = ingest(ML_SMALL / "ratings.csv", tmp_path / "last", split="last", progress=False)
     assert manifest["num_ratings"] == 100_836
-    train, test = split_frame(tmp_path / "last", "train"), split_frame(tmp_path / "last", "test")
-    last_train = np.full(610, -1)
-    np.maximum.at(last_train, train["user_id"], train["timestamp"])
-    assert np.all(test["timestamp"] >= last_train[test["user_id"]])
-    assert len(np.unique(test["user_id"])) == 610  # every user (all have >= 20 ratings) has a test rating
+    ratings = read_ratings_csv(ML_SMALL / "ratings.csv")
+    users = np.unique([r[0] for r in ratings], return_inverse=True)[1]
+    items = np.unique([r[1] for r in ratings], return_inverse=True)[1]
+    labels = format1_last_labels(users, items, np.array([r[3] for r in ratings]))
+    got = original_rows(tmp_path / "last")
+    for label, split in enumerate(layout.SPLITS):
+        assert got[split] == {r for r, k in zip(ratings, labels, strict=True) if k == label}, split
+    assert len({r[0] for r in got["test"]}) == 610  # every user (all have >= 20 ratings) has a test rating
 
 
 def test_dat_and_u_data_formats_and_repeats(tmp_path):
     dat = tmp_path / "ml1m"
     dat.mkdir()
-    (dat / "ratings.dat").write_text("10::500::4::100\n10::700::3::101\n30::500::5::99\n10::500::2::200\n")
-    (dat / "movies.dat").write_bytes("500::Caf\xe9 (1999)::Drama\n700::Other (2000)::Comedy\n".encode("latin-1"))
-    manifest = ingest(dat, tmp_path / "out1m")
-    assert (manifest["num_users"], manifest["num_items"], manifest["num_ratings"]) == (2, 2, 3)
-    assert manifest["generator"]["repeats_dropped"] == 1
-    rows = np.concatenate(
-        [split_frame(tmp_path / "out1m", s)["rating"] for s in layout.SPLITS if manifest["splits"][s]["rows"]]
+    lines = [f"{u}::{i}::{(u + i) % 5 + 1}::{100 + u * 10 + i}" for u in (10, 30, 50) for i in (500, 700, 900, 300)]
+    lines.append("10::500::2::999")  # a repeated pair: its latest rating is kept
+    (dat / "ratings.dat").write_text("\n".join(lines) + "\n")
+    (dat / "movies.dat").write_bytes(
+        "500::Caf\xe9 (1999)::Drama\n700::Other (2000)::Comedy\n900::Third (2001)::Horror\n".encode("latin-1")
     )
-    assert sorted(rows.tolist()) == [2.0, 3.0, 5.0]  # the latest rating of (10, 500) is kept
-    assert pq.read_table(tmp_path / "out1m" / "items.parquet").column("title").to_pylist() == [
-        "Café (1999)",
-        "Other (2000)",
-    ]
+    manifest = ingest(dat, tmp_path / "out1m", split="last", progress=False)
+    assert (manifest["num_users"], manifest["num_items"], manifest["num_ratings"]) == (3, 4, 12)
+    assert manifest["ingest"]["counts"]["merged_duplicates"] == 1
+    rows = set().union(*original_rows(tmp_path / "out1m").values())
+    assert (10, 500, 2.0, 999) in rows and not any(r[:2] == (10, 500) and r[3] != 999 for r in rows)
+    items = pq.read_table(tmp_path / "out1m" / "items.parquet").to_pydict()
+    titles = dict(zip(items["original_id"], items["title"], strict=True))
+    assert titles == {500: "Café (1999)", 700: "Other (2000)", 900: "Third (2001)", 300: None}
 
     u100 = tmp_path / "ml100k"
     u100.mkdir()
-    (u100 / "u.data").write_text("1\t5\t3\t881250949\n2\t5\t4\t881250950\n2\t9\t1\t881250951\n")
-    manifest = ingest(u100 / "u.data", tmp_path / "out100k")
-    assert (manifest["num_users"], manifest["num_items"], manifest["num_ratings"]) == (2, 2, 3)
+    (u100 / "u.data").write_text("".join(f"{u}\t{i}\t{(u * i) % 5 + 1}\t{881250949 + u + i}\n" for u in (1, 2, 3) for i in (5, 9, 11)))
+    (u100 / "u.item").write_bytes("5|Copycat (1995)|01-Jan-1995||http://x|0|1\n9|Dead Man (1995)|x\n".encode("latin-1"))
+    manifest = ingest(u100 / "u.data", tmp_path / "out100k", fractions=(0.6, 0.2, 0.2), progress=False)
+    assert (manifest["num_users"], manifest["num_items"], manifest["num_ratings"]) == (3, 3, 9)
+    titles = pq.read_table(tmp_path / "out100k" / "items.parquet").to_pydict()
+    assert dict(zip(titles["original_id"], titles["title"], strict=True)) == {5: "Copycat (1995)", 9: "Dead Man (1995)", 11: None}
+    assert "genres" not in titles
 
 
-def test_bad_input_is_named(tmp_path):
-    with pytest.raises(FileNotFoundError, match="holds none of"):
-        ingest(tmp_path, tmp_path / "out")
-    bad = tmp_path / "ratings.csv"
-    bad.write_text("userId,movieId,rating,timestamp\n1,2,x,3\n")
-    with pytest.raises(ValueError, match="ratings.csv"):
-        ingest(bad, tmp_path / "out")
-    with pytest.raises(ValueError, match="unknown split"):
-        ingest(bad, tmp_path / "out", split="time")
+def test_a_directory_without_ratings_is_read_as_a_log_and_needs_the_columns(tmp_path):
+    from bigrank.errors import CommandError
+
+    (tmp_path / "log").mkdir()
+    (tmp_path / "log" / "clicks.csv").write_text("a,b\n1,2\n")
+    with pytest.raises(CommandError, match="give the id columns: --user COL --item COL"):
+        ingest(tmp_path / "log", tmp_path / "out")
+    with pytest.raises(CommandError, match="holds no file"):
+        ingest(tmp_path / "empty" if (tmp_path / "empty").mkdir() is None else None, tmp_path / "out", user="a", item="b")

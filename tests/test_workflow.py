@@ -61,12 +61,16 @@ def test_ingest_keeps_every_rating_and_the_original_ids(workflow_run):
     dense = set()
     for split in ("train", "valid", "test"):
         dense |= {(u, i) for u, items in read_pairs(workflow_run.data, split).items() for i in items}
-    # dense ids follow the sorted original ids: user u is 10 + 3u, item i is movie 1000 + 7i
-    assert {(10 + 3 * u, 1000 + 7 * i) for u, i in dense} == pairs
+    # users.parquet / items.parquet map the dense ids back (in hash order, not the original ids' order)
+    import pyarrow.parquet as pq
+
+    user_of = pq.read_table(workflow_run.data / "users.parquet").column("original_id").to_pylist()
+    item_of = pq.read_table(workflow_run.data / "items.parquet").column("original_id").to_pylist()
+    assert {(user_of[u], item_of[i]) for u, i in dense} == pairs
     _, items, users = exported_tables(workflow_run.export)
-    assert users["original_id"].tolist() == [10 + 3 * u for u in range(TINY_USERS)]
-    assert items["original_id"].tolist() == [1000 + 7 * i for i in range(TINY_ITEMS)]
-    assert items["title"][5] == "Movie 5"
+    assert users["original_id"].tolist() == user_of  # the export carries them, in dense-id order
+    assert items["original_id"].tolist() == item_of
+    assert items["title"][item_of.index(1000 + 7 * 5)] == "Movie 5"
 
 
 def test_training_learns_and_evaluate_with_three_workers_finds_the_same_figures(workflow_run):
@@ -129,16 +133,21 @@ def test_exported_tables_equal_the_checkpoint_parameters(workflow_run):
 
 @pytest.mark.parametrize("user", [0, 77])
 def test_recommend_json_equals_brute_force_over_the_export(workflow_run, user):
+    import pyarrow.parquet as pq
+
     expected = brute_force_top(workflow_run.export, workflow_run.data, user, 10)
+    user_of = pq.read_table(workflow_run.data / "users.parquet").column("original_id").to_pylist()
+    item_of = pq.read_table(workflow_run.data / "items.parquet").column("original_id").to_pylist()
     out = bigrank(
-        "recommend", workflow_run.export, "--user", 10 + 3 * user, "--original-ids", "-k", 10,
+        "recommend", workflow_run.export, "--user", user_of[user], "--original-ids", "-k", 10,
         "--exclude-seen", workflow_run.data, "--json",
     )  # fmt: skip
     rows = json.loads(out.stdout)
     assert [row["item_id"] for row in rows] == [item for item, _ in expected]
     np.testing.assert_allclose([row["score"] for row in rows], [score for _, score in expected], rtol=1e-5)
-    assert [row["original_id"] for row in rows] == [1000 + 7 * item for item, _ in expected]
-    assert [row["title"] for row in rows] == [f"Movie {item}" for item, _ in expected]
+    assert [row["original_id"] for row in rows] == [item_of[item] for item, _ in expected]
+    # movie 1000 + 7k is titled "Movie k" (write_movielens_files)
+    assert [row["title"] for row in rows] == [f"Movie {(item_of[item] - 1000) // 7}" for item, _ in expected]
 
 
 def test_serve_answers_the_same_over_http(workflow_run):

@@ -124,6 +124,9 @@ def register(subparsers) -> None:
     )
     engine.add_argument("--threads", type=int, help="DuckDB threads (default: the CPUs available)")
     engine.add_argument(
+        "--temp-dir", help="where the engine keeps its database and spill files (default: DIR/.ingest under --out)"
+    )
+    engine.add_argument(
         "--address", help="run on a Ray cluster (e.g. auto, HOST:6379, or local for a local Ray runtime)"
     )
     engine.add_argument(
@@ -254,6 +257,7 @@ def run_ingest(args: argparse.Namespace) -> int:
         item_key=args.item_key,
         memory_limit=args.memory_limit,
         threads=args.threads,
+        temp_dir=args.temp_dir,
         address=args.address,
         buckets=args.buckets,
         progress=not args.no_progress,

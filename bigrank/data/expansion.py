@@ -298,10 +298,10 @@ def expand_ratings(
             "num_blocks": num_blocks,
             "rows_written": written_rows,
         }
-    return _finish(out, num_users, num_items, multiplier, seed, source, base, reduced, expected, started)
+    return _finish(out, num_users, num_items, multiplier, seed, source, base, reduced, expected, started, progress)
 
 
-def _finish(out, num_users, num_items, multiplier, seed, source, base, reduced, expected, started):
+def _finish(out, num_users, num_items, multiplier, seed, source, base, reduced, expected, started, progress=False):
     """Gather the block markers into the manifest (written last), then remove ``_work``."""
     rows, cols = multiplier
     split_files = {split: [] for split in layout.SPLITS}
@@ -335,6 +335,8 @@ def _finish(out, num_users, num_items, multiplier, seed, source, base, reduced, 
             "truth": None,
             "generation_seconds_last_run": round(time.perf_counter() - started, 1),
         },
+        user_index=True,
+        progress=(lambda line: print(line, file=sys.stderr, flush=True)) if progress else None,
     )
     shutil.rmtree(out / WORK_DIR, ignore_errors=True)
     return manifest

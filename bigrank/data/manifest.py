@@ -293,7 +293,7 @@ def write_manifest(
     source: str,
     generator: Mapping,
     extra: Mapping | None = None,
-    user_index: bool = True,
+    user_index: bool = False,
     progress: Callable[[str], None] | None = None,
 ) -> dict:
     """Describe the split files from their footers and write ``<root>/manifest.json`` atomically.

@@ -196,6 +196,7 @@ def write_seed_dataset(seed_ratings: SeedRatings, out: str | Path, seed: int, so
             "num_rated_items": rated_items,
             "truth": TRUTH_NAME if seed_ratings.user_factors is not None else None,
         },
+        user_index=True,
     )
 
 

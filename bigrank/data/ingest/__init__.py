@@ -25,6 +25,8 @@ Bad input is a :class:`~bigrank.errors.CommandError` naming the problem (``bigra
 
 from __future__ import annotations
 
+import os
+import secrets
 import shutil
 import threading
 from pathlib import Path
@@ -50,9 +52,13 @@ def ingest(paths, out, options: IngestOptions | None = None, **settings) -> dict
     source = open_source(paths, options.format, options.delimiter, options.header, options.encoding)
     out = Path(out)
     prepare_out(out)
+    work = out / WORK_DIR
+    if options.temp_dir is not None:  # the stores' databases and spill files elsewhere (a larger or faster disk)
+        work = Path(options.temp_dir) / f"bigrank-ingest-{os.getpid()}-{secrets.token_hex(4)}"
     engine = None
     try:
-        engine = _engine(out / WORK_DIR, options)
+        work.mkdir(parents=True, exist_ok=True)
+        engine = _engine(work, options)
         record, split_files, num_users, num_items = _interruptible(
             lambda: run(source, out, options, engine, say), engine
         )
@@ -74,13 +80,16 @@ def ingest(paths, out, options: IngestOptions | None = None, **settings) -> dict
                     "fractions": list(options.fractions),
                 },
                 extra={"num_rated_users": num_users, "num_rated_items": num_items, "truth": None, "ingest": record},
+                user_index=True,
                 progress=say,
             )
     except BaseException:
         if engine is not None:
             engine.close()
+        shutil.rmtree(work, ignore_errors=True)
         clear(out)
         raise
+    shutil.rmtree(work, ignore_errors=True)
     shutil.rmtree(out / WORK_DIR, ignore_errors=True)
     say(f"done: {out} ({manifest['num_ratings']:,} ratings)")
     return manifest

@@ -83,11 +83,18 @@ class LocalEngine:
 
     def map_each(self, method: str, args: list[tuple]) -> list:
         """``store_k.method(*args[k])`` of every store k, in store order."""
+        import duckdb
+
         results = []
         for store, given in zip(self.stores, args, strict=True):
             if self.stopped:
                 raise Interrupted("stopped")
-            results.append(getattr(store, method)(*given))
+            try:
+                results.append(getattr(store, method)(*given))
+            except (duckdb.Error, OSError) as error:
+                if self.stopped:
+                    raise Interrupted("stopped") from None
+                raise engine_error(error, store.directory) from None
         return results
 
     def interrupt(self) -> None:
@@ -99,6 +106,23 @@ class LocalEngine:
     def close(self) -> None:
         for store in self.stores:
             store.close()
+
+
+def engine_error(error: BaseException, work: Path) -> CommandError:
+    """A user's error for what the engine raised: a full disk or memory names the setting to change; otherwise
+    DuckDB's message (it names the file of a corrupt or truncated input)."""
+    text = duckdb_error(error) if not isinstance(error, OSError) else str(error)
+    lowered = text.lower()
+    # DuckDB caps its spill at the free space of the disk, and says "failed to offload" when the cap is reached.
+    full = ("no space left", "disk is full", "failed to offload")
+    if any(text in lowered for text in full) or getattr(error, "errno", None) == 28:
+        return CommandError(
+            f"no space left on the disk of {work} (the engine's database and spill files) or of --out: free space, "
+            f"or give --temp-dir a larger disk ({text})"
+        )
+    if "out of memory" in lowered:
+        return CommandError(f"the engine ran out of memory: raise --memory-limit or give --temp-dir more disk ({text})")
+    return CommandError(text)
 
 
 # ------------------------------------------------------------------------------------------------ the output

@@ -13,8 +13,9 @@ Tables, in the order the steps create them (each replaces the one before, so one
     pairs   uc, ic, t, v                                                  one row per pair (dedup), then the k-core
     final   user_id, item_id, ic, t, v, label                             dense ids and the split label (0/1/2)
 
-DuckDB keeps the database in a file under the ingest's temporary directory and spills what does not fit its
-memory limit to disk, so a store's memory is bounded by the limit, not by its rows.
+The database is in memory, and DuckDB spills what does not fit its memory limit (tables included) to files in the
+store's directory, so a store's memory is bounded by the limit, not by its rows. (A database file would instead
+checkpoint, with an fsync, at every table a step makes.)
 """
 
 from __future__ import annotations
@@ -83,9 +84,9 @@ class Columns:
 
 
 class RowStore:
-    """A DuckDB database in ``directory`` holding one set of rows through the steps (see the module docstring).
+    """A DuckDB database holding one set of rows through the steps (see the module docstring).
 
-    ``memory_bytes`` and ``threads`` bound DuckDB; spilled data goes to ``directory/spill``.
+    ``memory_bytes`` and ``threads`` bound DuckDB; what it spills goes to ``directory/spill``.
     """
 
     def __init__(self, directory: str | Path, memory_bytes: int, threads: int):
@@ -99,7 +100,7 @@ class RowStore:
             "temp_directory": str(self.directory / "spill"),
             "preserve_insertion_order": False,
         }
-        self.con = duckdb.connect(str(self.directory / "rows.duckdb"), config=config)
+        self.con = duckdb.connect(":memory:", config=config)
         self._run("SET TimeZone = 'UTC'")
         self._run("SET enable_progress_bar = false")
         self.has_time = self.has_value = False
@@ -272,7 +273,7 @@ class RowStore:
         """Whether every user id (text) is an integer written canonically ("42", not "042" or "4.2e1")."""
         return bool(
             self._scalar(
-                "SELECT coalesce(bool_and(CAST(TRY_CAST(id AS BIGINT) AS VARCHAR) = id), true) FROM user_codes"
+                "SELECT coalesce(bool_and(coalesce(CAST(TRY_CAST(id AS BIGINT) AS VARCHAR) = id, false)), true) FROM user_codes"
             )
         )
 
