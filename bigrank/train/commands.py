@@ -57,7 +57,8 @@ def register(subparsers) -> None:
         dest="use_index",
         action="store_false",
         help="read the users' items from the splits' Parquet files instead of the dataset's per-user index "
-        "(DATA_ROOT/user_index/, built on the first evaluate: ~4 bytes a rating of disk, ~2 min at ML-1B)",
+        "(DATA_ROOT/user_index/, written with the dataset; rebuilt here when missing or stale: ~4 bytes a rating of "
+        "disk, ~2 min at ML-1B)",
     )
     evaluate.set_defaults(func=run_evaluate)
 
