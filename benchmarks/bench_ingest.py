@@ -7,9 +7,9 @@ The input is a synthetic click log written by the benchmark (cached in ``--workd
 ids (``user-000012345``), string item ids (``item-678``), epoch-second timestamps over two years and ratings 1-5;
 user activity and item popularity are skewed: 90% of the rows have user ``U * x^2.5`` and 95% item ``I * x^3`` (x
 uniform; 100 rows a user and 1,000 an item), the rest a user among rows/5 and an item among rows/20 others (a long
-tail of ids seen once or twice), so there are repeated pairs and a k-core that takes several rounds. The job, as the issue states it: dedup (the latest row of a pair), k-core 5 (users and items, to the fixed
-point), a global time split (valid from 80% of the time range, test from 90%), dense ids, the splits written as
-Parquet.
+tail of ids seen once or twice), so there are repeated pairs and a k-core that takes several rounds. The job, as
+the issue states it: dedup (the latest row of a pair), k-core 5 (users and items, to the fixed point), a global
+time split (valid from 80% of the time range, test from 90%), dense ids, the splits written as Parquet.
 
 Each job runs in its own child process (its peak RSS is its own, from ``wait4``):
 
@@ -54,7 +54,8 @@ con.execute(f'''COPY (
     SELECT CASE WHEN {uniform(5)} < 0.9 THEN CAST(floor(pow({uniform(1)}, 2.5) * {users}) AS BIGINT)
                 ELSE {users} + CAST(floor({uniform(6)} * {stop - start} / 5) AS BIGINT) + {start} // 5 END AS u,
            CASE WHEN {uniform(7)} < 0.95 THEN CAST(floor(pow({uniform(2)}, 3.0) * {items}) AS BIGINT)
-                ELSE {items} + CAST(floor({uniform(8)} * {max(1, (stop - start) // 20)}) AS BIGINT) + {start} // 20 END AS i,
+                ELSE {items} + CAST(floor({uniform(8)} * {max(1, (stop - start) // 20)}) AS BIGINT)
+                     + {start} // 20 END AS i,
            {base} + CAST(hash(range, 3) % {span} AS BIGINT) AS ts,
            CAST(1 + hash(range, 4) % 5 AS DOUBLE) AS rating
     FROM range({start}, {stop}))

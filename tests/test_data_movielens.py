@@ -76,7 +76,10 @@ def test_ml_latest_small_random_split(tmp_path):
     items = pq.read_table(root / "items.parquet").to_pydict()
     title = dict(zip(items["original_id"], items["title"], strict=True))
     assert title[1] == "Toy Story (1995)" and all(t is not None for t in items["title"])
-    assert dict(zip(items["original_id"], items["genres"], strict=True))[1] == "Adventure|Animation|Children|Comedy|Fantasy"
+    assert (
+        dict(zip(items["original_id"], items["genres"], strict=True))[1]
+        == "Adventure|Animation|Children|Comedy|Fantasy"
+    )
     users = pq.read_table(root / "users.parquet").to_pydict()
     assert sorted(users["original_id"]) == list(range(1, 611))
     # every original rating is present exactly once, with its rating and timestamp
@@ -119,12 +122,18 @@ def test_dat_and_u_data_formats_and_repeats(tmp_path):
 
     u100 = tmp_path / "ml100k"
     u100.mkdir()
-    (u100 / "u.data").write_text("".join(f"{u}\t{i}\t{(u * i) % 5 + 1}\t{881250949 + u + i}\n" for u in (1, 2, 3) for i in (5, 9, 11)))
+    (u100 / "u.data").write_text(
+        "".join(f"{u}\t{i}\t{(u * i) % 5 + 1}\t{881250949 + u + i}\n" for u in (1, 2, 3) for i in (5, 9, 11))
+    )
     (u100 / "u.item").write_bytes("5|Copycat (1995)|01-Jan-1995||http://x|0|1\n9|Dead Man (1995)|x\n".encode("latin-1"))
     manifest = ingest(u100 / "u.data", tmp_path / "out100k", fractions=(0.6, 0.2, 0.2), progress=False)
     assert (manifest["num_users"], manifest["num_items"], manifest["num_ratings"]) == (3, 3, 9)
     titles = pq.read_table(tmp_path / "out100k" / "items.parquet").to_pydict()
-    assert dict(zip(titles["original_id"], titles["title"], strict=True)) == {5: "Copycat (1995)", 9: "Dead Man (1995)", 11: None}
+    assert dict(zip(titles["original_id"], titles["title"], strict=True)) == {
+        5: "Copycat (1995)",
+        9: "Dead Man (1995)",
+        11: None,
+    }
     assert "genres" not in titles
 
 
@@ -136,4 +145,6 @@ def test_a_directory_without_ratings_is_read_as_a_log_and_needs_the_columns(tmp_
     with pytest.raises(CommandError, match="give the id columns: --user COL --item COL"):
         ingest(tmp_path / "log", tmp_path / "out")
     with pytest.raises(CommandError, match="holds no file"):
-        ingest(tmp_path / "empty" if (tmp_path / "empty").mkdir() is None else None, tmp_path / "out", user="a", item="b")
+        ingest(
+            tmp_path / "empty" if (tmp_path / "empty").mkdir() is None else None, tmp_path / "out", user="a", item="b"
+        )

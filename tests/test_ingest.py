@@ -15,7 +15,6 @@ from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.csv as pacsv
 import pyarrow.parquet as pq
 import pytest
 import xxhash
@@ -40,7 +39,9 @@ def make_log(seed: int = 0, rows: int = 3000, users: int = 120, items: int = 80,
     for _ in range(rows):
         user = rng.choice(user_ids[: rng.randint(1, users)])  # early users are more active
         item = rng.choices(item_ids, weights=popular)[0]
-        log.append({"user": user, "item": item, "ts": START_MS + rng.randrange(10**9), "rating": rng.randint(1, 10) / 2})
+        log.append(
+            {"user": user, "item": item, "ts": START_MS + rng.randrange(10**9), "rating": rng.randint(1, 10) / 2}
+        )
     if nulls:
         log[5]["user"] = None
         log[17]["item"] = ""
@@ -130,7 +131,7 @@ def reference_ingest(log: list[dict], options: IngestOptions, text_ids: bool = T
     }
     counts = {u: 0 for u in users}
     first = {}
-    for (u, i), (t, _) in merged.items():
+    for (u, _item), (t, _) in merged.items():
         counts[u] += 1
         first[u] = min(first.get(u, t), t)
     return {"users": users, "items": items, "splits": splits, "rounds": rounds, "user_counts": counts, "first": first}
@@ -171,7 +172,12 @@ def check_against_reference(root: Path, log: list[dict], options: IngestOptions)
 SPLIT_OPTIONS = [
     {"split": "random", "seed": 3},
     {"split": "last", "dedup": "first", "min_rating": 1.5},
-    {"split": "time", "valid_from": str((START_MS + 6 * 10**8) // 1000), "test_from": "2023-11-25T15:00:00Z", "dedup": "sum"},
+    {
+        "split": "time",
+        "valid_from": str((START_MS + 6 * 10**8) // 1000),
+        "test_from": "2023-11-25T15:00:00Z",
+        "dedup": "sum",
+    },
 ]
 
 
@@ -180,7 +186,14 @@ def test_parquet_parts_with_string_ids_match_the_reference(tmp_path, settings):
     log = make_log()
     source = write_parquet_parts(tmp_path / "log", log)
     options = IngestOptions(
-        user="user", item="item", time="ts", rating="rating", min_user_items=6, min_item_users=12, progress=False, **settings
+        user="user",
+        item="item",
+        time="ts",
+        rating="rating",
+        min_user_items=6,
+        min_item_users=12,
+        progress=False,
+        **settings,
     )
     manifest = ingest([source], tmp_path / "data", options)
     got = check_against_reference(tmp_path / "data", log, options)
@@ -242,16 +255,27 @@ def test_every_format_gives_the_same_dataset(tmp_path):
     half = len(log) // 2
     (tmp_path / "csvdir").mkdir()
     variants = {
-        "csv-parts": ([_write_csv(tmp_path / "csvdir" / "a.csv", log[:half]), _write_csv(tmp_path / "csvdir" / "b.csv", log[half:])], {}),
+        "csv-parts": (
+            [
+                _write_csv(tmp_path / "csvdir" / "a.csv", log[:half]),
+                _write_csv(tmp_path / "csvdir" / "b.csv", log[half:]),
+            ],
+            {},
+        ),
         "tsv.gz": ([_write_csv(tmp_path / "log.tsv.gz", log, delimiter="\t", compress="gz")], {}),
         "csv.zst": ([_write_csv(tmp_path / "log.csv.zst", log, compress="zst")], {}),
-        "headerless": ([_write_csv(tmp_path / "noheader.csv", log, header=False)], {"user": "0", "item": "1", "time": "2", "rating": "3", "header": False}),
+        "headerless": (
+            [_write_csv(tmp_path / "noheader.csv", log, header=False)],
+            {"user": "0", "item": "1", "time": "2", "rating": "3", "header": False},
+        ),
         "jsonl": ([_write_jsonl(tmp_path / "log.jsonl", log)], {}),
         "glob": ([str(tmp_path / "csvdir" / "*.csv")], {}),
     }
     for name, (paths, changes) in variants.items():
         settings = {"user": "user", "item": "item", "time": "ts", "rating": "rating", "progress": False, **changes}
-        got = read_dataset(Path(ingest(paths, tmp_path / name, IngestOptions(**settings))["ingest"] and tmp_path / name))
+        got = read_dataset(
+            Path(ingest(paths, tmp_path / name, IngestOptions(**settings))["ingest"] and tmp_path / name)
+        )
         assert got["splits"] == want["splits"], name
         assert got["users"].column("original_id").to_pylist() == want["users"].column("original_id").to_pylist(), name
         assert got["items"].column("original_id").to_pylist() == want["items"].column("original_id").to_pylist(), name
@@ -267,7 +291,9 @@ def test_integer_ids_times_in_seconds_and_iso_and_weights(tmp_path):
     ]
     path = tmp_path / "plays.csv"
     path.write_text("user,item,when,plays\n" + "".join(",".join(r) + "\n" for r in rows))
-    options = IngestOptions(user="user", item="item", time="when", weight="plays", dedup="sum", fractions=(1.0, 0.0, 0.0), progress=False)
+    options = IngestOptions(
+        user="user", item="item", time="when", weight="plays", dedup="sum", fractions=(1.0, 0.0, 0.0), progress=False
+    )
     manifest = ingest([path], tmp_path / "data", options)
     assert manifest["ingest"]["id_types"] == {"user": "int64", "item": "int64"}
     users = pq.read_table(tmp_path / "data" / "users.parquet")
@@ -277,7 +303,10 @@ def test_integer_ids_times_in_seconds_and_iso_and_weights(tmp_path):
     assert train.column_names == ["user_id", "item_id", "weight", "timestamp"]
     originals = users.column("original_id").to_pylist()
     items = pq.read_table(tmp_path / "data" / "items.parquet").column("original_id").to_pylist()
-    got = {(originals[u], items[i]): (w, t) for u, i, w, t in zip(*(train.column(c).to_pylist() for c in train.column_names), strict=True)}
+    got = {
+        (originals[u], items[i]): (w, t)
+        for u, i, w, t in zip(*(train.column(c).to_pylist() for c in train.column_names), strict=True)
+    }
     assert got == {(10, 500): (7.0, 1704499200), (10, 700): (1.0, 1704448800), (30, 500): (2.0, 1704326400)}
     first = dict(zip(originals, users.column("first_seen").to_pylist(), strict=True))
     assert first == {10: 1704448800, 30: 1704326400}
@@ -288,7 +317,9 @@ def test_integer_ids_times_in_seconds_and_iso_and_weights(tmp_path):
     for unit, scale in (("auto", 1), ("ms", 1000)):
         if unit == "ms":
             seconds.write_text("u,i,t\n1,2,1700000000000\n1,3,1700000100000\n2,2,1700000200000\n")
-        manifest = ingest([seconds], tmp_path / f"s-{unit}", user="u", item="i", time="t", fractions=(1.0, 0.0, 0.0), progress=False)
+        manifest = ingest(
+            [seconds], tmp_path / f"s-{unit}", user="u", item="i", time="t", fractions=(1.0, 0.0, 0.0), progress=False
+        )
         stamps = pq.read_table(tmp_path / f"s-{unit}" / "train" / "part-00000.parquet").column("timestamp").to_pylist()
         assert sorted(stamps) == [1700000000, 1700000100, 1700000200], unit
         assert manifest["ingest"]["time_unit"] == ("s" if unit == "auto" else "ms")
@@ -299,8 +330,21 @@ def test_items_file_attributes_travel_with_the_items(tmp_path):
     log = make_log(seed=4, rows=800, nulls=False)
     source = write_parquet_parts(tmp_path / "log", log)
     items = tmp_path / "items.csv"
-    items.write_text("sku,title,price\n" + "".join(f"sku-{k},Thing {k},{k * 1.5}\n" for k in range(1, 80) if k % 3) + "0003,Old thing,2.5\nnever-sold,Ghost,9\n")
-    manifest = ingest([source], tmp_path / "data", user="user", item="item", time="ts", items_file=str(items), item_key="sku", progress=False)
+    items.write_text(
+        "sku,title,price\n"
+        + "".join(f"sku-{k},Thing {k},{k * 1.5}\n" for k in range(1, 80) if k % 3)
+        + "0003,Old thing,2.5\nnever-sold,Ghost,9\n"
+    )
+    manifest = ingest(
+        [source],
+        tmp_path / "data",
+        user="user",
+        item="item",
+        time="ts",
+        items_file=str(items),
+        item_key="sku",
+        progress=False,
+    )
     table = pq.read_table(tmp_path / "data" / "items.parquet").to_pydict()
     assert manifest["num_items"] == len(table["item_id"])
     for original, title, price in zip(table["original_id"], table["title"], table["price"], strict=True):
@@ -316,7 +360,14 @@ def test_items_file_attributes_travel_with_the_items(tmp_path):
 
 def test_each_split_has_its_per_user_index(tmp_path):
     log = make_log(seed=5, rows=600, nulls=False)
-    ingest([write_parquet_parts(tmp_path / "log", log)], tmp_path / "data", user="user", item="item", time="ts", progress=False)
+    ingest(
+        [write_parquet_parts(tmp_path / "log", log)],
+        tmp_path / "data",
+        user="user",
+        item="item",
+        time="ts",
+        progress=False,
+    )
     dataset = layout.DatasetManifest.load(tmp_path / "data")
     assert sorted(dataset.raw["user_index"]) == sorted(layout.SPLITS)
     for split in layout.SPLITS:
@@ -359,10 +410,28 @@ def test_bad_input_gets_one_clear_error_and_no_manifest(tmp_path, capsys):
     # a rating that is not a number, a time that does not parse: the file and row
     bad_rating = tmp_path / "bad_rating.csv"
     bad_rating.write_text("user,item,rating\na,b,4\nc,d,x\n")
-    fails(bad_rating, "--user", "user", "--item", "item", "--rating", "rating", match="bad_rating.csv row 2 (line 3): column 'rating' holds 'x'")
+    fails(
+        bad_rating,
+        "--user",
+        "user",
+        "--item",
+        "item",
+        "--rating",
+        "rating",
+        match="bad_rating.csv row 2 (line 3): column 'rating' holds 'x'",
+    )
     bad_time = tmp_path / "bad_time.jsonl"
     bad_time.write_text('{"u": "a", "i": "b", "t": "2024-01-01"}\n{"u": "a", "i": "c", "t": "yesterday"}\n')
-    fails(bad_time, "--user", "u", "--item", "i", "--time", "t", match="bad_time.jsonl row 2: column 't' holds 'yesterday'")
+    fails(
+        bad_time,
+        "--user",
+        "u",
+        "--item",
+        "i",
+        "--time",
+        "t",
+        match="bad_time.jsonl row 2: column 't' holds 'yesterday'",
+    )
     # nothing left after filtering: the rule that removed the last rows
     fails(good, "--user", "user", "--item", "item", "--rating", "rating", "--min-rating", "99", match="--min-rating 99")
     fails(good, "--user", "user", "--item", "item", "--min-user-items", "1000", match="k-core")
@@ -370,7 +439,22 @@ def test_bad_input_gets_one_clear_error_and_no_manifest(tmp_path, capsys):
     nulls.write_text("user,item\n,b\na,\n")
     fails(nulls, "--user", "user", "--item", "item", match="null or empty user or item id")
     # a split with no rows
-    fails(good, "--user", "user", "--item", "item", "--time", "ts", "--split", "time", "--valid-from", "2000-01-01", "--test-from", "2000-01-02", match="the train split has no rows")
+    fails(
+        good,
+        "--user",
+        "user",
+        "--item",
+        "item",
+        "--time",
+        "ts",
+        "--split",
+        "time",
+        "--valid-from",
+        "2000-01-01",
+        "--test-from",
+        "2000-01-02",
+        match="the train split has no rows",
+    )
     # parts whose schemas disagree
     (tmp_path / "mixed").mkdir()
     pq.write_table(pa.table({"user": ["a"], "item": ["b"]}), tmp_path / "mixed" / "p0.parquet")
@@ -406,7 +490,9 @@ def test_an_ingest_left_unfinished_is_started_over(tmp_path):
 def test_no_space_left_for_the_spill_is_named(tmp_path, capsys):
     small = tmp_path / "small"
     small.mkdir()
-    mounted = __import__("subprocess").run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(small)], capture_output=True)
+    mounted = __import__("subprocess").run(
+        ["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(small)], capture_output=True
+    )
     if mounted.returncode != 0:
         pytest.skip(f"cannot mount a small tmpfs here to fill: {mounted.stderr.decode().strip()}")
     try:
@@ -414,7 +500,20 @@ def test_no_space_left_for_the_spill_is_named(tmp_path, capsys):
         users = pa.array([f"user-{x:09d}" for x in rng.integers(0, 10**6, 600_000)])
         pq.write_table(pa.table({"user": users, "item": rng.integers(0, 50_000, 600_000)}), tmp_path / "log.parquet")
         out = tmp_path / "out"
-        code, err = _ingest_cli(capsys, tmp_path / "log.parquet", "--user", "user", "--item", "item", "--out", out, "--temp-dir", small, "--memory-limit", "64MB")
+        code, err = _ingest_cli(
+            capsys,
+            tmp_path / "log.parquet",
+            "--user",
+            "user",
+            "--item",
+            "item",
+            "--out",
+            out,
+            "--temp-dir",
+            small,
+            "--memory-limit",
+            "64MB",
+        )
         line = _one_error(err)
         assert code == 2 and "no space left" in line and "--temp-dir" in line, line
         assert not (out / layout.MANIFEST_NAME).exists() and not any(small.iterdir())
@@ -431,7 +530,19 @@ def _start_ingest(source: Path, out: Path):
     from tests.conftest import REPO
 
     env = dict(os.environ, PYTHONPATH=str(REPO))
-    command = [sys.executable, "-m", "bigrank.cli", "ingest", str(source), "--user", "user", "--item", "item", "--out", str(out)]
+    command = [
+        sys.executable,
+        "-m",
+        "bigrank.cli",
+        "ingest",
+        str(source),
+        "--user",
+        "user",
+        "--item",
+        "item",
+        "--out",
+        str(out),
+    ]
     return subprocess.Popen(command, stderr=subprocess.PIPE, text=True, env=env, cwd=REPO)
 
 

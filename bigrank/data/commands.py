@@ -82,7 +82,8 @@ def register(subparsers) -> None:
     cleaning.add_argument(
         "--dedup",
         choices=["last", "first", "sum", "max"],
-        help="merge a pair's rows: latest/earliest by time, or sum/max of rating or weight (default last with --time, else max)",
+        help="merge a pair's rows: latest/earliest by time, or sum/max of rating or weight "
+        "(default last with --time, else max)",
     )
     cleaning.add_argument(
         "--min-user-items",

@@ -73,7 +73,7 @@ def ingest(paths, out, options: IngestOptions | None = None, **settings) -> dict
                 num_items=num_items,
                 split_files=split_files,
                 seed=options.seed,
-                source=f"{options.preset or 'ingest'}:{source.files[0] if len(source.files) == 1 else Path(source.files[0]).parent}",
+                source=f"{options.preset or 'ingest'}:{_where(source.files)}",
                 generator={
                     "ingest": options.preset or "interactions",
                     "split": options.split,
@@ -93,6 +93,11 @@ def ingest(paths, out, options: IngestOptions | None = None, **settings) -> dict
     shutil.rmtree(out / WORK_DIR, ignore_errors=True)
     say(f"done: {out} ({manifest['num_ratings']:,} ratings)")
     return manifest
+
+
+def _where(files) -> str:
+    """The manifest's ``source``: the one input file, or the directory of the first of several."""
+    return files[0] if len(files) == 1 else str(Path(files[0]).parent)
 
 
 def _engine(work: Path, options: IngestOptions):

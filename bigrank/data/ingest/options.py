@@ -46,7 +46,9 @@ def parse_time(text: str, option: str) -> int:
     try:
         moment = datetime.fromisoformat(text.replace("Z", "+00:00"))
     except ValueError:
-        raise CommandError(f"{option} must be epoch seconds or an ISO-8601 time (2024-01-31T00:00:00Z), got {text!r}")
+        raise CommandError(
+            f"{option} must be epoch seconds or an ISO-8601 time (2024-01-31T00:00:00Z), got {text!r}"
+        ) from None
     if moment.tzinfo is None:
         moment = moment.replace(tzinfo=UTC)
     return int(round(moment.timestamp() * 1000))

@@ -29,7 +29,6 @@ from __future__ import annotations
 import os
 import shutil
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -38,7 +37,7 @@ import numpy as np
 from bigrank.data import manifest as layout
 from bigrank.data.ingest.hashing import rank_ids
 from bigrank.data.ingest.options import IngestOptions, parse_time
-from bigrank.data.ingest.sources import Source, duckdb_error, open_source, quote_identifier, quote_literal
+from bigrank.data.ingest.sources import Source, duckdb_error, open_source, quote_identifier
 from bigrank.data.ingest.store import Columns, RowStore
 from bigrank.errors import CommandError
 
@@ -163,9 +162,8 @@ def _columns(source: Source, options: IngestOptions, say) -> Columns:
             sample = _time_sample_max(source, time_column)
             unit = "ms" if sample is not None and sample > 1e11 else "s"  # 1e11 s is the year 5138
             if sample is not None:
-                say(
-                    f"times are numbers up to {sample:.0f} in the first rows: epoch {'milliseconds' if unit == 'ms' else 'seconds'} (--time-unit)"
-                )
+                name = "milliseconds" if unit == "ms" else "seconds"
+                say(f"times are numbers up to {sample:.0f} in the first rows: epoch {name} (--time-unit)")
         factor = 1 if unit == "ms" else 1000
     return Columns(source, user, item, time_column, value, factor)
 
@@ -330,8 +328,8 @@ def item_attributes(items, options: IngestOptions, integer_ids: bool, say):
             f"{', ' + selected if selected else ''} FROM {source.scan()}"
         ).fetchall()
         duplicate = con.sql(
-            "SELECT item_key, count(*) FROM attributes WHERE item_key IS NOT NULL GROUP BY item_key HAVING count(*) > 1 "
-            "ORDER BY item_key LIMIT 1"
+            "SELECT item_key, count(*) FROM attributes WHERE item_key IS NOT NULL GROUP BY item_key "
+            "HAVING count(*) > 1 ORDER BY item_key LIMIT 1"
         ).fetchall()
         if duplicate:
             duplicate = duplicate[0]
@@ -385,18 +383,16 @@ def run(source: Source, out: Path, options: IngestOptions, engine, say) -> dict:
         source.format == "csv" and all(_all_integers(d) for d in distinct if len(d))
     )
     item_originals, item_codes = _item_codes(distinct, integer_items)
-    kept = sum(engine.map("encode", item_codes, options.min_rating))
+    kept = with_ids - counts["below_min_rating"]
     if kept == 0:
         raise CommandError(f"nothing left after --min-rating {options.min_rating}: every rating is below it")
+    pairs = sum(engine.map("encode", item_codes, options.min_rating, options.dedup))
+    counts["duplicates"] = kept - pairs
     say(
         f"{kept:,} rows with both ids"
         + (f" and a rating >= {options.min_rating}" if options.min_rating is not None else "")
+        + f"; dedup ({options.dedup}): {counts['duplicates']:,} merged, {pairs:,} pairs"
     )
-
-    # dedup
-    pairs = sum(engine.map("dedup", options.dedup))
-    counts["duplicates"] = kept - pairs
-    say(f"dedup ({options.dedup}): {counts['duplicates']:,} duplicate rows merged, {pairs:,} pairs")
 
     # k-core
     rounds, before = 0, pairs
@@ -404,18 +400,18 @@ def run(source: Source, out: Path, options: IngestOptions, engine, say) -> dict:
     users_start = sum(engine.map("num_users"))
     users_left = users_start
     while options.min_user_items > 1 or options.min_item_users > 1:
-        item_counts = np.sum(engine.map("item_counts", num_codes), axis=0)
+        results = engine.map("kcore_counts", num_codes, options.min_user_items)
+        item_counts = np.sum([r[0] for r in results], axis=0)
         dropped_items = np.flatnonzero((item_counts > 0) & (item_counts < options.min_item_users)).astype(np.int32)
-        users_below = sum(engine.map("users_below", options.min_user_items))
+        users_below = sum(r[1] for r in results)
         if len(dropped_items) == 0 and users_below == 0:
             break
         rounds += 1
         previous = pairs
         results = engine.map("drop", options.min_user_items, dropped_items)
         pairs, users_left = sum(r[0] for r in results), sum(r[1] for r in results)
-        say(
-            f"k-core round {rounds}: {users_below:,} users and {len(dropped_items):,} items below it, {pairs:,} pairs left"
-        )
+        below = f"{users_below:,} users and {len(dropped_items):,} items below it"
+        say(f"k-core round {rounds}: {below}, {pairs:,} pairs left")
         if pairs == 0:
             raise CommandError(
                 f"nothing left after the k-core (--min-user-items {options.min_user_items} --min-item-users "
@@ -434,10 +430,9 @@ def run(source: Source, out: Path, options: IngestOptions, engine, say) -> dict:
     integer_users = not columns.user_is_text() or (source.format == "csv" and all(engine.map("users_are_integers")))
     user_tables = engine.map("user_vocabulary", integer_users)
     offsets = np.concatenate([[0], np.cumsum([t.num_rows for t in user_tables])]).astype(np.int64)
-    engine.map_each(
-        "finalize",
-        [(int(o), pa.table({"ic": pa.array(present, type=pa.int32()), "item_id": item_ids})) for o in offsets[:-1]],
-    )
+    ids_table = pa.table({"ic": pa.array(present, type=pa.int32()), "item_id": item_ids})
+    last = (options.fractions[1], options.fractions[2]) if options.split == "last" else None
+    engine.map_each("finalize", [(int(o), ids_table, last) for o in offsets[:-1]])
     users = pa.concat_tables(user_tables)
     num_users, num_items = users.num_rows, len(present)
     say(f"vocabularies: {num_users:,} users, {num_items:,} items")
@@ -445,9 +440,7 @@ def run(source: Source, out: Path, options: IngestOptions, engine, say) -> dict:
     # split
     if options.split == "random":
         engine.map("label_random", options.seed, _random_cuts(engine, options.seed, pairs, options.fractions))
-    elif options.split == "last":
-        engine.map("label_last", options.fractions[1], options.fractions[2])
-    else:
+    elif options.split == "time":
         engine.map(
             "label_time", parse_time(options.valid_from, "--valid-from"), parse_time(options.test_from, "--test-from")
         )

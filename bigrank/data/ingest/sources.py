@@ -143,13 +143,14 @@ class Source:
             return f"read_parquet({listed}, union_by_name = true{extra}{numbers})"
         if self.format == "json":
             return f"read_json({listed}, format = 'newline_delimited', union_by_name = true{extra})"
-        names = ", ".join(quote_literal(name) for name in self.columns)
-        types = "" if not self.typed_text else ", auto_detect = true"
-        varchar = "" if self.typed_text else ", all_varchar = true"
+        # Named columns once the schema is known (a headerless file's column0, column1, …); every file must have
+        # them. Text columns are read as text unless typed_text (then DuckDB's sniffer types them).
+        names = f", names = [{', '.join(quote_literal(n) for n in self.columns)}]" if self.columns else ""
+        typing = ", auto_detect = true" if self.typed_text else ", all_varchar = true"
         return (
             f"read_csv({listed}, delim = {quote_literal(self.delimiter)}, header = {str(self.header).lower()}, "
             f"quote = '\"', escape = '\"', encoding = {quote_literal(self.encoding)}, "
-            f"names = [{names}], strict_mode = false, null_padding = true{varchar}{types}{extra})"
+            f"strict_mode = false, null_padding = true{names}{typing}{extra})"
         )
 
     def column(self, spec: str, option: str) -> str:
@@ -234,15 +235,7 @@ def open_source(
     schemas = []
     for file in files:
         probe = Source((str(file),), kind, {}, delimiter or ",", bool(header), encoding, typed_text)
-        if kind == "csv":
-            scan = (
-                f"read_csv([{quote_literal(str(file))}], delim = {quote_literal(delimiter)}, "
-                f"header = {str(header).lower()}, quote = '\"', escape = '\"', encoding = {quote_literal(encoding)}, "
-                f"strict_mode = false, null_padding = true, {'auto_detect = true' if typed_text else 'all_varchar = true'})"
-            )
-        else:
-            scan = probe.scan()
-        columns = _describe(con, scan, file)
+        columns = _describe(con, probe.scan(), file)
         if kind == "csv" and not header:
             columns = {f"column{i}": kind_ for i, kind_ in enumerate(columns.values())}
         schemas.append(columns)

@@ -9,9 +9,10 @@ order, give the same rows whatever the number of stores.
 Tables, in the order the steps create them (each replaces the one before, so one copy of the rows is kept):
 
     raw     u, i (ids as scanned), t (epoch ms), v (rating or weight), bad (bit 1: time, bit 2: value)
-    rows    uc, ic (integer codes of the ids), t, v                      rows with both ids, above --min-rating
-    pairs   uc, ic, t, v                                                  one row per pair (dedup), then the k-core
-    final   user_id, item_id, ic, t, v, label                             dense ids and the split label (0/1/2)
+    pairs   uc, ic (integer codes of the ids), t, v     one row per pair (dedup) of the rows with both ids and
+                                                        no value below --min-rating; then the k-core
+    final   user_id, item_id, ic, t, v[, label]         dense ids; the split label (0/1/2) is a column for the
+                                                        per-user split, else an expression (``label_sql``)
 
 The database is in memory, and DuckDB spills what does not fit its memory limit (tables included) to files in the
 store's directory, so a store's memory is bounded by the limit, not by its rows. (A database file would instead
@@ -104,6 +105,7 @@ class RowStore:
         self._run("SET TimeZone = 'UTC'")
         self._run("SET enable_progress_bar = false")
         self.has_time = self.has_value = False
+        self.label_sql = "0"  # the split label of a row of final: a column or an expression (the split step's)
 
     def close(self) -> None:
         """Close the database (its files stay for the caller to delete)."""
@@ -148,10 +150,14 @@ class RowStore:
         """The distinct non-null ids of ``column`` ("u" or "i") among rows with both ids (a pyarrow array)."""
         return self._arrow(f"SELECT DISTINCT {column} AS id FROM raw WHERE u IS NOT NULL AND i IS NOT NULL").column(0)
 
-    def encode(self, item_codes, min_rating: float | None) -> int:
+    def encode(self, item_codes, min_rating: float | None, dedup: str) -> int:
         """Replace the ids by integer codes (users: by this store, in id order; items: ``item_codes``, a pyarrow
-        table ``(id, ic)`` from the driver) and keep the rows with both ids and no value below ``min_rating``;
-        ``raw`` becomes ``rows``. Returns the rows kept."""
+        table ``(id, ic)`` from the driver), keep the rows with both ids and no value below ``min_rating``, and merge
+        the rows of each (user, item) pair into one (``dedup``): ``raw`` becomes ``pairs``. Returns the pairs.
+
+        ``last``/``first``: the row with the latest/earliest time (ties: the larger/smaller value); ``sum``/``max``:
+        the sum/max of the values, at the latest time. Without a time or value column the pair is kept once.
+        """
         self._run(
             "CREATE OR REPLACE TABLE user_codes AS SELECT id, (row_number() OVER (ORDER BY id) - 1)::INTEGER AS uc "
             "FROM (SELECT DISTINCT u AS id FROM raw WHERE u IS NOT NULL AND i IS NOT NULL)"
@@ -159,39 +165,24 @@ class RowStore:
         self.con.register("item_codes_given", item_codes)
         self._run("CREATE OR REPLACE TABLE item_codes AS SELECT * FROM item_codes_given")
         self.con.unregister("item_codes_given")
-        columns = ["uc", "ic"] + (["t"] if self.has_time else []) + (["v"] if self.has_value else [])
-        where = "bad = 0" + (f" AND v >= {float(min_rating)!r}" if min_rating is not None else "")
-        self._run(
-            f"CREATE OR REPLACE TABLE rows AS SELECT {', '.join(columns)} FROM raw "
-            "JOIN user_codes ON raw.u = user_codes.id JOIN item_codes ON raw.i = item_codes.id "
-            f"WHERE {where}"
-        )
-        self._run("DROP TABLE raw")
-        return int(self._scalar("SELECT count(*) FROM rows"))
-
-    # ----------------------------------------------------------------------------------------------- dedup
-    def dedup(self, mode: str) -> int:
-        """Merge the rows of each (user, item) pair into one (``rows`` becomes ``pairs``); returns the pairs.
-
-        ``last``/``first``: the row with the latest/earliest time (ties: the larger/smaller value); ``sum``/``max``:
-        the sum/max of the values, at the latest time. Without a time or value column the pair is kept once.
-        """
         keep = []
-        if self.has_time and self.has_value and mode in ("last", "first"):
-            pick = "max" if mode == "last" else "min"
-            keep = [f"{pick}(struct_pack(t := t, v := v)) AS m"]
+        if self.has_time and self.has_value and dedup in ("last", "first"):
+            keep = [f"{'max' if dedup == 'last' else 'min'}(struct_pack(t := t, v := v)) AS m"]
             select = "uc, ic, m.t AS t, m.v AS v"
         else:
             if self.has_time:
-                keep.append(f"{'min' if mode == 'first' else 'max'}(t) AS t")
+                keep.append(f"{'min' if dedup == 'first' else 'max'}(t) AS t")
             if self.has_value:
-                keep.append(f"{'sum' if mode == 'sum' else 'max'}(v) AS v")
+                keep.append(f"{'sum' if dedup == 'sum' else 'max'}(v) AS v")
             select = "*"
-        aggregates = ", ".join(["uc", "ic", *keep])
+        where = "bad = 0" + (f" AND v >= {float(min_rating)!r}" if min_rating is not None else "")
+        # One pass from the scanned rows to the pairs: the coded rows are never stored on their own.
         self._run(
-            f"CREATE OR REPLACE TABLE pairs AS SELECT {select} FROM (SELECT {aggregates} FROM rows GROUP BY uc, ic)"
+            f"CREATE OR REPLACE TABLE pairs AS SELECT {select} FROM (SELECT {', '.join(['uc', 'ic', *keep])} "
+            "FROM raw JOIN user_codes ON raw.u = user_codes.id JOIN item_codes ON raw.i = item_codes.id "
+            f"WHERE {where} GROUP BY uc, ic)"
         )
-        self._run("DROP TABLE rows")
+        self._run("DROP TABLE raw")
         return self.count()
 
     def count(self) -> int:
@@ -199,28 +190,25 @@ class RowStore:
         return int(self._scalar("SELECT count(*) FROM pairs"))
 
     # ---------------------------------------------------------------------------------------------- k-core
-    def item_counts(self, num_codes: int) -> np.ndarray:
-        """Pairs per item code: int64[num_codes]."""
+    def kcore_counts(self, num_codes: int, min_items: int) -> tuple[np.ndarray, int]:
+        """``(pairs per item code int64[num_codes], users with fewer than min_items pairs)`` of ``pairs``; the
+        users' counts are kept for :meth:`drop`."""
+        self._run("CREATE OR REPLACE TABLE user_counts AS SELECT uc, count(*) AS c FROM pairs GROUP BY uc")
+        below = int(self._scalar(f"SELECT count(*) FROM user_counts WHERE c < {int(min_items)}"))
         table = self._arrow("SELECT ic, count(*) AS c FROM pairs GROUP BY ic")
         counts = np.zeros(num_codes, dtype=np.int64)
         counts[table.column("ic").to_numpy()] = table.column("c").to_numpy()
-        return counts
-
-    def users_below(self, min_items: int) -> int:
-        """Users with fewer than ``min_items`` pairs."""
-        return int(
-            self._scalar(f"SELECT count(*) FROM (SELECT uc FROM pairs GROUP BY uc HAVING count(*) < {int(min_items)})")
-        )
+        return counts, below
 
     def drop(self, min_items: int, dropped_items: np.ndarray) -> tuple[int, int]:
-        """One k-core pass: drop the pairs of users with fewer than ``min_items`` pairs and of the item codes
-        ``dropped_items``; returns ``(pairs, users)`` left."""
+        """One k-core pass: drop the pairs of users with fewer than ``min_items`` pairs (as :meth:`kcore_counts`
+        counted them) and of the item codes ``dropped_items``; returns ``(pairs, users)`` left."""
         import pyarrow as pa
 
         self.con.register("dropped_items", pa.table({"ic": pa.array(dropped_items, type=pa.int32())}))
         self._run(
             "CREATE OR REPLACE TABLE pairs_kept AS SELECT * FROM pairs "
-            f"WHERE uc IN (SELECT uc FROM pairs GROUP BY uc HAVING count(*) >= {int(min_items)}) "
+            f"WHERE uc IN (SELECT uc FROM user_counts WHERE c >= {int(min_items)}) "
             "AND ic NOT IN (SELECT ic FROM dropped_items)"
         )
         self.con.unregister("dropped_items")
@@ -273,23 +261,52 @@ class RowStore:
         """Whether every user id (text) is an integer written canonically ("42", not "042" or "4.2e1")."""
         return bool(
             self._scalar(
-                "SELECT coalesce(bool_and(coalesce(CAST(TRY_CAST(id AS BIGINT) AS VARCHAR) = id, false)), true) FROM user_codes"
+                "SELECT coalesce(bool_and(coalesce(CAST(TRY_CAST(id AS BIGINT) AS VARCHAR) = id, false)), true) "
+                "FROM user_codes"
             )
         )
 
-    def finalize(self, user_offset: int, item_ids) -> None:
+    def finalize(self, user_offset: int, item_ids, last: tuple[float, float] | None = None) -> None:
         """Give the pairs their dense ids: user ``offset + rank`` (:meth:`user_vocabulary`), item from ``item_ids``
-        (a pyarrow table ``ic, item_id`` from the driver); ``pairs`` becomes ``final``."""
+        (a pyarrow table ``ic, item_id`` from the driver); ``pairs`` becomes ``final``. With ``last`` =
+        ``(valid, test)`` fractions, label the per-user split by time in the same pass (:meth:`_last_label`)."""
         self.con.register("item_ids_given", item_ids)
         columns = ["t"] * self.has_time + ["v"] * self.has_value
         rest = "".join(f", pairs.{c}" for c in columns)
-        self._run(
-            f"CREATE OR REPLACE TABLE final AS SELECT (user_ranks.rank + {int(user_offset)})::INTEGER AS user_id, "
-            f"item_ids_given.item_id::INTEGER AS item_id, pairs.ic AS ic{rest}, 0::UTINYINT AS label FROM pairs "
+        joined = (
+            f"SELECT (user_ranks.rank + {int(user_offset)})::INTEGER AS user_id, "
+            f"item_ids_given.item_id::INTEGER AS item_id, pairs.ic AS ic{rest} FROM pairs "
             "JOIN user_ranks ON pairs.uc = user_ranks.uc JOIN item_ids_given ON pairs.ic = item_ids_given.ic"
         )
+        if last is None:
+            self._run(f"CREATE OR REPLACE TABLE final AS {joined}")
+            self.label_sql = "0"
+        else:
+            self._run(
+                f"CREATE OR REPLACE TABLE final AS SELECT * EXCLUDE (from_end, n), {self._last_label(*last)} AS label "
+                "FROM (SELECT *, row_number() OVER (PARTITION BY user_id ORDER BY t DESC, ic DESC) - 1 AS from_end, "
+                f"count(*) OVER (PARTITION BY user_id) AS n FROM ({joined}))"
+            )
+            self.label_sql = "label"
         self.con.unregister("item_ids_given")
         self._run("DROP TABLE pairs")
+
+    @staticmethod
+    def _last_label(valid: float, test: float) -> str:
+        """The per-user split by time, from a row's place ``from_end`` (0: its user's latest) among its user's ``n``
+        pairs: its latest ``round(test * n)`` pairs (at least 1) to test, the ``round(valid * n)`` before them to
+        valid (at least 1), for users with ``n >= 3`` pairs; ties in time go by item code (the order of the original
+        item ids). Halves round to even, as numpy's ``round`` did before (format 1)."""
+
+        def held(fraction: float) -> str:
+            if fraction == 0:
+                return "0"
+            return f"(CASE WHEN n >= 3 THEN greatest(1, round_even({fraction!r}::DOUBLE * n, 0)) ELSE 0 END)"
+
+        return (
+            f"(CASE WHEN from_end < {held(test)} THEN 2 WHEN from_end < {held(test)} + {held(valid)} THEN 1 "
+            "ELSE 0 END)::UTINYINT"
+        )
 
     # ----------------------------------------------------------------------------------------------- split
     def _key(self, seed: int) -> str:
@@ -313,7 +330,8 @@ class RowStore:
 
     def label_random(self, seed: int, cuts: list[tuple[int, int, int] | None]) -> None:
         """Label each row by where its ``(key, user_id, item_id)`` falls among the cut points (train below the
-        first, valid below the second, test above; None: past every row)."""
+        first, valid below the second, test above; None: past every row). The label stays an expression,
+        evaluated where the rows are counted and written."""
         row = f"({self._key(seed)}, user_id, item_id)"
         cases = []
         for label, cut in enumerate(cuts):
@@ -322,39 +340,16 @@ class RowStore:
             else:
                 key, user, item = cut
                 cases.append(f"WHEN {row} < ({int(key)}::UBIGINT, {int(user)}, {int(item)}) THEN {label}")
-        self._relabel(f"CASE {' '.join(cases)} ELSE {len(cuts)} END")
-
-    def label_last(self, valid: float, test: float) -> None:
-        """Per user by time: its latest ``round(test * n)`` pairs (at least 1) to test, the ``round(valid * n)``
-        before them to valid (at least 1), for users with ``n >= 3`` pairs; ties in time go by item code (the
-        order of the original item ids). Halves round to even, as numpy's ``round`` did before (format 1)."""
-
-        def held(fraction: float) -> str:
-            if fraction == 0:
-                return "0"
-            return f"CASE WHEN n >= 3 THEN greatest(1, round_even({fraction!r}::DOUBLE * n, 0)) ELSE 0 END"
-
-        self._run(
-            "CREATE OR REPLACE TABLE final AS SELECT * EXCLUDE (from_end, n), "
-            f"(CASE WHEN from_end < {held(test)} THEN 2 WHEN from_end < {held(test)} + {held(valid)} THEN 1 "
-            "ELSE 0 END)::UTINYINT AS label FROM (SELECT * EXCLUDE (label), "
-            "row_number() OVER (PARTITION BY user_id ORDER BY t DESC, ic DESC) - 1 AS from_end, "
-            "count(*) OVER (PARTITION BY user_id) AS n FROM final)"
-        )
+        self.label_sql = f"(CASE {' '.join(cases)} ELSE {len(cuts)} END)"
 
     def label_time(self, valid_from_ms: int, test_from_ms: int) -> None:
         """A global cut: time < ``valid_from_ms`` is train, < ``test_from_ms`` valid, the rest test."""
-        self._relabel(f"CASE WHEN t < {int(valid_from_ms)} THEN 0 WHEN t < {int(test_from_ms)} THEN 1 ELSE 2 END")
-
-    def _relabel(self, expression: str) -> None:
-        self._run(
-            f"CREATE OR REPLACE TABLE final AS SELECT * EXCLUDE (label), ({expression})::UTINYINT AS label FROM final"
-        )
+        self.label_sql = f"(CASE WHEN t < {int(valid_from_ms)} THEN 0 WHEN t < {int(test_from_ms)} THEN 1 ELSE 2 END)"
 
     def split_counts(self) -> list[int]:
         """Rows per label (train, valid, test)."""
         counts = [0, 0, 0]
-        for label, count in self._run("SELECT label, count(*) FROM final GROUP BY label"):
+        for label, count in self._run(f"SELECT {self.label_sql} AS label, count(*) FROM final GROUP BY ALL"):
             counts[int(label)] = int(count)
         return counts
 
@@ -371,6 +366,6 @@ class RowStore:
         if self.has_time:
             columns.append("floor(t / 1000)::BIGINT AS timestamp")
         reader = self.con.sql(
-            f"SELECT {', '.join(columns)} FROM final WHERE label = {int(label)} ORDER BY user_id, item_id"
+            f"SELECT {', '.join(columns)} FROM final WHERE {self.label_sql} = {int(label)} ORDER BY user_id, item_id"
         ).to_arrow_reader(layout.ROW_GROUP_SIZE)
         return layout.write_split_batches(root, split, reader, lambda k: f"{split}/{prefix}-{k:05d}.parquet")
