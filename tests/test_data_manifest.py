@@ -115,3 +115,15 @@ def test_random_split_labels_exact_sizes():
     assert np.bincount(labels).tolist() == [801, 100, 100]
     again = layout.random_split_labels(np.random.default_rng(0), 1001)
     assert np.array_equal(labels, again)
+
+
+def test_a_format_1_dataset_still_loads_and_an_unknown_format_is_named(tmp_path):
+    manifest = make_dataset(tmp_path)
+    assert manifest["format_version"] == layout.FORMAT_VERSION == 2
+    older = dict(manifest, format_version=1)  # written before the ingest engine: no per-user index, int64 ids
+    (tmp_path / "manifest.json").write_text(json.dumps(older))
+    assert layout.DatasetManifest.load(tmp_path).raw["format_version"] == 1
+    layout.validate_dataset(tmp_path, deep=True)
+    (tmp_path / "manifest.json").write_text(json.dumps(dict(manifest, format_version=3)))
+    with pytest.raises(ValueError, match="format_version 3, this bigrank reads 1 and 2"):
+        layout.load_manifest(tmp_path)

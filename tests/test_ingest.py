@@ -220,10 +220,10 @@ def test_the_same_input_twice_gives_the_same_dataset_and_the_row_order_does_not_
         again = read_dataset(tmp_path / other)
         assert again["splits"] == first["splits"]
         assert again["users"].equals(first["users"]) and again["items"].equals(first["items"])
-    for name in layout.SPLITS:  # byte for byte, when the input is the same
-        assert (tmp_path / "one" / name / "part-00000.parquet").read_bytes() == (
-            tmp_path / "two" / name / "part-00000.parquet"
-        ).read_bytes()
+    for name in [*layout.SPLITS, "users", "items"]:  # byte for byte, whatever the order of the input rows
+        path = f"{name}/part-00000.parquet" if name in layout.SPLITS else f"{name}.parquet"
+        assert (tmp_path / "one" / path).read_bytes() == (tmp_path / "two" / path).read_bytes()
+        assert (tmp_path / "one" / path).read_bytes() == (tmp_path / "three" / path).read_bytes()
 
 
 def _write_csv(path: Path, log: list[dict], delimiter=",", header=True, compress=None) -> Path:
