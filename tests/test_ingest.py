@@ -75,7 +75,7 @@ def reference_ingest(log: list[dict], options: IngestOptions, text_ids: bool = T
             merged[key] = (max(t for t, _ in values), sum(v for _, v in values))
         else:
             merged[key] = (max(t for t, _ in values), max(v for _, v in values))
-    rounds = 0
+    rounds, before = 0, dict(merged)
     while True:
         per_user: dict = {}
         per_item: dict = {}
@@ -134,7 +134,14 @@ def reference_ingest(log: list[dict], options: IngestOptions, text_ids: bool = T
     for (u, _item), (t, _) in merged.items():
         counts[u] += 1
         first[u] = min(first.get(u, t), t)
-    return {"users": users, "items": items, "splits": splits, "rounds": rounds, "user_counts": counts, "first": first}
+    dropped = {
+        "k_core_dropped_rows": len(before) - len(merged),
+        "k_core_dropped_users": len({u for u, _ in before}) - len(users),
+        "k_core_dropped_items": len({i for _, i in before}) - len(items),
+        "merged_duplicates": len(rows) - len(before),
+    }
+    return {"users": users, "items": items, "splits": splits, "rounds": rounds, "user_counts": counts, "first": first,
+            "dropped": dropped}  # fmt: skip
 
 
 def read_dataset(root: Path) -> dict:
@@ -166,6 +173,8 @@ def check_against_reference(root: Path, log: list[dict], options: IngestOptions)
     assert counts == [want["user_counts"][u] for u in want["users"]]
     assert got["users"].column("first_seen").to_pylist() == [want["first"][u] // 1000 for u in want["users"]]
     assert got["manifest"]["ingest"]["counts"]["k_core_rounds"] == want["rounds"]
+    for name, count in want["dropped"].items():
+        assert got["manifest"]["ingest"]["counts"][name] == count, name
     return got
 
 

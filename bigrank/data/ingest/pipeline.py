@@ -353,55 +353,55 @@ def item_attributes(items, options: IngestOptions, integer_ids: bool, say):
     return {name: joined.column(name) for name in joined.column_names}
 
 
-def run(source: Source, out: Path, options: IngestOptions, engine, say) -> dict:
-    """The steps (module docstring) over ``engine``'s stores; writes the dataset in ``out`` and returns its
-    manifest."""
-    import pyarrow as pa
-
-    started = time.monotonic()
-    columns = _columns(source, options, say)
-    counts: dict[str, int] = {}
+def _load(source: Source, columns: Columns, options: IngestOptions, engine, say) -> dict[str, int]:
+    """Step 1: scan the inputs into the stores; the counts. CommandError for a value that does not parse (the
+    first one located) or when no row has both ids."""
     say(f"reading {len(source.files)} {source.format} file(s) ({_size(source.files)}) with {engine.name}")
     loaded = engine.load(source, columns, options.min_rating)
-    for name in loaded[0]:
-        counts[name] = int(sum(part[name] for part in loaded))
+    counts = {name: int(sum(part[name] for part in loaded)) for name in loaded[0]}
     say(f"read {counts['rows_read']:,} rows")
     for what, key in (("time", "bad_time"), ("value", "bad_value")):
         if counts[key]:
             where = locate_bad_row(source, columns, what)
             raise CommandError(f"{counts[key]:,} row(s) hold a {what} that does not parse; the first: {where}")
-    with_ids = counts["rows_read"] - counts["null_user"] - counts["null_item"]
-    if with_ids == 0:
+    if counts["rows_read"] == counts["null_user"] + counts["null_item"]:
         raise CommandError(
             f"nothing left: all {counts['rows_read']:,} rows have a null or empty user or item id "
             f"(columns {columns.user!r}, {columns.item!r})"
         )
+    return counts
 
-    # encode
+
+def _encode(source: Source, columns: Columns, options: IngestOptions, engine, counts: dict, say):
+    """Steps 2-3: item codes from every store's items, then codes, --min-rating and dedup in the stores.
+    Returns ``(item originals in code order, integer item ids?, pairs)``."""
     distinct = engine.map("distinct_ids", "i")
     integer_items = not columns.item_is_text() or (
         source.format == "csv" and all(_all_integers(d) for d in distinct if len(d))
     )
     item_originals, item_codes = _item_codes(distinct, integer_items)
-    kept = with_ids - counts["below_min_rating"]
+    kept = counts["rows_read"] - counts["null_user"] - counts["null_item"] - counts["below_min_rating"]
     if kept == 0:
         raise CommandError(f"nothing left after --min-rating {options.min_rating}: every rating is below it")
     pairs = sum(engine.map("encode", item_codes, options.min_rating, options.dedup))
     counts["duplicates"] = kept - pairs
+    rated = f" and a rating >= {options.min_rating}" if options.min_rating is not None else ""
     say(
-        f"{kept:,} rows with both ids"
-        + (f" and a rating >= {options.min_rating}" if options.min_rating is not None else "")
-        + f"; dedup ({options.dedup}): {counts['duplicates']:,} merged, {pairs:,} pairs"
+        f"{kept:,} rows with both ids{rated}; dedup ({options.dedup}): {counts['duplicates']:,} merged, {pairs:,} pairs"
     )
+    return item_originals, integer_items, pairs
 
-    # k-core
-    rounds, before = 0, pairs
-    num_codes = len(item_originals)
-    users_start = sum(engine.map("num_users"))
-    users_left = users_start
+
+def _kcore(options: IngestOptions, engine, num_codes: int, pairs: int, counts: dict, say) -> int:
+    """Step 4: the k-core, to its fixed point (item counts summed over the stores each round); fills the counts
+    and returns the pairs left. CommandError when it leaves none."""
+    rounds, before, users_start, users_left, items_start = 0, pairs, 0, 0, 0
     while options.min_user_items > 1 or options.min_item_users > 1:
         results = engine.map("kcore_counts", num_codes, options.min_user_items)
         item_counts = np.sum([r[0] for r in results], axis=0)
+        if rounds == 0:
+            items_start, users_start = int(np.count_nonzero(item_counts)), sum(engine.map("num_users"))
+            users_left = users_start
         dropped_items = np.flatnonzero((item_counts > 0) & (item_counts < options.min_item_users)).astype(np.int32)
         users_below = sum(r[1] for r in results)
         if len(dropped_items) == 0 and users_below == 0:
@@ -417,14 +417,63 @@ def run(source: Source, out: Path, options: IngestOptions, engine, say) -> dict:
                 f"nothing left after the k-core (--min-user-items {options.min_user_items} --min-item-users "
                 f"{options.min_item_users}): round {rounds} removed the last {previous:,} pairs ({before:,} before it)"
             )
-    counts["k_core_rows"] = before - pairs
-    counts["k_core_users"] = users_start - users_left
+    counts.update(k_core_rounds=rounds, k_core_rows=before - pairs, k_core_users=users_start - users_left)
+    counts["k_core_items_start"] = items_start
+    return pairs
 
-    # vocabularies
+
+def _split(options: IngestOptions, engine, pairs: int, say) -> list[int]:
+    """Step 6: label the rows (the per-user split was labelled with the dense ids); rows per split. CommandError
+    for a split that should have rows and has none."""
+    if options.split == "random":
+        engine.map("label_random", options.seed, _random_cuts(engine, options.seed, pairs, options.fractions))
+    elif options.split == "time":
+        valid, test = parse_time(options.valid_from, "--valid-from"), parse_time(options.test_from, "--test-from")
+        engine.map("label_time", valid, test)
+    split_rows = np.sum(engine.map("split_counts"), axis=0).tolist()
+    for label, name in enumerate(layout.SPLITS):
+        expected = options.fractions[label] > 0 if options.split != "time" else True
+        if expected and split_rows[label] == 0:
+            raise CommandError(f"the {name} split has no rows ({_split_rule(options, name)}); {pairs:,} pairs in all")
+    say("split " + ", ".join(f"{name} {rows:,}" for name, rows in zip(layout.SPLITS, split_rows, strict=True)))
+    return split_rows
+
+
+def _write_splits(out: Path, options: IngestOptions, engine, stores: int) -> dict[str, list[str]]:
+    """Step 7: every store writes its rows of each split (hidden names); the driver names the parts in store order,
+    which is user-id order, so the parts of a split hold its rows sorted by ``(user_id, item_id)``."""
+    split_files = {}
+    for label, name in enumerate(layout.SPLITS):
+        pieces = engine.map_each(
+            "write_split", [(str(out), name, label, f".store-{k:05d}", options.value_name) for k in range(stores)]
+        )
+        split_files[name] = []
+        for piece in pieces:
+            for relative in piece:
+                final = layout.part_name(name, len(split_files[name]))
+                os.replace(out / relative, out / final)
+                split_files[name].append(final)
+    return split_files
+
+
+def run(source: Source, out: Path, options: IngestOptions, engine, say) -> tuple[dict, dict, int, int]:
+    """The steps (module docstring) over ``engine``'s stores; writes the splits and vocabularies in ``out``.
+    Returns ``(the manifest's ingest entry, split files, num_users, num_items)``."""
+    import pyarrow as pa
+
+    started = time.monotonic()
+    columns = _columns(source, options, say)
+    counts = _load(source, columns, options, engine, say)
+    item_originals, integer_items, pairs = _encode(source, columns, options, engine, counts, say)
+    num_codes = len(item_originals)
+    pairs = _kcore(options, engine, num_codes, pairs, counts, say)
+
+    # Step 5, the vocabularies: items ranked here from every store's counts; users ranked by each store, offset by
+    # the users of the stores before it (stores hold contiguous ranges of user hashes).
     item_count, item_first = _reduce_item_stats(engine.map("item_stats", num_codes))
     present = np.flatnonzero(item_count > 0)
-    originals = item_originals.take(pa.array(present))
-    order = rank_ids(originals)
+    order = rank_ids(item_originals.take(pa.array(present)))
+    items = item_originals.take(pa.array(present[order]))
     item_ids = np.empty(len(present), dtype=np.int32)
     item_ids[order] = np.arange(len(present), dtype=np.int32)
     integer_users = not columns.user_is_text() or (source.format == "csv" and all(engine.map("users_are_integers")))
@@ -437,47 +486,18 @@ def run(source: Source, out: Path, options: IngestOptions, engine, say) -> dict:
     num_users, num_items = users.num_rows, len(present)
     say(f"vocabularies: {num_users:,} users, {num_items:,} items")
 
-    # split
-    if options.split == "random":
-        engine.map("label_random", options.seed, _random_cuts(engine, options.seed, pairs, options.fractions))
-    elif options.split == "time":
-        engine.map(
-            "label_time", parse_time(options.valid_from, "--valid-from"), parse_time(options.test_from, "--test-from")
-        )
-    split_rows = np.sum(engine.map("split_counts"), axis=0).tolist()
-    for label, name in enumerate(layout.SPLITS):
-        expected = options.fractions[label] > 0 if options.split != "time" else True
-        if expected and split_rows[label] == 0:
-            raise CommandError(f"the {name} split has no rows ({_split_rule(options, name)}); {pairs:,} pairs in all")
-    say("split " + ", ".join(f"{name} {rows:,}" for name, rows in zip(layout.SPLITS, split_rows, strict=True)))
-
-    # write
-    split_files = {}
-    for label, name in enumerate(layout.SPLITS):
-        pieces = engine.map_each(
-            "write_split",
-            [(str(out), name, label, f".store-{k:05d}", options.value_name) for k in range(len(offsets) - 1)],
-        )
-        split_files[name] = []
-        for piece in pieces:
-            for relative in piece:
-                final = layout.part_name(name, len(split_files[name]))
-                os.replace(out / relative, out / final)
-                split_files[name].append(final)
+    split_rows = _split(options, engine, pairs, say)
+    split_files = _write_splits(out, options, engine, len(user_tables))
     firsts = users.column("first_seen_ms").to_numpy() if "first_seen_ms" in users.column_names else None
     _write_vocabulary(
         out / "users.parquet",
         _vocabulary_table("user_id", num_users, users.column("original_id"), users.column("count"), firsts),
     )
-    attributes = (
-        item_attributes(originals.take(pa.array(order)), options, integer_items, say) if options.items_file else None
-    )
+    attributes = item_attributes(items, options, integer_items, say) if options.items_file else None
     item_firsts = None if item_first is None else item_first[present][order]
     _write_vocabulary(
         out / "items.parquet",
-        _vocabulary_table(
-            "item_id", num_items, originals.take(pa.array(order)), item_count[present][order], item_firsts, attributes
-        ),
+        _vocabulary_table("item_id", num_items, items, item_count[present][order], item_firsts, attributes),
     )
     record = {
         "engine": engine.name,
@@ -486,13 +506,13 @@ def run(source: Source, out: Path, options: IngestOptions, engine, say) -> dict:
             "format": source.format,
             "first": source.files[0],
             "bytes": _bytes(source.files),
-        },
+        },  # fmt: skip
         "columns": {
             "user": columns.user,
             "item": columns.item,
             "time": columns.time,
             options.value_name or "value": columns.value,
-        },
+        },  # fmt: skip
         "id_types": {"user": "int64" if integer_users else "string", "item": "int64" if integer_items else "string"},
         "options": options.record(),
         "time_unit": "ms" if columns.time_factor == 1 else "s",
@@ -502,16 +522,16 @@ def run(source: Source, out: Path, options: IngestOptions, engine, say) -> dict:
             "dropped_null_item": counts["null_item"],
             "dropped_below_min_rating": counts["below_min_rating"],
             "merged_duplicates": counts["duplicates"],
-            "k_core_rounds": rounds,
+            "k_core_rounds": counts["k_core_rounds"],
             "k_core_dropped_rows": counts["k_core_rows"],
             "k_core_dropped_users": counts["k_core_users"],
-            "k_core_dropped_items": int(num_codes - num_items),
+            "k_core_dropped_items": max(0, counts["k_core_items_start"] - num_items) if counts["k_core_rounds"] else 0,
         },
         "split": {
             "mode": options.split,
             "fractions": list(options.fractions),
             "rows": dict(zip(layout.SPLITS, split_rows, strict=True)),
-        },
+        },  # fmt: skip
         "duckdb": _duckdb_version(),
         "seconds": round(time.monotonic() - started, 1),
     }
