@@ -52,7 +52,7 @@ def ingest(paths, out, options: IngestOptions | None = None, **settings) -> dict
     prepare_out(out)
     engine = None
     try:
-        engine = _engine(out / WORK_DIR, options)
+        engine = _engine(out / WORK_DIR, options, say)
         record, split_files, num_users, num_items = _interruptible(
             lambda: run(source, out, options, engine, say), engine
         )
@@ -86,12 +86,12 @@ def ingest(paths, out, options: IngestOptions | None = None, **settings) -> dict
     return manifest
 
 
-def _engine(work: Path, options: IngestOptions):
+def _engine(work: Path, options: IngestOptions, say):
     if options.address is None:
         return LocalEngine(work, options)
     from bigrank.data.ingest.cluster import RayEngine
 
-    return RayEngine(work, options)
+    return RayEngine(work, options, say)
 
 
 def _interruptible(work, engine):

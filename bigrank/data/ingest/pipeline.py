@@ -410,10 +410,8 @@ def run(source: Source, out: Path, options: IngestOptions, engine, say) -> dict:
     integer_users = not columns.user_is_text() or (source.format == "csv" and all(engine.map("users_are_integers")))
     user_tables = engine.map("user_vocabulary", integer_users)
     offsets = np.concatenate([[0], np.cumsum([t.num_rows for t in user_tables])]).astype(np.int64)
-    engine.map_each(
-        "finalize",
-        [(int(o), pa.table({"ic": pa.array(present, type=pa.int32()), "item_id": item_ids})) for o in offsets[:-1]],
-    )
+    item_table = pa.table({"ic": pa.array(present, type=pa.int32()), "item_id": item_ids})  # one object: sent once
+    engine.map_each("finalize", [(int(o), item_table) for o in offsets[:-1]])
     users = pa.concat_tables(user_tables)
     num_users, num_items = users.num_rows, len(present)
     say(f"vocabularies: {num_users:,} users, {num_items:,} items")
