@@ -94,9 +94,11 @@ start() {
     exit 1
   fi
   if [[ $with_worker == 1 ]]; then
+    # A joining node turns token authentication on only when told: without it the head refuses it
+    # ("InvalidAuthToken") and it retries for ever.
     # shellcheck disable=SC2046
-    start_node worker "$STATE/worker.log" --address="127.0.0.1:$RAY_PORT" --node-ip-address=127.0.0.1 \
-      --num-cpus="$WORKER_CPUS" $(node_ports)
+    RAY_AUTH_MODE=token start_node worker "$STATE/worker.log" --address="127.0.0.1:$RAY_PORT" \
+      --node-ip-address=127.0.0.1 --num-cpus="$WORKER_CPUS" $(node_ports)
     sleep 5
     alive "$STATE/worker.pid" || { echo "the worker node failed; see $STATE/worker.log" >&2; tail -20 "$STATE/worker.log" >&2; }
   fi

@@ -121,19 +121,29 @@ def register(subparsers) -> None:
     items.add_argument("--item-key", metavar="COL", help="its column holding the item id")
     engine = ingest.add_argument_group("engine")
     engine.add_argument(
-        "--memory-limit", help="DuckDB memory before it spills to disk: 8GB, or a fraction of memory (default 0.5)"
+        "--memory-limit",
+        help="DuckDB memory before it spills to disk: 8GB, or a fraction of memory (default 0.5); with --address: "
+        "per node, shared by its stores",
     )
-    engine.add_argument("--threads", type=int, help="DuckDB threads (default: the CPUs available)")
+    engine.add_argument(
+        "--threads",
+        type=int,
+        help="DuckDB threads (default: the CPUs available); with --address: per store (default: the node's CPUs "
+        "over its stores)",
+    )
+    engine.add_argument(
+        "--address",
+        help="run on a Ray cluster (auto, HOST:6379, or local for a local Ray runtime); the inputs and --out must "
+        "be at the same path on every node (shared storage: the read tasks' pieces and the stores live in "
+        "OUT/.ingest)",
+    )
     engine.add_argument(
         "--temp-dir", help="where the engine keeps its database and spill files (default: DIR/.ingest under --out)"
     )
     engine.add_argument(
-        "--address", help="run on a Ray cluster (e.g. auto, HOST:6379, or local for a local Ray runtime)"
-    )
-    engine.add_argument(
         "--buckets",
         type=int,
-        help="with --address: buckets of users, one DuckDB each (default 2 per node CPU... see docs)",
+        help="with --address: buckets of users, one DuckDB (a Ray actor) each (default: the cluster's CPUs)",
     )
     ingest.add_argument("--no-progress", action="store_true", help="no progress lines")
     ingest.set_defaults(func=run_ingest)

@@ -58,7 +58,7 @@ def ingest(paths, out, options: IngestOptions | None = None, **settings) -> dict
     engine = None
     try:
         work.mkdir(parents=True, exist_ok=True)
-        engine = _engine(work, options)
+        engine = _engine(work, options, say)
         record, split_files, num_users, num_items = _interruptible(
             lambda: run(source, out, options, engine, say), engine
         )
@@ -100,12 +100,12 @@ def _where(files) -> str:
     return files[0] if len(files) == 1 else str(Path(files[0]).parent)
 
 
-def _engine(work: Path, options: IngestOptions):
+def _engine(work: Path, options: IngestOptions, say):
     if options.address is None:
         return LocalEngine(work, options)
     from bigrank.data.ingest.cluster import RayEngine
 
-    return RayEngine(work, options)
+    return RayEngine(work, options, say)
 
 
 def _interruptible(work, engine):

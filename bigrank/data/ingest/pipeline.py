@@ -479,9 +479,9 @@ def run(source: Source, out: Path, options: IngestOptions, engine, say) -> tuple
     integer_users = not columns.user_is_text() or (source.format == "csv" and all(engine.map("users_are_integers")))
     user_tables = engine.map("user_vocabulary", integer_users)
     offsets = np.concatenate([[0], np.cumsum([t.num_rows for t in user_tables])]).astype(np.int64)
-    ids_table = pa.table({"ic": pa.array(present, type=pa.int32()), "item_id": item_ids})
+    item_table = pa.table({"ic": pa.array(present, type=pa.int32()), "item_id": item_ids})  # one object: sent once
     last = (options.fractions[1], options.fractions[2]) if options.split == "last" else None
-    engine.map_each("finalize", [(int(o), ids_table, last) for o in offsets[:-1]])
+    engine.map_each("finalize", [(int(o), item_table, last) for o in offsets[:-1]])
     users = pa.concat_tables(user_tables)
     num_users, num_items = users.num_rows, len(present)
     say(f"vocabularies: {num_users:,} users, {num_items:,} items")

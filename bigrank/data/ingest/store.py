@@ -77,6 +77,12 @@ class Columns:
             bad.append(f"(v IS NULL OR NOT isfinite(v))::UTINYINT * {BAD_VALUE}")
         return ", ".join(parts), (" + ".join(bad) if bad else "0::UTINYINT")
 
+    def rows_sql(self, scan: str) -> str:
+        """The query turning the rows of ``scan`` (a DuckDB table function) into ``u, i[, t][, v], bad``: what a
+        store loads (:meth:`RowStore.load`), or the cluster engine's read tasks bucket (:meth:`RowStore.load_rows`)."""
+        selected, bad = self.select_sql()
+        return f"SELECT *, {bad} AS bad FROM (SELECT {selected} FROM {scan})"
+
     def user_is_text(self) -> bool:
         return self.source.columns[self.user] not in INTEGER_TYPES
 
@@ -129,9 +135,18 @@ class RowStore:
     def load(self, scan: str, columns: Columns, min_rating: float | None) -> dict:
         """Scan the rows (``scan``: a DuckDB table function or a table name) into ``raw``; returns the counts
         ``rows_read, null_user, null_item, bad_time, bad_value, below_min_rating``."""
-        selected, bad = columns.select_sql()
         self.has_time, self.has_value = columns.time is not None, columns.value is not None
-        self._run(f"CREATE OR REPLACE TABLE raw AS SELECT *, {bad} AS bad FROM (SELECT {selected} FROM {scan})")
+        self._run(f"CREATE OR REPLACE TABLE raw AS {columns.rows_sql(scan)}")
+        return self._raw_counts(min_rating)
+
+    def load_rows(self, scan: str, has_time: bool, has_value: bool, min_rating: float | None) -> dict:
+        """Load rows already in ``raw``'s columns (``scan``: a DuckDB table function over the Parquet pieces that
+        the cluster engine's read tasks wrote from :meth:`Columns.rows_sql`); returns the counts of :meth:`load`."""
+        self.has_time, self.has_value = bool(has_time), bool(has_value)
+        self._run(f"CREATE OR REPLACE TABLE raw AS SELECT * FROM {scan}")
+        return self._raw_counts(min_rating)
+
+    def _raw_counts(self, min_rating: float | None) -> dict:
         both = "u IS NOT NULL AND i IS NOT NULL"
         below = (
             f"count(*) FILTER (WHERE {both} AND bad = 0 AND v < {float(min_rating)!r})"
