@@ -14,6 +14,7 @@ items, ``f(H) = (1/|H|) sum_{i in H} E_hist[i]``; see ``bigrank.model.towers``).
 
 from __future__ import annotations
 
+import math
 import threading
 from collections.abc import Iterable, Sequence
 from pathlib import Path
@@ -293,7 +294,8 @@ class Recommender:
             columns = {"original_id": self.item_original_ids, **columns}
         for name, values in columns.items():
             for row, value in zip(rows, values.take(ids).to_pylist(), strict=True):
-                if value is not None and value == value:  # null and NaN (not JSON) are left out
+                # Nulls, NaN and infinities are left out: JSON has no NaN or infinity (Starlette refuses them).
+                if value is not None and not (isinstance(value, float) and not math.isfinite(value)):
                     row[name] = value
         return rows
 
