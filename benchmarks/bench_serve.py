@@ -224,7 +224,8 @@ def wait_healthy(url: str, seconds: float = 300) -> None:
 def start_stdlib(export: Path, index: str) -> tuple[subprocess.Popen, str]:
     port = free_port()
     command = [sys.executable, "-m", "bigrank.cli", "serve", str(export), "--index", index, "--port", str(port)]
-    process = subprocess.Popen([*command, "--quiet", "--no-verify"], stderr=subprocess.DEVNULL)
+    # --dense-ids: the load draws random dense users, whatever ids the export's dataset had
+    process = subprocess.Popen([*command, "--quiet", "--no-verify", "--dense-ids"], stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
     wait_healthy(url)
     return process, url
@@ -380,6 +381,7 @@ def deploy_ray(export: Path, index: str, replicas: int, cores: int, args, ongoin
         replica_cpus=1.0,
         search_threads=args.search_threads or max(1, cores // replicas),
         verify=False,
+        dense_ids=True,
     )
     logging.getLogger("ray.serve").setLevel(logging.WARNING)  # Serve resets it; else INFO lines per deploy
     url = deploy(settings, port=deploy_ray.port)

@@ -615,7 +615,7 @@ def test_export_no_seen_writes_no_seen_table_and_serving_takes_the_dataset(workf
         Recommender(out).seen_items()
     for user in (0, 3, 7):
         capsys.readouterr()
-        command = ["recommend", "--user", str(user), "-k", "5", "--json", "--exclude-seen"]
+        command = ["recommend", "--user", str(user), "--dense-ids", "-k", "5", "--json", "--exclude-seen"]
         assert cli_main([*command[:1], str(out), *command[1:], str(workflow_run.data)]) == 0
         from_dataset = json.loads(capsys.readouterr().out)
         assert cli_main([*command[:1], str(workflow_run.export), *command[1:]]) == 0

@@ -1,7 +1,9 @@
 """Fuzzed requests to ``bigrank serve`` (Hypothesis): every query string and POST body parses into queries that
 the export answers, or raises one ValueError line (the server's 400 reply); the same through a real server on
 an ephemeral loopback port, whose every reply is 200 or a 4xx with a one-line JSON error, never a 500 or a
-dropped connection. The plain tests at the end pin each bug the fuzzing found."""
+dropped connection. The same for an export of string original ids (ids drawn from the known ones, near misses and
+any text), where a known id's answer also equals the dense id's. The plain tests at the end pin each bug the fuzzing
+found."""
 
 from __future__ import annotations
 
@@ -10,13 +12,15 @@ import json
 import threading
 import urllib.parse
 
+import numpy as np
 import pytest
 import torch
 from fuzz_strategies import assert_one_line
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from id_datasets import ODD_ITEM_IDS, ODD_USER_IDS, export_random, string_ids, write_id_dataset
 
-from bigrank.export.api import parse_get, parse_post, search_queries
+from bigrank.export.api import parse_flag, parse_get, parse_post, search_queries
 from bigrank.export.recommend import Recommender
 from bigrank.export.serve import make_server
 from bigrank.export.writer import export_embeddings
@@ -64,6 +68,73 @@ BODIES = st.one_of(
 )
 
 
+# String original ids: the export's own (users and items, so each also lands where the other kind is expected),
+# near misses of them (a character added, dropped or changed case), and any text.
+STRING_USERS = string_ids("u", 40, ODD_USER_IDS, np.random.default_rng(5))
+STRING_ITEMS = string_ids("sku", 30, ODD_ITEM_IDS, np.random.default_rng(6))
+KNOWN_IDS = st.sampled_from(STRING_USERS + STRING_ITEMS)
+STRING_IDS = st.one_of(
+    KNOWN_IDS,
+    KNOWN_IDS.map(lambda value: value + "x"),
+    KNOWN_IDS.map(lambda value: value[:-1]),
+    KNOWN_IDS.map(str.upper),
+    st.text(max_size=8),
+)
+KNOWN_USERS = st.sampled_from(STRING_USERS)
+KNOWN_ITEMS = st.sampled_from(STRING_ITEMS)
+# Requests of known ids, so that answers (compared with the dense ids' answers) are common, not rare.
+KNOWN_QUERIES = st.one_of(
+    st.builds(
+        lambda user, k, flag: urllib.parse.urlencode({"user": user, "k": k, "exclude_seen": flag}),
+        KNOWN_USERS,
+        st.integers(min_value=1, max_value=60),
+        st.sampled_from(["0", "1"]),
+    ),
+    st.builds(
+        lambda items, k: urllib.parse.urlencode({"items": ",".join(items), "k": k}),
+        st.lists(st.sampled_from([i for i in STRING_ITEMS if "," not in i]), min_size=1, max_size=4),
+        st.integers(min_value=1, max_value=60),
+    ),
+)
+KNOWN_BODIES = st.one_of(
+    st.builds(
+        lambda users, k, flag: json.dumps({"users": users, "k": k, "exclude_seen": flag}).encode(),
+        st.lists(KNOWN_USERS, min_size=1, max_size=5),
+        st.integers(min_value=1, max_value=60),
+        st.booleans(),
+    ),
+    st.builds(
+        lambda histories: json.dumps({"histories": histories}).encode(),
+        st.lists(st.lists(KNOWN_ITEMS, min_size=1, max_size=4), min_size=1, max_size=3),
+    ),
+)
+STRING_QUERIES = st.one_of(
+    KNOWN_QUERIES,
+    st.lists(
+        st.tuples(
+            st.sampled_from(NAMES),
+            STRING_IDS | st.lists(STRING_IDS, max_size=4).map(",".join) | TEXT_VALUES,
+        ),
+        max_size=4,
+    ).map(urllib.parse.urlencode),
+    QUERIES,
+)
+STRING_ID_LISTS = st.lists(STRING_IDS | st.integers() | JSON, max_size=4)
+STRING_BODIES = st.one_of(
+    KNOWN_BODIES,
+    st.fixed_dictionaries(
+        {},
+        optional={
+            "users": STRING_ID_LISTS | JSON,
+            "histories": st.lists(STRING_ID_LISTS | JSON, max_size=3) | JSON,
+            "k": st.integers(min_value=-1, max_value=60) | JSON,
+            "exclude_seen": st.booleans() | JSON,
+        },
+    ).map(lambda body: json.dumps(body).encode()),
+    BODIES,
+)
+
+
 HEADER_CHARACTERS = st.characters(min_codepoint=32, max_codepoint=126)  # what http.client sends in a header
 
 
@@ -100,6 +171,23 @@ def served(tiny_dataset, tmp_path_factory):
     thread.join(timeout=5)
 
 
+@pytest.fixture(scope="module")
+def served_strings(tmp_path_factory):
+    """An export of string user and item ids (a history table, seen items) and a server on a loopback port taking
+    them (stopped after the module)."""
+    root = tmp_path_factory.mktemp("fuzz-serve-strings")
+    write_id_dataset(root / "data", STRING_USERS, STRING_ITEMS, seed=5)
+    export_random(root / "export", root / "data", len(STRING_USERS), len(STRING_ITEMS))
+    recommender = Recommender(root / "export")
+    server = make_server(recommender, "127.0.0.1", 0, quiet=True)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield recommender, server.server_address[1]
+    server.shutdown()
+    server.server_close()
+    thread.join(timeout=5)
+
+
 def _answered_or_named(rec, parse):
     """``parse()``'s queries searched (each answer at most k items); or its ValueError, one line."""
     try:
@@ -116,6 +204,36 @@ def _answered_or_named(rec, parse):
     for query, answer in zip(queries, answers, strict=True):
         assert len(answer["items"]) <= query.k
     return answers
+
+
+def _equals_the_dense_answer(rec, answer: dict, exclude_seen: bool) -> None:
+    """``answer`` (to original ids) equals ``Recommender``'s answer for the same dense ids, and each item's
+    ``original_id`` is the dataset's."""
+    if "user" in answer:
+        dense = STRING_USERS.index(answer["user"])
+        expected = rec.recommend(dense, answer["k"], rec.seen.items_of(dense) if exclude_seen else None)
+    else:
+        expected = rec.recommend_items_history([STRING_ITEMS.index(i) for i in answer["items_given"]], answer["k"])
+    assert answer["items"] == expected
+    assert [row["original_id"] for row in answer["items"]] == [STRING_ITEMS[row["item_id"]] for row in expected]
+
+
+@given(query=STRING_QUERIES)
+def test_string_id_query_strings_are_answered_or_named_and_equal_the_dense_answer(served_strings, query):
+    """Any query string to a string-id export is answered or named; an answer equals the dense ids' answer."""
+    rec = served_strings[0]
+    answers = _answered_or_named(rec, lambda: parse_get(rec, rec.seen, query))
+    if answers is not None:
+        exclude = parse_flag(dict(urllib.parse.parse_qsl(query, keep_blank_values=True)).get("exclude_seen", ""), "")
+        _equals_the_dense_answer(rec, answers[0], exclude)
+
+
+@given(body=STRING_BODIES)
+def test_string_id_post_bodies_are_answered_or_named_and_equal_the_dense_answers(served_strings, body):
+    rec = served_strings[0]
+    answers = _answered_or_named(rec, lambda: parse_post(rec, rec.seen, body))
+    for answer in answers or []:
+        _equals_the_dense_answer(rec, answer, parse_flag(json.loads(body).get("exclude_seen", False), ""))
 
 
 @given(query=QUERIES)
@@ -160,6 +278,14 @@ def test_a_real_server_answers_200_or_a_4xx_line(served, query, body, length):
         length = str(min(int(length), len(body)))
     headers = {"Content-Type": "application/json", "Content-Length": str(len(body) if length is None else length)}
     _check_reply(*_request(port, "POST", "/recommend", body, headers))
+
+
+@settings(max_examples=max(15, settings().max_examples // 10))  # HTTP round trips: fewer
+@given(query=STRING_QUERIES, body=STRING_BODIES)
+def test_a_real_string_id_server_answers_200_or_a_4xx_line(served_strings, query, body):
+    port = served_strings[1]
+    _check_reply(*_request(port, "GET", "/recommend?" + urllib.parse.quote(query, safe="=&,+%")))
+    _check_reply(*_request(port, "POST", "/recommend", body, {"Content-Type": "application/json"}))
 
 
 # ------------------------------------------------------------------------------ the bugs the fuzzing found

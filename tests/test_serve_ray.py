@@ -1,6 +1,7 @@
 """``bigrank serve --ray``: a real Ray Serve application on loopback, one Ray runtime for the module.
 
-Its answers equal the stdlib server's and a numpy brute force; bad parameters get the same 400s; a full
+Its answers equal the stdlib server's and a numpy brute force, also by string original ids (and by dense ids with
+``dense_ids``); bad parameters and unknown ids get the same 400s; a full
 queue answers 503 with Retry-After; a replica killed during a stream of requests loses no request that was
 answered 200 and the application recovers.
 """
@@ -25,6 +26,7 @@ from bigrank.export.seen import SeenItems
 from bigrank.export.serve import make_server
 from bigrank.export.writer import export_embeddings
 from bigrank.train.launcher import free_port
+from tests.id_datasets import ODD_ITEM_IDS, ODD_USER_IDS, export_random, string_ids, write_id_dataset
 
 # Ray Serve's own config models use a pydantic idiom that pydantic 2 deprecates; not ours to fix.
 pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore:Using extra keyword arguments on `Field`")]
@@ -35,7 +37,9 @@ DIM = 8
 def apps(request, tmp_path_factory):
     """A demo export (history tower, seen table), the stdlib server, and two Ray Serve applications:
     ``/`` (2 replicas) and ``/tight`` (1 replica, 1 ongoing + 1 queued request), behind Serve's Python proxy
-    and then behind HAProxy with direct ingress (each a Ray runtime of its own: Serve reads it at start)."""
+    and then behind HAProxy with direct ingress (each a Ray runtime of its own: Serve reads it at start). Also an
+    export of string original ids, served by the stdlib server and by ``/strings`` (original ids) and
+    ``/strings-dense`` (``dense_ids``)."""
     import ray
     from ray import serve
 
@@ -73,6 +77,14 @@ def apps(request, tmp_path_factory):
     stdlib = make_server(rec, "127.0.0.1", 0, quiet=True)
     thread = threading.Thread(target=stdlib.serve_forever, daemon=True)
     thread.start()
+    rng = np.random.default_rng(7)
+    ids = {"users": string_ids("u", 60, ODD_USER_IDS, rng), "items": string_ids("sku", 40, ODD_ITEM_IDS, rng)}
+    write_id_dataset(root / "strings-data", ids["users"], ids["items"], seed=7)
+    string_tables = export_random(root / "strings", root / "strings-data", 60, 40)
+    string_rec = Recommender(root / "strings")
+    stdlib_strings = make_server(string_rec, "127.0.0.1", 0, quiet=True)
+    thread_strings = threading.Thread(target=stdlib_strings.serve_forever, daemon=True)
+    thread_strings.start()
     export = str(root / "export")
     saved = {name: os.environ.get(name) for name in (*HAPROXY_ENVIRONMENT, DRAINING_PERIOD_ENV)}
     set_ingress_environment(request.param)  # Ray's processes read it when they start
@@ -84,6 +96,16 @@ def apps(request, tmp_path_factory):
             export, max_ongoing_requests=1, max_queued_requests=1, max_batch_size=1, replica_cpus=0.5, search_threads=1
         )
         tight_url = deploy(tight, port=port, name="tight", route_prefix="/tight")
+        small = {"replica_cpus": 0.5, "search_threads": 1}
+        strings_url = deploy(
+            ServeSettings(str(root / "strings"), **small), port=port, name="strings", route_prefix="/strings"
+        )
+        strings_dense_url = deploy(
+            ServeSettings(str(root / "strings"), dense_ids=True, **small),
+            port=port,
+            name="strings-dense",
+            route_prefix="/strings-dense",
+        )
         yield {
             "ray": f"{url}",
             "tight": tight_url,
@@ -91,6 +113,14 @@ def apps(request, tmp_path_factory):
             "rec": rec,
             "seen": SeenItems(root / "demo"),
             "items": tables["items"].numpy(),
+            "strings": {
+                "ray": strings_url,
+                "ray_dense": strings_dense_url,
+                "stdlib": "http://{}:{}".format(*stdlib_strings.server_address[:2]),
+                "rec": string_rec,
+                "ids": ids,
+                **string_tables,
+            },
         }
     finally:
         serve.shutdown()
@@ -100,9 +130,10 @@ def apps(request, tmp_path_factory):
                 os.environ.pop(name, None)
             else:
                 os.environ[name] = value
-        stdlib.shutdown()
-        stdlib.server_close()
-        thread.join(timeout=5)
+        for server, serving in ((stdlib, thread), (stdlib_strings, thread_strings)):
+            server.shutdown()
+            server.server_close()
+            serving.join(timeout=5)
 
 
 def request(url: str, body: dict | None = None, timeout: float = 60) -> tuple[int, dict, dict]:
@@ -163,6 +194,47 @@ def test_ray_answers_equal_the_stdlib_server_and_a_brute_force(apps):
     assert [_ids(r["items"]) for r in body["results"]] == [_ids(rec.recommend_items_history(h, 5)) for h in histories]
     status, health, _ = request(apps["ray"] + "/health")
     assert status == 200 and health["num_items"] == rec.num_items and health["exclude_seen"] is True
+
+
+def test_ray_takes_and_returns_string_ids_like_the_stdlib_server(apps):
+    """By string original ids: the Ray application's answers equal the stdlib server's (rows with original ids
+    and attributes), a brute force, and the dense-ids application's for the same users; bad ids are the same 400."""
+    from urllib.parse import quote
+
+    strings = apps["strings"]
+    users, items, seen = strings["ids"]["users"], strings["ids"]["items"], strings["rec"].seen
+    for dense in (0, users.index("00042"), users.index("a,b"), users.index("long-" * 50), 59):
+        query = f"/recommend?user={quote(users[dense], safe='')}&k=6&exclude_seen=1"
+        status, ray_body, _ = request(strings["ray"] + query)
+        assert status == 200, ray_body
+        _, std_body, _ = request(strings["stdlib"] + query)
+        assert ray_body["user"] == users[dense] and ray_body["items"] == std_body["items"]
+        scores = strings["items"] @ strings["users"][dense]
+        scores[seen.items_of(dense)] = -np.inf
+        expected = np.argsort(-scores, kind="stable")[:6].tolist()
+        assert _ids(ray_body["items"]) == expected and [r["original_id"] for r in ray_body["items"]] == [
+            items[i] for i in expected
+        ]
+        _, dense_body, _ = request(strings["ray_dense"] + f"/recommend?user={dense}&k=6&exclude_seen=1")
+        assert dense_body["user"] == dense and dense_body["items"] == ray_body["items"]
+    body = {"users": users[:5], "k": 4}
+    status, ray_body, _ = request(strings["ray"] + "/recommend", body)
+    assert status == 200 and [r["user"] for r in ray_body["results"]] == users[:5]
+    assert ray_body == request(strings["stdlib"] + "/recommend", body)[1]
+    body = {"histories": [["sku-9-A", "品-1"], ["c,d"]], "k": 5}
+    status, ray_body, _ = request(strings["ray"] + "/recommend", body)
+    assert status == 200 and ray_body == request(strings["stdlib"] + "/recommend", body)[1]
+    assert ray_body["results"][0]["items_given"] == ["sku-9-A", "品-1"]
+    assert request(strings["ray"] + "/health")[1]["user_ids"] == "string"
+    assert request(strings["ray_dense"] + "/health")[1]["user_ids"] == "dense"
+    for query, body, message in (
+        ("user=u-nobody", None, "unknown user id 'u-nobody'"),
+        ("", {"users": [42]}, "user ids of this export are strings"),
+        ("items=sku-9-A,nope", None, "unknown item ids 'nope'"),
+    ):
+        status, ray_body, _ = request(strings["ray"] + "/recommend?" + query, body)
+        assert status == 400 and message in ray_body["error"], ray_body
+        assert ray_body == request(strings["stdlib"] + "/recommend?" + query, body)[1]
 
 
 @pytest.mark.parametrize(

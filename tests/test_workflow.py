@@ -163,11 +163,15 @@ def test_serve_answers_the_same_over_http(workflow_run):
             health = json.loads(response.read())
         assert health | {"status": "ok"} == health and (health["num_items"], health["num_users"]) == (101, 120)
         assert health["exclude_seen"] is True
+        assert (health["user_ids"], health["item_ids"]) == ("int64", "int64")  # MovieLens's ids, by default
         for user in (3, 119):
-            with urllib.request.urlopen(f"{base}/recommend?user={user}&k=5&exclude_seen=1", timeout=30) as response:
+            original = 10 + 3 * user
+            with urllib.request.urlopen(f"{base}/recommend?user={original}&k=5&exclude_seen=1", timeout=30) as response:
                 answer = json.loads(response.read())
             expected = brute_force_top(workflow_run.export, workflow_run.data, user, 5)
+            assert answer["user"] == original
             assert [row["item_id"] for row in answer["items"]] == [item for item, _ in expected]
+            assert [row["original_id"] for row in answer["items"]] == [1000 + 7 * item for item, _ in expected]
             np.testing.assert_allclose([r["score"] for r in answer["items"]], [s for _, s in expected], rtol=1e-5)
     finally:
         server.terminate()

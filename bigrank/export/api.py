@@ -10,6 +10,16 @@ Routes::
                   or {"histories": [[I, …], …], "k": K}
                                          {"k": K, "index": …, "results": [<one GET answer per user/history>]}
 
+Ids: where the export has original ids (``Recommender.user_id_kind`` / ``item_id_kind``: ``"int64"`` or
+``"string"``), ``user``, ``items``, ``users`` and ``histories`` are original ids unless the server was started
+with ``dense_ids=True`` (``bigrank serve --dense-ids``); without them they are dense ids. A string-id export takes
+JSON strings and, in a query string, the raw text (``items`` split at commas: give ids holding a comma by POST);
+an int64-id export takes integers, as JSON numbers or digit strings. The reply echoes the ids given (``"user"``,
+``"items_given"``) as original ids in the export's type; each result row keeps the dense ``item_id`` and adds the
+item's ``original_id`` and attributes (``Recommender.describe``). Unknown ids and ids of the wrong type are
+ValueErrors (400) naming them. ``/health`` says which ids the server takes: ``"user_ids"`` / ``"item_ids"`` are
+``"int64"``, ``"string"`` or ``"dense"``.
+
 A request is parsed into ``Query`` objects (query vector, k, excluded items, what to echo back), the
 server searches their vectors (one at a time or as a batch: ``Recommender.search_batch``) and ``answer``
 turns ids and scores into the JSON reply. Bad parameters raise ValueError, which both servers answer
@@ -20,9 +30,12 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from urllib.parse import parse_qs
+from pathlib import Path
+from urllib.parse import parse_qs, quote
 
 import numpy as np
+
+from bigrank.export.ids import parse_original_id
 
 DEFAULT_K = 10
 MAX_K = 1000
@@ -41,8 +54,9 @@ class Query:
     echo: dict
 
 
-def health(rec, seen) -> dict:
-    """The ``/health`` reply of a server holding ``rec`` (a ``Recommender``) and ``seen`` (or None)."""
+def health(rec, seen, dense_ids: bool = False) -> dict:
+    """The ``/health`` reply of a server holding ``rec`` (a ``Recommender``) and ``seen`` (or None), taking
+    dense ids only when ``dense_ids``: ``user_ids`` / ``item_ids`` say which ids it takes."""
     return {
         "status": "ok",
         "num_items": rec.num_items,
@@ -51,7 +65,41 @@ def health(rec, seen) -> dict:
         "index": rec.index_kind,
         "has_history": rec.has_history,
         "exclude_seen": seen is not None,
+        "user_ids": user_id_kind(rec, dense_ids) or "dense",
+        "item_ids": item_id_kind(rec, dense_ids) or "dense",
     }
+
+
+def user_id_kind(rec, dense_ids: bool = False) -> str | None:
+    """``"int64"`` / ``"string"``: the original user ids a server over ``rec`` takes; None: dense ids."""
+    return None if dense_ids else rec.user_id_kind
+
+
+def item_id_kind(rec, dense_ids: bool = False) -> str | None:
+    """``"int64"`` / ``"string"``: the original item ids a server over ``rec`` takes; None: dense ids."""
+    return None if dense_ids else rec.item_id_kind
+
+
+def example_user(export_dir, dense_ids: bool = False) -> str:
+    """The ``user=`` value of the example URL a server prints when it starts: the original id of dense user 0,
+    URL-quoted, where the server takes original user ids; else ``0``. Reads one column of one part."""
+    from bigrank import integrity
+    from bigrank.export.format import read_export_manifest
+
+    if dense_ids:
+        return "0"
+    try:
+        manifest = read_export_manifest(export_dir)
+        parts = [part for part in manifest["tables"]["users"]["parts"] if part["rows"]]
+        if not parts:
+            return "0"
+        handle = integrity.open_parquet(Path(export_dir) / min(parts, key=lambda part: part["row_start"])["file"])
+        if "original_id" not in handle.schema_arrow.names:
+            return "0"
+        first = handle.read_row_group(0, columns=["original_id"]).column(0)[0].as_py()
+    except (OSError, ValueError, KeyError):  # only a hint: a Ray cluster's export may not be readable from here
+        return "0"
+    return quote(str(first), safe="")
 
 
 def parse_query(query: str) -> dict[str, str]:
@@ -97,19 +145,40 @@ def _parse_k(value, max_k: int) -> int:
     return k
 
 
-def _user_query(rec, seen, user, k: int, exclude_seen: bool) -> Query:
-    user = parse_int(user, "user")
-    if not 0 <= user < rec.num_users:
-        raise ValueError(f"user {user} is outside [0, {rec.num_users})")
+def _user_query(rec, seen, user, k: int, exclude_seen: bool, dense_ids: bool) -> Query:
+    """The query of one user given as a client sent it (text, or a JSON value)."""
+    kind = user_id_kind(rec, dense_ids)
+    if kind is None:
+        user = given = parse_int(user, "user")
+        if not 0 <= user < rec.num_users:
+            raise ValueError(f"user {user} is outside [0, {rec.num_users})")
+    else:
+        given = parse_original_id(user, kind, "user")
+        user = rec.user_ids.dense_id(given, "user")
     excluded = seen.items_of(user) if exclude_seen else np.empty(0, np.int64)
-    return Query(rec.user_vector(user), k, excluded, {"user": user})
+    return Query(rec.user_vector(user), k, excluded, {"user": given})
 
 
-def _history_query(rec, items: list[int], k: int) -> Query:
+def _history_query(rec, items: list, k: int, dense_ids: bool, what: str) -> Query:
+    """The fold-in query of a user given by ``items`` as a client sent them (``what``: the parameter)."""
     if not items:
-        raise ValueError("items must list at least one item id")
-    checked = rec.check_items(items)
-    return Query(rec.fold_in_vector(checked), k, checked, {"items_given": [int(i) for i in items]})
+        raise ValueError(f"{what} must list at least one item id")
+    kind = item_id_kind(rec, dense_ids)
+    if kind is None:
+        given = [parse_int(item, what) for item in items]
+        checked = rec.check_items(given)
+    else:
+        given = [parse_original_id(item, kind, "item") for item in items]
+        checked = rec.item_ids.dense_ids(given, "item")
+    return Query(rec.fold_in_vector(checked), k, checked, {"items_given": given})
+
+
+def _split_items(text: str, kind: str | None) -> list[str]:
+    """``items=`` of a query string split at commas: empty pieces dropped (and blank ones, but for string ids,
+    which are taken exactly as given)."""
+    if kind == "string":
+        return [piece for piece in text.split(",") if piece != ""]
+    return [piece for piece in text.split(",") if piece.strip()]
 
 
 def _check_exclude_seen(exclude_seen: bool, seen) -> None:
@@ -120,8 +189,10 @@ def _check_exclude_seen(exclude_seen: bool, seen) -> None:
         )
 
 
-def parse_get(rec, seen, query: str, max_k: int = MAX_K) -> Query:
-    """The ``Query`` of ``GET /recommend?<query>``; ValueError with a message for bad parameters."""
+def parse_get(rec, seen, query: str, max_k: int = MAX_K, dense_ids: bool = False) -> Query:
+    """The ``Query`` of ``GET /recommend?<query>``; ValueError with a message for bad parameters.
+
+    ``dense_ids``: ``user`` / ``items`` are dense ids even where the export has original ids."""
     params = parse_query(query)
     k = _parse_k(params.get("k", str(DEFAULT_K)), max_k)
     exclude_seen = parse_flag(params.get("exclude_seen", "0"), "exclude_seen")
@@ -129,14 +200,19 @@ def parse_get(rec, seen, query: str, max_k: int = MAX_K) -> Query:
         raise ValueError("give exactly one of user=<id> or items=<id,id,…>")
     _check_exclude_seen(exclude_seen, seen)
     if "user" in params:
-        return _user_query(rec, seen, params["user"], k, exclude_seen)
+        return _user_query(rec, seen, params["user"], k, exclude_seen, dense_ids)
     if exclude_seen:
         raise ValueError("exclude_seen applies to user=<id>; the given items are always excluded")
-    return _history_query(rec, [parse_int(v, "items") for v in params["items"].split(",") if v.strip()], k)
+    items = _split_items(params["items"], item_id_kind(rec, dense_ids))
+    return _history_query(rec, items, k, dense_ids, "items")
 
 
-def parse_post(rec, seen, body: bytes, max_k: int = MAX_K, max_queries: int = MAX_POST_QUERIES) -> tuple[int, list]:
-    """``(k, queries)`` of ``POST /recommend`` with a JSON ``body``; ValueError with a message when bad."""
+def parse_post(
+    rec, seen, body: bytes, max_k: int = MAX_K, max_queries: int = MAX_POST_QUERIES, dense_ids: bool = False
+) -> tuple[int, list]:
+    """``(k, queries)`` of ``POST /recommend`` with a JSON ``body``; ValueError with a message when bad.
+
+    ``dense_ids``: ``users`` / ``histories`` hold dense ids even where the export has original ids."""
     try:
         payload = json.loads(body or b"null")
     except (json.JSONDecodeError, UnicodeDecodeError) as error:
@@ -159,14 +235,14 @@ def parse_post(rec, seen, body: bytes, max_k: int = MAX_K, max_queries: int = MA
     if len(given) > max_queries:
         raise ValueError(f"at most {max_queries} users or histories per request, got {len(given)}")
     if "users" in payload:
-        return k, [_user_query(rec, seen, user, k, exclude_seen) for user in given]
+        return k, [_user_query(rec, seen, user, k, exclude_seen, dense_ids) for user in given]
     if exclude_seen:
         raise ValueError("exclude_seen applies to users; the items of a history are always excluded")
     queries = []
     for history in given:
         if not isinstance(history, list):
             raise ValueError(f"each history must be a list of item ids, got {history!r}")
-        queries.append(_history_query(rec, [parse_int(i, "histories") for i in history], k))
+        queries.append(_history_query(rec, history, k, dense_ids, "histories"))
     return k, queries
 
 

@@ -24,13 +24,17 @@ def register(subparsers) -> None:
         "recommend",
         help="print the top-k items of a user from an export",
         description="Top-k items by inner product for a user id, or for a new user given as items (fold-in, "
-        "exports of models with the history tower).",
+        "exports of models with the history tower). Ids are the dataset's original ids (integers or strings, as "
+        "ingested) when the export has them, else dense ids; --dense-ids takes dense ids always. Ids that start "
+        "with '-' go after '=': --user=-42, --items=-1,-2.",
     )
     recommend.add_argument("export", metavar="DIR", help="export directory (bigrank export --out)")
     who = recommend.add_mutually_exclusive_group(required=True)
-    who.add_argument("--user", metavar="ID", help="user id (dense; the original id with --original-ids)")
     who.add_argument(
-        "--items", metavar="ID,ID,…", help="fold-in: the user's items (dense ids; original with --original-ids)"
+        "--user", metavar="ID", help="user id: the original id, taken as written for string ids (dense: --dense-ids)"
+    )
+    who.add_argument(
+        "--items", metavar="ID,ID,…", help="fold-in: the user's items, comma-separated original ids (or dense ids)"
     )
     recommend.add_argument("-k", type=int, default=10, help="number of items (default 10)")
     recommend.add_argument("--exclude-seen", metavar="DATA_ROOT", nargs="?", const="", help=EXCLUDE_SEEN_HELP)
@@ -40,7 +44,18 @@ def register(subparsers) -> None:
     recommend.add_argument(
         "--seen-splits", default="train,valid,test", help="splits counted as seen (default train,valid,test)"
     )
-    recommend.add_argument("--original-ids", action="store_true", help="--user/--items are original (MovieLens) ids")
+    ids = recommend.add_mutually_exclusive_group()
+    ids.add_argument(
+        "--dense-ids",
+        action="store_true",
+        help="--user/--items are dense ids (0 … n-1), even where the export has original ids",
+    )
+    ids.add_argument(
+        "--original-ids",
+        action="store_true",
+        help="--user/--items are original ids: the default now, kept for old scripts (an error for an export "
+        "without original ids)",
+    )
     _index_arguments(recommend)
     recommend.add_argument("--json", action="store_true", help="print a JSON list of {item_id, score, …}")
     recommend.add_argument("--no-verify", action="store_true", help="skip the sha256 check of the export files")
@@ -50,7 +65,9 @@ def register(subparsers) -> None:
         "serve",
         help="serve recommendations over HTTP (JSON), alone or on Ray Serve (--ray)",
         description="GET /recommend?user=ID&k=K[&exclude_seen=1] or ?items=ID,ID,…, POST /recommend "
-        '{"users": [ID, …], "k": K} or {"histories": [[ID, …], …]}, and GET /health. Without --ray: a '
+        '{"users": [ID, …], "k": K} or {"histories": [[ID, …], …]}, and GET /health. IDs are the original ids '
+        "(JSON strings or integers, as the dataset has them) when the export has them, else dense ids; the "
+        "replies give each item's dense item_id, original_id and attributes (title …). Without --ray: a "
         "standard-library server (one search at a time). With --ray: a Ray Serve application whose replicas "
         "search concurrent queries as one batch and answer 503 (Retry-After) when their queues are full.",
     )
@@ -68,6 +85,9 @@ def register(subparsers) -> None:
     )
     serve.add_argument("--seen-splits", default="train,valid,test", help="splits counted as seen")
     serve.add_argument("--no-verify", action="store_true", help="skip the sha256 check of the export files")
+    serve.add_argument(
+        "--dense-ids", action="store_true", help="take dense user and item ids even where the export has original ids"
+    )
     serve.add_argument("--quiet", action="store_true", help="do not log requests")
     ray = serve.add_argument_group("Ray Serve (--ray)")
     ray.add_argument("--ray", action="store_true", help="serve on Ray Serve instead of the standard-library server")
@@ -151,6 +171,40 @@ def _split_ids(text: str, what: str) -> list[int]:
     return ids
 
 
+def _id_kind(args: argparse.Namespace, kind: str | None, what: str) -> str | None:
+    """The original-id kind ``--user`` / ``--items`` are read as (None: dense ids) for the export's ``kind``."""
+    if args.dense_ids:
+        return None
+    if kind is None and args.original_ids:
+        raise ValueError(
+            f"this export has no original {what} ids (the dataset was synthetic): give dense ids, without "
+            "--original-ids"
+        )
+    return kind
+
+
+def _user_arg(rec, args: argparse.Namespace) -> tuple[int, object]:
+    """``(dense user id, the user as given)`` of ``--user``."""
+    kind = _id_kind(args, rec.user_id_kind, "user")
+    if kind is None:
+        ids = _split_ids(args.user, "--user")
+        if len(ids) != 1:
+            raise ValueError(f"--user takes one id, got {args.user!r}")
+        return ids[0], ids[0]
+    return rec.user_from_original(args.user), args.user
+
+
+def _items_arg(rec, args: argparse.Namespace) -> list[int]:
+    """Dense item ids of ``--items`` (original ids split at commas, string ids taken exactly as written)."""
+    kind = _id_kind(args, rec.item_id_kind, "item")
+    if kind is None:
+        return _split_ids(args.items, "--items")
+    pieces = [p for p in args.items.split(",") if (p != "" if kind == "string" else p.strip())]
+    if not pieces:
+        raise ValueError("--items lists no ids")
+    return rec.items_from_original(pieces).tolist()
+
+
 def _seen(data_root: str | None, splits: str, rec=None):
     """Seen items of ``data_root`` (a dataset), of the export (``""``: its seen table), or None."""
     if data_root is None:
@@ -183,16 +237,12 @@ def run_recommend(args: argparse.Namespace) -> int:
     if seen is not None and seen.num_items != rec.num_items:
         raise ValueError(f"the dataset {args.exclude_seen} has {seen.num_items} items, the export {rec.num_items}")
     if args.user is not None:
-        (user,) = _split_ids(args.user, "--user")
-        if args.original_ids:
-            user = rec.user_from_original(user)
+        user, given = _user_arg(rec, args)
         excluded = seen.items_of(user) if seen is not None else None
         rows = rec.recommend(user, args.k, excluded)
-        heading = f"top {args.k} items of user {user}"
+        heading = f"top {args.k} items of user {given}" + (f" (dense id {user})" if given != user else "")
     else:
-        items = _split_ids(args.items, "--items")
-        if args.original_ids:
-            items = [rec.item_from_original(i) for i in items]
+        items = _items_arg(rec, args)
         if seen is not None:
             raise ValueError("--exclude-seen applies to --user; the --items given are always excluded")
         rows = rec.recommend_items_history(items, args.k)
@@ -206,13 +256,14 @@ def run_recommend(args: argparse.Namespace) -> int:
 
 
 def format_table(rows: list[dict]) -> str:
-    """Rows of ``{"item_id", "score", "original_id"?, "title"?}`` as an aligned text table."""
+    """Rows of ``{"item_id", "score", "original_id"?, <attribute>?…}`` as an aligned text table: rank, item_id,
+    original_id, score, then the attributes (title …) in the order the rows give them."""
     columns = ["rank", "item_id"]
     if any("original_id" in row for row in rows):
         columns.append("original_id")
     columns.append("score")
-    if any("title" in row for row in rows):
-        columns.append("title")
+    for row in rows:
+        columns += [key for key in row if key not in columns]
     cells = [columns]
     for rank, row in enumerate(rows, 1):
         values = {"rank": str(rank), **{key: str(value) for key, value in row.items()}}
@@ -230,15 +281,18 @@ def run_serve(args: argparse.Namespace) -> int:
         from bigrank.export.ray_serve import run_ray_serve
 
         return run_ray_serve(args)
+    from bigrank.export.api import example_user
     from bigrank.export.serve import make_server, serve_until_stopped
     from bigrank.signals import raise_for, signal_name
 
     rec = _recommender(args)
-    server = make_server(rec, args.host, args.port, seen=_seen(args.exclude_seen, args.seen_splits), quiet=args.quiet)
+    seen = _seen(args.exclude_seen, args.seen_splits)
+    server = make_server(rec, args.host, args.port, seen=seen, quiet=args.quiet, dense_ids=args.dense_ids)
     host, port = server.server_address[:2]
+    ids = "dense ids" if args.dense_ids or rec.user_id_kind is None else f"original {rec.user_id_kind} user ids"
     print(
-        f"serving {args.export} ({rec.num_items:,} items, {rec.num_users:,} users, {rec.index_kind} index) "
-        f"on http://{host}:{port}/recommend?user=0&k=10",
+        f"serving {args.export} ({rec.num_items:,} items, {rec.num_users:,} users, {rec.index_kind} index, {ids}) "
+        f"on http://{host}:{port}/recommend?user={example_user(args.export, args.dense_ids)}&k=10",
         file=sys.stderr,
         flush=True,
     )

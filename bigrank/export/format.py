@@ -7,13 +7,22 @@ This module is the leaf of ``bigrank.export``: it imports no other module of the
 Layout of an export ``DIR`` (see ``bigrank.export.writer`` for how it is written)::
 
     DIR/manifest.json                          written last: its presence means the export is complete
-    DIR/items/part-rNNNNN.parquet              item_id: int32, [original_id: int64, title: string],
+    DIR/items/part-rNNNNN.parquet              item_id: int32, [original_id: int64 or string, attributes …],
                                                embedding: fixed_size_list<float32>[d]
-    DIR/users/part-rNNNNN.parquet              user_id: int32, [original_id: int64], embedding
+    DIR/users/part-rNNNNN.parquet              user_id: int32, [original_id: int64 or string], embedding
     DIR/history/part-rNNNNN.parquet            (models with a history tower) the history table, item-indexed
-    DIR/<table>_float16/…, DIR/<table>_int8/…  optional quantised copies (int8 adds ``scale: float32``)
+    DIR/<table>_float16/…, DIR/<table>_int8/…  optional quantised copies (int8 adds ``scale: float32``); ids and
+                                               embeddings only
     DIR/seen/part-rNNNNN.parquet               per-user seen items (``bigrank.export.seen``), CSR-like
     DIR/items/index-<name>.faiss               optional FAISS indexes (``bigrank.export.index``)
+
+Original ids and attributes (exports of ingested data; ``bigrank.export.writer.read_id_mapping``): the
+``items`` and ``users`` parts carry ``original_id`` in the dataset's type (int64 or string), and the items parts
+the item attributes of the dataset's ``items.parquet`` (string, integer, float and boolean columns, up to
+``writer.MAX_ATTRIBUTE_BYTES`` in all). The manifest's ``original_ids`` says which: ``{"users": "string",
+"items": "int64", "item_attributes": {"title": "string", …}, "item_attributes_skipped": {name: why}}`` (``users``
+/ ``items`` null without original ids). Exports written before it have no such entry, int64 ``original_id`` and
+an optional ``title``; they read the same way.
 
 Integrity (``bigrank.integrity``): the manifest records every part's and index's byte size and sha256; Parquet
 parts carry page checksums, verified whenever they are read. ``load_export`` checks sizes always and the
@@ -198,11 +207,19 @@ def read_export_parquet(export_dir: str | Path, relative: str, handle=None, row_
         raise integrity.damaged_parquet("export file", path, error, advice, row_group=row_group) from error
 
 
-def read_table(export_dir: str | Path, manifest: dict, name: str) -> dict[str, np.ndarray]:
+# Keys of ``read_table``'s answer that are not item attributes.
+TABLE_KEYS = ("ids", "embedding", "scale", "original_id")
+
+
+def read_table(export_dir: str | Path, manifest: dict, name: str, arrow: bool = False) -> dict:
     """All rows of table ``name`` ("items", "users", "history", "items_float16", …) in id order.
 
-    Returns ``{"ids": int32[n], "embedding": [n, d] (float32, float16 or int8), "original_id": int64[n]?,
-    "title": object[n]?, "scale": float32[n]?}`` (optional keys when the parts have those columns).
+    Returns ``{"ids": int32[n], "embedding": [n, d] (float32, float16 or int8), "scale": float32[n]?,
+    "original_id": [n]?, <attribute>: [n]? …}``, optional keys when the parts have those columns: ``original_id``
+    (items and users of an export of ingested data) as int64[n], or object[n] of str for string ids; every other
+    column (items: the item attributes, e.g. ``title``) under its own name, strings as object[n] (None where
+    null), numbers and booleans as numpy arrays. ``arrow=True``: ``original_id`` and the attributes as pyarrow
+    arrays instead (compact, typed, nulls kept), what the servers hold.
     """
     import pyarrow as pa
 
@@ -223,10 +240,23 @@ def read_table(export_dir: str | Path, manifest: dict, name: str) -> dict[str, n
     dim = int(entry["dim"])
     flat = embedding.flatten().to_numpy(zero_copy_only=False) if embedding is not None else np.empty(0)
     out = {"ids": ids.astype(np.int32), "embedding": flat.reshape(len(ids), dim)}
-    if "original_id" in table.column_names:
-        out["original_id"] = table.column("original_id").to_numpy().astype(np.int64)
-    if "title" in table.column_names:
-        out["title"] = np.asarray(table.column("title").to_pylist(), dtype=object)
     if "scale" in table.column_names:
         out["scale"] = table.column("scale").to_numpy()
+    for column in table.column_names:
+        if column in (entry["id_column"], "embedding", "scale"):
+            continue
+        values = table.column(column)
+        values = values.combine_chunks() if values.num_chunks else pa.array([], values.type)
+        out[column] = values if arrow else _as_numpy(values)
     return out
+
+
+def _as_numpy(values) -> np.ndarray:
+    """A pyarrow array as numpy: strings as object[n] of str (None where null), the rest as ``to_numpy``."""
+    import pyarrow as pa
+
+    if pa.types.is_string(values.type) or pa.types.is_large_string(values.type):
+        return np.asarray(values.to_pylist(), dtype=object)
+    if pa.types.is_int64(values.type) and not values.null_count:
+        return values.to_numpy()
+    return values.to_numpy(zero_copy_only=False)

@@ -112,9 +112,11 @@ class ServeSettings:
     ``exclude_seen`` (default: the export's seen-items table). ``search_threads``: FAISS OpenMP threads
     per replica, and torch's for the certified exact index (0: their defaults). ``certified_bf16``: the exact
     index searched by the certified bf16 top-K where the CPU has bf16 units (``Recommender``).
-    ``internal_grpc_host``: the address each replica's inter-deployment gRPC server binds (Ray 2.60 binds every
-    interface, ``[::]``, and has no setting for it); ``deploy`` sets 127.0.0.1 on a Ray node whose address is
-    the loopback (the embedded runtime), where nothing outside could use it anyway. None: Ray's default.
+    ``dense_ids``: the application takes dense user and item ids even where the export has original ids
+    (``bigrank.export.api``). ``internal_grpc_host``: the address each replica's inter-deployment gRPC server
+    binds (Ray 2.60 binds every interface, ``[::]``, and has no setting for it); ``deploy`` sets 127.0.0.1 on a
+    Ray node whose address is the loopback (the embedded runtime), where nothing outside could use it anyway.
+    None: Ray's default.
     """
 
     export: str
@@ -134,6 +136,7 @@ class ServeSettings:
     data_root: str | None = None
     seen_root: str | None = None
     seen_splits: list[str] = field(default_factory=lambda: ["train", "valid", "test"])
+    dense_ids: bool = False
     internal_grpc_host: str | None = None
 
     def __post_init__(self) -> None:
@@ -203,12 +206,13 @@ class RecommendDeployment:
         path, method = request.url.path.removeprefix(root) or "/", request.method
         try:
             if path == "/health" and method == "GET":
-                return JSONResponse(api.health(self.rec, self.seen))
+                return JSONResponse(api.health(self.rec, self.seen, self.settings.dense_ids))
             if path == "/recommend" and method == "GET":
-                query = api.parse_get(self.rec, self.seen, request.url.query)
+                query = api.parse_get(self.rec, self.seen, request.url.query, dense_ids=self.settings.dense_ids)
                 return JSONResponse(await self.search(query))
             if path == "/recommend" and method == "POST":
-                k, queries = api.parse_post(self.rec, self.seen, await request.body())
+                body = await request.body()
+                k, queries = api.parse_post(self.rec, self.seen, body, dense_ids=self.settings.dense_ids)
                 results = await asyncio.gather(*(self.search(q) for q in queries))
                 return JSONResponse({"k": k, "index": self.rec.index_kind, "results": list(results)})
             if path in ("/health", "/recommend"):
@@ -354,6 +358,7 @@ def run_ray_serve(args) -> int:
         seen_root=args.exclude_seen,
         seen_splits=[s.strip() for s in args.seen_splits.split(",") if s.strip()],
         search_threads=args.search_threads,
+        dense_ids=getattr(args, "dense_ids", False),
     )
     port = args.port or 8000
     # Stopping: a signal while Ray and the application start stops at once (130 / 143), also while serve.start
@@ -381,7 +386,8 @@ def run_ray_serve(args) -> int:
             ingress = "HAProxy + direct ingress" if haproxy else "Serve proxy"
             print(
                 f"serving {args.export} on Ray Serve ({replicas}, {ingress}, "
-                f"{index} index, batches of <= {settings.max_batch_size}) at {url}/recommend?user=0&k=10",
+                f"{index} index, batches of <= {settings.max_batch_size}) at "
+                f"{url}/recommend?user={api.example_user(settings.export, settings.dense_ids)}&k=10",
                 file=sys.stderr,
                 flush=True,
             )

@@ -14,13 +14,15 @@ items, ``f(H) = (1/|H|) sum_{i in H} E_hist[i]``; see ``bigrank.model.towers``).
 
 from __future__ import annotations
 
+import math
 import threading
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 import numpy as np
 
-from bigrank.export.format import load_export, parse_index_name, read_table
+from bigrank.export.format import TABLE_KEYS, load_export, parse_index_name, read_table
+from bigrank.export.ids import OriginalIdIndex, parse_original_id
 from bigrank.export.index import CertifiedExactIndex, build_index, read_index, search, set_search_params
 from bigrank.export.seen import SeenItems, SeenItemsFile
 
@@ -46,8 +48,10 @@ class Recommender:
             (``CertifiedExactIndex``: the items and order of fp32 brute force, faster) where the CPU has bf16
             units (``bigrank.devices.use_certified_bf16``); False, or another CPU: FAISS ``IndexFlatIP``.
 
-    Results are lists of ``{"item_id", "score"}`` dicts (plus ``"original_id"`` / ``"title"`` when the export
-    has them), best first. Index searches are serialised by a lock, so one instance can serve many threads;
+    Results are lists of ``{"item_id", "score"}`` dicts, best first, plus the item's ``"original_id"`` and its
+    attributes (``"title"`` …; those not null) when the export has them. Original ids (int64 or string) are found
+    through ``OriginalIdIndex`` (``user_ids`` / ``item_ids``; None without original ids): ``user_from_original``,
+    ``items_from_original``. Index searches are serialised by a lock, so one instance can serve many threads;
     ``search_batch`` answers many queries with one index search.
     """
 
@@ -67,13 +71,16 @@ class Recommender:
         index = kind if (quantize or quantization) == "float32" else f"{kind}-{quantize or quantization}"
         self.export_dir = Path(export_dir)
         self.manifest = load_export(self.export_dir, verify=verify)
-        items = read_table(self.export_dir, self.manifest, "items")
+        items = read_table(self.export_dir, self.manifest, "items", arrow=True)
         self.item_vectors = items["embedding"]
+        # Arrow arrays, not Python objects: a reply converts only its k rows.
         self.item_original_ids = items.get("original_id")
-        self.item_titles = items.get("title")
-        users = read_table(self.export_dir, self.manifest, "users")
+        self.item_attributes = {name: values for name, values in items.items() if name not in TABLE_KEYS}
+        self.item_ids = OriginalIdIndex(self.item_original_ids) if self.item_original_ids is not None else None
+        users = read_table(self.export_dir, self.manifest, "users", arrow=True)
         self.user_vectors = users["embedding"]
-        self.user_original_ids = users.get("original_id")
+        self.user_ids = OriginalIdIndex(users["original_id"]) if "original_id" in users else None
+        del items, users
         self.history_vectors = None
         if "history" in self.manifest["tables"]:
             self.history_vectors = read_table(self.export_dir, self.manifest, "history")["embedding"]
@@ -119,13 +126,30 @@ class Recommender:
     def has_history(self) -> bool:
         return self.history_vectors is not None
 
-    def user_from_original(self, original_id: int) -> int:
-        """Dense user id of the original (MovieLens) user id; ValueError when unknown or unavailable."""
-        return _dense_id(self.user_original_ids, original_id, "user")
+    @property
+    def user_id_kind(self) -> str | None:
+        """``"int64"`` or ``"string"``: the type of the export's original user ids; None when it has none."""
+        return None if self.user_ids is None else self.user_ids.kind
 
-    def item_from_original(self, original_id: int) -> int:
-        """Dense item id of the original (MovieLens) item id; ValueError when unknown or unavailable."""
-        return _dense_id(self.item_original_ids, original_id, "item")
+    @property
+    def item_id_kind(self) -> str | None:
+        """``"int64"`` or ``"string"``: the type of the export's original item ids; None when it has none."""
+        return None if self.item_ids is None else self.item_ids.kind
+
+    def user_from_original(self, original_id: int | str) -> int:
+        """Dense user id of one original user id (an int or str; text of an integer for int64 ids); ValueError
+        naming the id when it is unknown or of the wrong type, or when the export has no original ids."""
+        index = _original_index(self.user_ids, "user")
+        return index.dense_id(parse_original_id(original_id, index.kind, "user"), "user")
+
+    def item_from_original(self, original_id: int | str) -> int:
+        """Dense item id of one original item id; ValueError as ``user_from_original``."""
+        return int(self.items_from_original([original_id])[0])
+
+    def items_from_original(self, original_ids: Sequence) -> np.ndarray:
+        """Dense item ids int64[n] of original item ids (ints or strs); ValueError naming the unknown ones."""
+        index = _original_index(self.item_ids, "item")
+        return index.dense_ids([parse_original_id(value, index.kind, "item") for value in original_ids], "item")
 
     def user_vector(self, user_id: int) -> np.ndarray:
         """The exported vector float32[d] of dense user ``user_id``."""
@@ -258,16 +282,22 @@ class Recommender:
         return out
 
     def describe(self, ids: np.ndarray, scores: np.ndarray) -> list[dict]:
-        """Result rows ``{"item_id", "score", "original_id"?, "title"?}`` of item ids and their scores."""
-        return [self._describe(int(item), float(score)) for item, score in zip(ids, scores, strict=True)]
-
-    def _describe(self, item: int, score: float) -> dict:
-        row = {"item_id": item, "score": score}
+        """Result rows ``{"item_id", "score", "original_id"?, <attribute>?…}`` of item ids int[k] and their
+        scores float[k]: the original id (int or str) when the export has them, and each item attribute (e.g.
+        ``title``) that is not null for the item."""
+        ids = np.asarray(ids, dtype=np.int64)
+        rows = [{"item_id": int(item), "score": float(score)} for item, score in zip(ids, scores, strict=True)]
+        if not len(rows):
+            return rows
+        columns = dict(self.item_attributes)
         if self.item_original_ids is not None:
-            row["original_id"] = int(self.item_original_ids[item])
-        if self.item_titles is not None and self.item_titles[item] is not None:
-            row["title"] = str(self.item_titles[item])
-        return row
+            columns = {"original_id": self.item_original_ids, **columns}
+        for name, values in columns.items():
+            for row, value in zip(rows, values.take(ids).to_pylist(), strict=True):
+                # Nulls, NaN and infinities are left out: JSON has no NaN or infinity (Starlette refuses them).
+                if value is not None and not (isinstance(value, float) and not math.isfinite(value)):
+                    row[name] = value
+        return rows
 
     def check_items(self, item_ids: Iterable[int]) -> np.ndarray:
         """``item_ids`` as int64[n]; ValueError naming the bad ones when not integers in ``[0, num_items)``."""
@@ -304,10 +334,7 @@ def _as_int(value, what: str) -> int:
     return int(value)
 
 
-def _dense_id(original_ids: np.ndarray | None, original_id: int, what: str) -> int:
-    if original_ids is None:
+def _original_index(index: OriginalIdIndex | None, what: str) -> OriginalIdIndex:
+    if index is None:
         raise ValueError(f"this export has no original {what} ids (the dataset was synthetic); use dense ids")
-    matches = np.flatnonzero(original_ids == _as_int(original_id, f"original {what} id"))
-    if len(matches) == 0:
-        raise ValueError(f"original {what} id {original_id} is not in the export")
-    return int(matches[0])
+    return index

@@ -7,7 +7,9 @@ The zero-dependency default of ``bigrank serve``; ``bigrank serve --ray`` runs t
     GET  /recommend?user=U&k=K[&exclude_seen=1]   or   ?items=I1,I2,…&k=K
     POST /recommend  {"users": [U, …], "k": K}    or   {"histories": [[I, …], …], "k": K}
 
-Bad parameters answer 400 with ``{"error": message}``; unknown paths 404. The server is threaded; the
+``U`` and ``I`` are original ids where the export has them (int64 or string), dense ids otherwise or when the
+server is made with ``dense_ids=True`` (``bigrank serve --dense-ids``); see ``bigrank.export.api``.
+Bad parameters and unknown ids answer 400 with ``{"error": message}``; unknown paths 404. The server is threaded; the
 recommender serialises index searches with its own lock, so requests are searched one at a time.
 
 Stopping (``serve_until_stopped``, what ``bigrank serve`` runs): the first SIGTERM or SIGINT closes the
@@ -42,10 +44,13 @@ class RecommendServer(ThreadingHTTPServer):
     # request per connection) the kernel drops SYNs and clients wait out a 1 s retransmit.
     request_queue_size = 128
 
-    def __init__(self, address, recommender, seen=None, max_k: int = MAX_K, quiet: bool = False):
+    def __init__(
+        self, address, recommender, seen=None, max_k: int = MAX_K, quiet: bool = False, dense_ids: bool = False
+    ):
         super().__init__(address, RecommendHandler)
         self.recommender = recommender
         self.seen = seen
+        self.dense_ids = dense_ids
         self.max_k = max_k
         self.quiet = quiet
         self._active = 0  # connections taken and not yet answered (and closed)
@@ -98,9 +103,9 @@ class RecommendHandler(BaseHTTPRequestHandler):
         server = self.server
         try:
             if url.path == "/health" and method == "GET":
-                self._send(HTTPStatus.OK, health(server.recommender, server.seen))
+                self._send(HTTPStatus.OK, health(server.recommender, server.seen, server.dense_ids))
             elif url.path == "/recommend" and method == "GET":
-                query = parse_get(server.recommender, server.seen, url.query, server.max_k)
+                query = parse_get(server.recommender, server.seen, url.query, server.max_k, dense_ids=server.dense_ids)
                 self._send(HTTPStatus.OK, search_queries(server.recommender, [query])[0])
             elif url.path == "/recommend" and method == "POST":
                 length = (self.headers.get("Content-Length") or "0").strip()
@@ -109,7 +114,8 @@ class RecommendHandler(BaseHTTPRequestHandler):
                 length = int(length)
                 if length > MAX_BODY_BYTES:
                     raise ValueError(f"the body is larger than {MAX_BODY_BYTES} bytes")
-                k, queries = parse_post(server.recommender, server.seen, self.rfile.read(length), server.max_k)
+                body = self.rfile.read(length)
+                k, queries = parse_post(server.recommender, server.seen, body, server.max_k, dense_ids=server.dense_ids)
                 results = search_queries(server.recommender, queries)
                 self._send(HTTPStatus.OK, {"k": k, "index": server.recommender.index_kind, "results": results})
             elif url.path in ("/health", "/recommend"):
@@ -134,9 +140,12 @@ class RecommendHandler(BaseHTTPRequestHandler):
             sys.stderr.write(f"{self.address_string()} {format % args}\n")
 
 
-def make_server(recommender, host: str = "127.0.0.1", port: int = 0, seen=None, quiet: bool = False):
+def make_server(
+    recommender, host: str = "127.0.0.1", port: int = 0, seen=None, quiet: bool = False, dense_ids: bool = False
+):
     """A ``RecommendServer`` bound to ``(host, port)`` (port 0: any free port; see ``server_address``).
 
+    ``dense_ids``: take dense user and item ids even where the export has original ids.
     ``seen``: the items ``exclude_seen=1`` drops: a ``bigrank.export.seen.SeenItems`` of a dataset, or by
     default the export's own seen-items table (``recommender.seen``; None when it has none). Call
     ``serve_forever()`` to answer requests and ``shutdown()`` + ``server_close()`` to stop.
@@ -146,7 +155,7 @@ def make_server(recommender, host: str = "127.0.0.1", port: int = 0, seen=None, 
         raise ValueError(
             f"the seen items ({seen.root}) count {seen.num_items} items but the export has {recommender.num_items}"
         )
-    return RecommendServer((host, port), recommender, seen=seen, quiet=quiet)
+    return RecommendServer((host, port), recommender, seen=seen, quiet=quiet, dense_ids=dense_ids)
 
 
 def serve_until_stopped(server: RecommendServer, drain_seconds: float = DRAIN_SECONDS) -> tuple[int, int]:

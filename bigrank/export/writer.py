@@ -113,14 +113,33 @@ def _rows_as_numpy(name: str, rows) -> tuple[int, int, np.ndarray]:
     return start, stop, values
 
 
-def read_id_mapping(dataset: layout.DatasetManifest | None, table: str) -> dict[str, np.ndarray] | None:
-    """Dense id -> original id (and titles) of ``table`` ("items" or "users") from an ingested dataset.
+# Columns of users/items.parquet that are not item attributes (the vocabulary's own), and names an attribute
+# may not take in an export part or a result row.
+VOCABULARY_COLUMNS = ("item_id", "user_id", "original_id", "count", "first_seen")
+RESERVED_ATTRIBUTE_NAMES = ("ids", "embedding", "scale", "score", "rank")
+# The item attributes an export carries, all columns together (Arrow bytes): servers hold them in memory.
+MAX_ATTRIBUTE_BYTES = 256 << 20
 
-    Reads ``<root>/items.parquet`` (``item_id, original_id[, title]``) or ``<root>/users.parquet``
-    (``user_id, original_id``) written by ``bigrank.data.movielens.ingest``. Returns None without a dataset or
-    when the dataset has no such file (synthetic datasets), else ``{"original_id": int64[n], "title":
-    object[n]?}`` indexed by dense id. Raises ValueError when the dense ids are not ``0 … n-1``.
+
+def read_id_mapping(dataset: layout.DatasetManifest | None, table: str) -> dict | None:
+    """Dense id -> original id (and, for items, the item attributes) of ``table`` ("items" or "users").
+
+    Reads ``<root>/users.parquet`` (``user_id, original_id[, count, first_seen]``) or ``<root>/items.parquet``
+    (``item_id, original_id[, count, first_seen]`` and any attribute columns) of an ingested dataset, in any row
+    order. Returns None without a dataset or when the dataset has no such file (synthetic datasets), else::
+
+        {"original_id": pyarrow int64 or string array [n] indexed by dense id, "kind": "int64" | "string",
+         "attributes": {name: pyarrow array [n]}, "skipped": {name: why it is not carried}}
+
+    Attributes (items only) are the columns other than ``VOCABULARY_COLUMNS`` whose type is a string, an integer,
+    a float or a boolean, in the file's order, up to ``MAX_ATTRIBUTE_BYTES`` in all; the others are named in
+    ``skipped``. Raises ValueError when the dense ids are not ``0 … n-1``, or the original ids are null, repeated
+    or of another type.
     """
+    import pyarrow as pa
+
+    from bigrank.export.ids import OriginalIdIndex, as_id_array
+
     path = None if dataset is None else dataset.side_file(f"{table}.parquet")
     if path is None:
         return None
@@ -131,15 +150,50 @@ def read_id_mapping(dataset: layout.DatasetManifest | None, table: str) -> dict[
         advice = layout.repair_advice(dataset.root)
         raise integrity.damaged_parquet("dataset file", path, error, advice) from error
     if id_column not in data.column_names or "original_id" not in data.column_names:
-        raise ValueError(f"{path} lacks the columns {id_column!r} and 'original_id'")
+        raise ValueError(f"{path} lacks the columns {id_column!r} and 'original_id'; it has {data.column_names}")
     dense = data.column(id_column).to_numpy()
     order = np.argsort(dense, kind="stable")
     if not np.array_equal(dense[order], np.arange(len(dense))):
         raise ValueError(f"{path}: {id_column} is not a permutation of 0 … {len(dense) - 1}")
-    mapping = {"original_id": data.column("original_id").to_numpy().astype(np.int64)[order]}
-    if table == "items" and "title" in data.column_names:
-        mapping["title"] = np.asarray(data.column("title").to_pylist(), dtype=object)[order]
+    data = data.take(order)
+    original = as_id_array(data.column("original_id"), f"original_id of {path}")
+    OriginalIdIndex(original)  # refuses repeated ids here, not in every server that loads the export
+    mapping = {"original_id": original, "kind": "int64" if pa.types.is_int64(original.type) else "string"}
+    mapping["attributes"], mapping["skipped"] = {}, {}
+    if table == "items":
+        budget = MAX_ATTRIBUTE_BYTES
+        for name in data.column_names:
+            if name in VOCABULARY_COLUMNS:
+                continue
+            column, why = _attribute(data.column(name), name)
+            if column is not None and column.nbytes > budget:
+                column, why = None, f"over the {MAX_ATTRIBUTE_BYTES >> 20} MiB that an export carries of attributes"
+            if column is None:
+                mapping["skipped"][name] = why
+                continue
+            budget -= column.nbytes
+            mapping["attributes"][name] = column
     return mapping
+
+
+def _attribute(column, name: str):
+    """``(array, None)``: an items.parquet column as an export attribute (strings as ``pa.string()``, numbers and
+    booleans as they are, half floats as float32); ``(None, why)`` when it is not carried."""
+    import pyarrow as pa
+
+    if name in RESERVED_ATTRIBUTE_NAMES:
+        return None, f"{name!r} is a reserved name in exports and replies"
+    column = column.combine_chunks() if column.num_chunks else pa.array([], column.type)
+    kind = column.type
+    if pa.types.is_dictionary(kind):
+        column, kind = column.dictionary_decode(), kind.value_type
+    if pa.types.is_string(kind) or pa.types.is_large_string(kind) or pa.types.is_string_view(kind):
+        return column.cast(pa.string()), None
+    if pa.types.is_float16(kind):
+        return column.cast(pa.float32()), None
+    if pa.types.is_integer(kind) or pa.types.is_floating(kind) or pa.types.is_boolean(kind):
+        return column, None
+    return None, f"type {kind} is not carried (strings, integers, floats and booleans are)"
 
 
 def _dataset_summary(dataset: layout.DatasetManifest | None) -> dict | None:
@@ -154,27 +208,42 @@ def _dataset_summary(dataset: layout.DatasetManifest | None) -> dict | None:
     }
 
 
+def _id_summary(mappings: Mapping[str, dict | None]) -> dict:
+    """The manifest's ``original_ids`` entry: which tables carry original ids, of which kind, and the item
+    attributes carried (name -> Arrow type) and left out (name -> why)."""
+    items = mappings.get("items") or {}
+    return {
+        "users": (mappings.get("users") or {}).get("kind"),
+        "items": items.get("kind"),
+        "item_attributes": {name: str(column.type) for name, column in items.get("attributes", {}).items()},
+        "item_attributes_skipped": dict(items.get("skipped", {})),
+    }
+
+
 def _write_rank_parts(
-    out_dir: Path, rank: int, tables: Mapping[str, tuple[int, int, np.ndarray]], dataset, quantize
+    out_dir: Path, rank: int, tables: Mapping[str, tuple[int, int, np.ndarray]], dataset, quantize, mappings
 ) -> dict:
-    """Write this rank's parts of every table (and quantised copies); returns their descriptions."""
+    """Write this rank's parts of every table (and quantised copies); returns their descriptions.
+
+    ``mappings``: ``read_id_mapping`` of "items" and "users" (None without side files): the ``items`` and
+    ``users`` parts carry their original ids (and the items their attributes); the history table and the
+    quantised copies carry ids and embeddings only."""
     written: dict[str, dict] = {}
     for table, (start, stop, values) in tables.items():
         id_column = TABLE_ID_COLUMNS[table]
         base = {id_column: np.arange(start, stop, dtype=np.int32)}
-        mapping = read_id_mapping(dataset, "users" if table == "users" else "items")
+        extra_columns = {}  # original ids and attributes: in the items and users tables only, not their copies
+        mapping = mappings.get(table)
         if mapping is not None:
             if stop > len(mapping["original_id"]):
                 raise ValueError(
                     f"{table}: rows [{start}, {stop}) exceed the {len(mapping['original_id'])} ids of the dataset "
                     f"{dataset.root}: the model does not match this dataset"
                 )
-            base["original_id"] = mapping["original_id"][start:stop]
-            if table == "items" and "title" in mapping:
-                import pyarrow as pa
-
-                base["title"] = pa.array(mapping["title"][start:stop].tolist(), type=pa.string())
-        copies = {table: {"embedding": embedding_array(values)}}
+            extra_columns["original_id"] = mapping["original_id"].slice(start, stop - start)
+            for name, column in mapping["attributes"].items():
+                extra_columns[name] = column.slice(start, stop - start)
+        copies = {table: {**extra_columns, "embedding": embedding_array(values)}}
         if "float16" in quantize:
             copies[f"{table}_float16"] = {"embedding": embedding_array(values.astype(np.float16))}
         if "int8" in quantize:
@@ -302,8 +371,8 @@ def export_embeddings(
         user_rows: the same for the user vectors (the rows the model scores items with); a rank may own an
             empty range.
         dataset_root: the training dataset: its ``DatasetManifest`` (read once by the caller) or its directory;
-            its ``items.parquet`` / ``users.parquet`` (ingested MovieLens) give the original ids and titles
-            written beside the dense ids.
+            its ``items.parquet`` / ``users.parquet`` (ingested data) give the original ids (int64 or string)
+            and the item attributes written beside the dense ids (``read_id_mapping``).
         model_info: JSON-able description of the model, e.g. ``{"loss", "dim", "run_dir", "has_history"}``.
         quantize: any of ``"float16"``, ``"int8"``: also write quantised copies of every table.
         history_rows: rows of the history table (item-indexed) for models with a history tower; enables
@@ -346,7 +415,10 @@ def export_embeddings(
         if len(set(dims.values())) != 1:
             raise ValueError(f"the tables have different dimensions: {dims}")
         status["dim"] = dims["items"]
-        status["parts"] = _write_rank_parts(out_dir, rank, tables, dataset, quantize)
+        mappings = {name: read_id_mapping(dataset, name) for name in ("items", "users")}
+        status["original_ids"] = _id_summary(mappings)
+        status["parts"] = _write_rank_parts(out_dir, rank, tables, dataset, quantize, mappings)
+        del mappings  # the seen table below reads the whole dataset: free the ids and attributes first
         if seen and dataset is not None:
             num_users = dataset.num_users
             share = (rank * num_users // world_size, (rank + 1) * num_users // world_size)
@@ -419,6 +491,8 @@ def _write_manifest(
         "quantization": {"int8": "per-row symmetric: embedding ≈ scale * q"} if "int8" in quantize else {},
         "model": json.loads(json.dumps(dict(model_info), default=str)),
         "dataset": _dataset_summary(dataset),
+        # Original ids: "int64" / "string" per table, or null where the export has none (synthetic data).
+        "original_ids": statuses[0]["original_ids"],
         "world_size": len(statuses),
         "tables": tables,
         "indexes": {},
