@@ -12,7 +12,7 @@ recommend and serve by the shop's own ids, with product titles.
 4. ``bigrank evaluate`` (Recall@K, AP@K, Accuracy on valid and test);
 5. ``bigrank export``;
 6. ``bigrank recommend --user C-00042``, and ``--items`` for a basket (fold-in), by the shop's ids;
-7. ``bigrank serve`` and ``GET /recommend?user=C-00042``: the same answer over HTTP, with titles.
+7. ``bigrank serve`` and ``GET /recommend?user=C-00042&exclude_seen=1``: the same answer over HTTP, with titles.
 
 Each step prints the command it runs. Paths are under ``--workdir``; ``--fresh`` deletes it first.
 """
@@ -47,8 +47,8 @@ workers: 1
 model: {{dim: 32, history: true}}
 loss: {{name: softmax}}
 optim: {{user_lr: 0.1, item_lr: 0.1}}
-train: {{batch_size: 256, epochs: 6, log_every: 50, progress: false}}
-eval: {{every_epochs: 6, ks: [10, 50], splits: [valid, test]}}
+train: {{batch_size: 256, epochs: {epochs}, log_every: 50, progress: false}}
+eval: {{every_epochs: {epochs}, ks: [10, 50], splits: [valid, test]}}
 """
 
 
@@ -100,7 +100,8 @@ def bigrank(*args, capture: bool = False) -> str:
 
 
 def serve_and_ask(export: Path, customer: str, k: int) -> dict:
-    """Start ``bigrank serve`` on a free port, ask ``GET /recommend?user=CUSTOMER&k=K``, stop it; the reply."""
+    """Start ``bigrank serve`` on a free port, ask ``GET /recommend?user=CUSTOMER&k=K&exclude_seen=1`` (the items
+    the customer has not interacted with), stop it; the reply."""
     env = dict(os.environ, PYTHONPATH=str(REPO))
     command = [sys.executable, "-m", "bigrank.cli", "serve", str(export), "--port", "0", "--quiet"]
     print(f"\n$ bigrank serve {export} --port 0 &", flush=True)
@@ -110,7 +111,7 @@ def serve_and_ask(export: Path, customer: str, k: int) -> dict:
         if "http://" not in line:
             raise SystemExit(f"bigrank serve did not start: {line}{server.stderr.read()}")
         base = line.split("http://", 1)[1].split("/", 1)[0]
-        url = f"http://{base}/recommend?user={customer}&k={k}"
+        url = f"http://{base}/recommend?user={customer}&k={k}&exclude_seen=1"
         print(f"$ curl '{url}'", flush=True)
         with urllib.request.urlopen(url, timeout=60) as response:
             reply = json.loads(response.read())
@@ -126,12 +127,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workdir", default=str(REPO / "runs" / "own-data"), help="where everything is written")
     parser.add_argument("--fresh", action="store_true", help="delete --workdir first")
     parser.add_argument("--customer", default="C-00042", help="whose recommendations are shown")
+    parser.add_argument("--customers", type=int, default=1200, help="customers in the made-up shop")
+    parser.add_argument("--epochs", type=int, default=6, help="training epochs")
     args = parser.parse_args(argv)
     work = Path(args.workdir).resolve()
     if args.fresh:
         shutil.rmtree(work, ignore_errors=True)
     started = time.perf_counter()
-    log, products = write_shop_log(work / "shop")
+    log, products = write_shop_log(work / "shop", customers=args.customers)
     print(f"== wrote the shop's event log {log} and {products}")
     data, run_dir = work / "data", work / "run"
     if not (data / "manifest.json").is_file():
@@ -142,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
             "--split", "last", "--items-file", products, "--item-key", "sku", "--no-progress",
         )  # fmt: skip
     config = work / "config.yaml"
-    config.write_text(CONFIG.format(data=data, run=run_dir))
+    config.write_text(CONFIG.format(data=data, run=run_dir, epochs=args.epochs))
     bigrank("train", config, "--launcher", "local")
     bigrank("evaluate", run_dir)
     export = run_dir / "export"
