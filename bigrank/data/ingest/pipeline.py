@@ -395,21 +395,19 @@ def _encode(source: Source, columns: Columns, options: IngestOptions, engine, co
 def _kcore(options: IngestOptions, engine, num_codes: int, pairs: int, counts: dict, say) -> int:
     """Step 4: the k-core, to its fixed point (item counts summed over the stores each round); fills the counts
     and returns the pairs left. CommandError when it leaves none."""
-    rounds, before, users_start, users_left, items_start = 0, pairs, 0, 0, 0
+    rounds, before, users_start, items_start = 0, pairs, 0, 0
     while options.min_user_items > 1 or options.min_item_users > 1:
         results = engine.map("kcore_counts", num_codes, options.min_user_items)
         item_counts = np.sum([r[0] for r in results], axis=0)
         if rounds == 0:
-            items_start, users_start = int(np.count_nonzero(item_counts)), sum(engine.map("num_users"))
-            users_left = users_start
+            items_start, users_start = int(np.count_nonzero(item_counts)), sum(r[2] for r in results)
         dropped_items = np.flatnonzero((item_counts > 0) & (item_counts < options.min_item_users)).astype(np.int32)
         users_below = sum(r[1] for r in results)
         if len(dropped_items) == 0 and users_below == 0:
             break
         rounds += 1
         previous = pairs
-        results = engine.map("drop", options.min_user_items, dropped_items)
-        pairs, users_left = sum(r[0] for r in results), sum(r[1] for r in results)
+        pairs = sum(engine.map("drop", options.min_user_items, dropped_items))
         below = f"{users_below:,} users and {len(dropped_items):,} items below it"
         say(f"k-core round {rounds}: {below}, {pairs:,} pairs left")
         if pairs == 0:
@@ -417,7 +415,8 @@ def _kcore(options: IngestOptions, engine, num_codes: int, pairs: int, counts: d
                 f"nothing left after the k-core (--min-user-items {options.min_user_items} --min-item-users "
                 f"{options.min_item_users}): round {rounds} removed the last {previous:,} pairs ({before:,} before it)"
             )
-    counts.update(k_core_rounds=rounds, k_core_rows=before - pairs, k_core_users=users_start - users_left)
+    # What the k-core dropped of users and items is counted against the vocabularies (step 5).
+    counts.update(k_core_rounds=rounds, k_core_rows=before - pairs, k_core_users_start=users_start)
     counts["k_core_items_start"] = items_start
     return pairs
 
@@ -524,8 +523,8 @@ def run(source: Source, out: Path, options: IngestOptions, engine, say) -> tuple
             "merged_duplicates": counts["duplicates"],
             "k_core_rounds": counts["k_core_rounds"],
             "k_core_dropped_rows": counts["k_core_rows"],
-            "k_core_dropped_users": counts["k_core_users"],
-            "k_core_dropped_items": max(0, counts["k_core_items_start"] - num_items) if counts["k_core_rounds"] else 0,
+            "k_core_dropped_users": counts["k_core_users_start"] - num_users if counts["k_core_rounds"] else 0,
+            "k_core_dropped_items": counts["k_core_items_start"] - num_items if counts["k_core_rounds"] else 0,
         },
         "split": {
             "mode": options.split,

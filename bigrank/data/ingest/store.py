@@ -192,36 +192,32 @@ class RowStore:
             select = "*"
         where = "bad = 0" + (f" AND v >= {float(min_rating)!r}" if min_rating is not None else "")
         # One pass from the scanned rows to the pairs: the coded rows are never stored on their own.
-        self._run(
+        pairs = self._scalar(
             f"CREATE OR REPLACE TABLE pairs AS SELECT {select} FROM (SELECT {', '.join(['uc', 'ic', *keep])} "
             "FROM raw JOIN user_codes ON raw.u = user_codes.id JOIN item_codes ON raw.i = item_codes.id "
             f"WHERE {where} GROUP BY uc, ic)"
-        )
+        )  # CREATE TABLE … AS answers the rows it wrote
         self._run("DROP TABLE raw")
-        return self.count()
-
-    def count(self) -> int:
-        """Rows of ``pairs``."""
-        return int(self._scalar("SELECT count(*) FROM pairs"))
+        return int(pairs)
 
     # ---------------------------------------------------------------------------------------------- k-core
-    def kcore_counts(self, num_codes: int, min_items: int) -> tuple[np.ndarray, int]:
-        """``(pairs per item code int64[num_codes], users with fewer than min_items pairs)`` of ``pairs``; the
-        users' counts are kept for :meth:`drop`."""
-        self._run("CREATE OR REPLACE TABLE user_counts AS SELECT uc, count(*) AS c FROM pairs GROUP BY uc")
+    def kcore_counts(self, num_codes: int, min_items: int) -> tuple[np.ndarray, int, int]:
+        """``(pairs per item code int64[num_codes], users with fewer than min_items pairs, users)`` of ``pairs``;
+        the users' counts are kept for :meth:`drop`."""
+        users = self._scalar("CREATE OR REPLACE TABLE user_counts AS SELECT uc, count(*) AS c FROM pairs GROUP BY uc")
         below = int(self._scalar(f"SELECT count(*) FROM user_counts WHERE c < {int(min_items)}"))
         table = self._arrow("SELECT ic, count(*) AS c FROM pairs GROUP BY ic")
         counts = np.zeros(num_codes, dtype=np.int64)
         counts[table.column("ic").to_numpy()] = table.column("c").to_numpy()
-        return counts, below
+        return counts, below, int(users)
 
-    def drop(self, min_items: int, dropped_items: np.ndarray) -> tuple[int, int]:
+    def drop(self, min_items: int, dropped_items: np.ndarray) -> int:
         """One k-core pass: drop the pairs of users with fewer than ``min_items`` pairs (as :meth:`kcore_counts`
-        counted them) and of the item codes ``dropped_items``; returns ``(pairs, users)`` left."""
+        counted them) and of the item codes ``dropped_items``; returns the pairs left."""
         import pyarrow as pa
 
         self.con.register("dropped_items", pa.table({"ic": pa.array(dropped_items, type=pa.int32())}))
-        self._run(
+        pairs = self._scalar(
             "CREATE OR REPLACE TABLE pairs_kept AS SELECT * FROM pairs "
             f"WHERE uc IN (SELECT uc FROM user_counts WHERE c >= {int(min_items)}) "
             "AND ic NOT IN (SELECT ic FROM dropped_items)"
@@ -229,11 +225,7 @@ class RowStore:
         self.con.unregister("dropped_items")
         self._run("DROP TABLE pairs")
         self._run("ALTER TABLE pairs_kept RENAME TO pairs")
-        return self.count(), self.num_users()
-
-    def num_users(self) -> int:
-        """Distinct users of ``pairs``."""
-        return int(self._scalar("SELECT count(DISTINCT uc) FROM pairs"))
+        return int(pairs)
 
     # ------------------------------------------------------------------------------------------ vocabulary
     def item_stats(self, num_codes: int) -> tuple[np.ndarray, np.ndarray | None]:
