@@ -456,10 +456,10 @@ def test_the_certified_exact_index_equals_fp32_and_faiss():
 def test_recommend_gives_the_same_items_with_and_without_certified_bf16(tmp_path, certified):
     from bigrank.export.index import CertifiedExactIndex
     from bigrank.export.recommend import Recommender
-    from tests.test_export import export_single, random_tables
+    from tests.helpers import random_tables, write_export
 
-    tables = random_tables(3)
-    export_single(tmp_path / "export", tables=tables)
+    tables = random_tables(301, 157, seed=3)
+    write_export(tmp_path / "export", tables)
     rec = Recommender(tmp_path / "export", certified_bf16=certified)
     assert isinstance(rec.index, CertifiedExactIndex) == (certified and cpu_bf16_gemm())
     faiss_rec = Recommender(tmp_path / "export", certified_bf16=False)

@@ -7,19 +7,16 @@ from __future__ import annotations
 
 import http.client
 import json
-import threading
 import urllib.parse
 
 import pytest
-import torch
 from fuzz_strategies import assert_one_line
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from bigrank.export.api import parse_get, parse_post, search_queries
 from bigrank.export.recommend import Recommender
-from bigrank.export.serve import make_server
-from bigrank.export.writer import export_embeddings
+from tests.helpers import random_tables, stdlib_server, write_export
 
 DIM = 8
 NAMES = ["user", "items", "k", "exclude_seen"]
@@ -69,35 +66,17 @@ HEADER_CHARACTERS = st.characters(min_codepoint=32, max_codepoint=126)  # what h
 
 @pytest.fixture(scope="module")
 def served(tiny_dataset, tmp_path_factory):
-    """An export of the tiny dataset (a history table and seen items) and a server on an ephemeral loopback
-    port (stopped after the module)."""
+    """An export of random tables of the tiny dataset (a history table and seen items) and a server on an
+    ephemeral loopback port (stopped after the module)."""
     from bigrank.data.manifest import load_manifest
 
     manifest = load_manifest(tiny_dataset)
-    gen = torch.Generator().manual_seed(0)
-    items, users, history = (
-        torch.randn(manifest[n], DIM, generator=gen) for n in ("num_items", "num_users", "num_items")
-    )
     export = tmp_path_factory.mktemp("fuzz-serve") / "export"
-    export_embeddings(
-        export,
-        rank=0,
-        world_size=1,
-        group=None,
-        item_rows=(0, len(items), items),
-        user_rows=(0, len(users), users),
-        history_rows=(0, len(history), history),
-        dataset_root=tiny_dataset,
-        model_info={"dim": DIM, "has_history": True},
-    )
+    tables = random_tables(manifest["num_items"], manifest["num_users"], DIM)
+    write_export(export, tables, dataset_root=tiny_dataset, user_vectors=None)
     recommender = Recommender(export)
-    server = make_server(recommender, "127.0.0.1", 0, quiet=True)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    yield recommender, server.server_address[1]
-    server.shutdown()
-    server.server_close()
-    thread.join(timeout=5)
+    with stdlib_server(recommender) as url:
+        yield recommender, int(url.rsplit(":", 1)[1])
 
 
 def _answered_or_named(rec, parse):

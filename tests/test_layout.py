@@ -10,7 +10,7 @@ import torch
 from bigrank.config import ConfigError, config_from_dict
 from bigrank.model.layout import Link, StepShape, choose_layouts, format_layout_plan, measure_link, predict_step
 from bigrank.train.launcher import launch_local
-from tests.conftest import read_checkpoint
+from tests.conftest import read_checkpoint, tiny_config
 
 # An order of magnitude of this machine (measure_link on 2 local gloo workers): 175 µs-1 ms a collective, ~1 GB/s.
 LINK = Link(latency_s=175e-6, bandwidth_bytes_s=1e9, update_s_per_element=2e-9)
@@ -110,35 +110,25 @@ def test_bad_layout_keys_and_values_name_the_key():
 
 
 # ------------------------------------------------------------------------------------------- real training
+RUN = {
+    "seed": 5,
+    "model": {"history": True},
+    "loss": {"name": "rankmax"},
+    "optim": {
+        "user_optimizer": "rowwise_adagrad",
+        "user_lr": 0.1,
+        "item_lr": 0.1,
+        "item_optimizer": "adagrad",
+        "user_l2": 0.01,
+    },  # fmt: skip
+    # fp32: the layouts reduce in other orders, which moves bf16 scores by whole bf16 steps (equal to rounding).
+    "train": {"batch_size": 120, "epochs": 2, "max_steps": 8, "precision": "fp32"},
+    "eval": {"every_epochs": None, "at_end": False, "ks": [10], "splits": ["valid"]},
+}
+
+
 def _config(root, run_dir, layout, workers=2, **sections):
-    raw = {
-        "data": {"root": str(root), "shuffle_buffer": 256},
-        "run_dir": str(run_dir),
-        "seed": 5,
-        "workers": workers,
-        "model": {"dim": 8, "history": True, "layout": layout},
-        "loss": {"name": "rankmax"},
-        "optim": {
-            "user_optimizer": "rowwise_adagrad",
-            "user_lr": 0.1,
-            "item_lr": 0.1,
-            "item_optimizer": "adagrad",
-            "user_l2": 0.01,
-        },  # fmt: skip
-        # fp32: the layouts reduce in other orders, which moves bf16 scores by whole bf16 steps (equal to rounding).
-        "train": {
-            "batch_size": 120,
-            "epochs": 2,
-            "max_steps": 8,
-            "log_every": 1,
-            "progress": False,
-            "precision": "fp32",
-        },
-        "eval": {"every_epochs": None, "at_end": False, "ks": [10], "splits": ["valid"]},
-    }
-    for section, values in sections.items():
-        raw.setdefault(section, {}).update(values)
-    return config_from_dict(raw)
+    return tiny_config(root, run_dir, RUN, {"model": {"layout": layout}}, workers=workers, **sections)
 
 
 def _train_and_hold(config):

@@ -57,6 +57,18 @@ def _bigrank(*args, env=None, timeout=600) -> subprocess.CompletedProcess:
     )
 
 
+def _submit_args(head, data, run_dir, *options: str) -> list[str]:
+    """The arguments of ``bigrank submit configs/demo.yaml`` to ``head`` for ``data`` into ``run_dir``; each of
+    ``options`` is ``--wait`` or a ``KEY=VALUE`` to ``--set``."""
+    sets = [arg for option in options for arg in ([option] if option.startswith("--") else ["--set", option])]
+    return ["submit", "configs/demo.yaml", "--address", head.dashboard, "--set", f"data.root={data}",
+            "--set", f"run_dir={run_dir}", *sets]  # fmt: skip
+
+
+def _submit(head, data, run_dir, *options: str) -> subprocess.CompletedProcess:
+    return _bigrank(*_submit_args(head, data, run_dir, *options))
+
+
 @dataclass
 class Head:
     dashboard: str  # http://127.0.0.1:PORT, for the Jobs API (submit, status, logs, stop)
@@ -155,33 +167,10 @@ def _group_alive(pgid: int) -> bool:
     return True
 
 
-@pytest.fixture(scope="module")
-def demo_data(tmp_path_factory):
-    root = tmp_path_factory.mktemp("data") / "demo"
-    done = _bigrank("generate", "--preset", "demo", "--out", str(root), timeout=300)
-    assert done.returncode == 0, done.stderr
-    return root
-
-
 def test_submit_the_demo_config_waits_for_success_and_the_run_is_evaluated(ray_head, demo_data, tmp_path):
     run_dir = tmp_path / "run"
-    done = _bigrank(
-        "submit",
-        "configs/demo.yaml",
-        "--address",
-        ray_head.dashboard,
-        "--wait",
-        "--set",
-        f"data.root={demo_data}",
-        "--set",
-        f"run_dir={run_dir}",
-        "--set",
-        "train.max_steps=12",
-        "--set",
-        "train.progress=false",
-        "--set",
-        "eval.sample_users=200",
-    )
+    done = _submit(ray_head, demo_data, run_dir, "--wait", "train.max_steps=12", "train.progress=false",
+                   "eval.sample_users=200")  # fmt: skip
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
     job_line = next(line for line in done.stdout.splitlines() if line.startswith("submitted job "))
     job_id = job_line.split()[2]
@@ -218,18 +207,7 @@ def test_stop_a_running_job(ray_head, demo_data, tmp_path, monkeypatch):
     from bigrank.train.checkpoint import latest_checkpoint
 
     run_dir = tmp_path / "run"
-    done = _bigrank(
-        "submit",
-        "configs/demo.yaml",
-        "--address",
-        ray_head.dashboard,
-        "--set",
-        f"data.root={demo_data}",
-        "--set",
-        f"run_dir={run_dir}",
-        "--set",
-        "train.epochs=50",
-    )
+    done = _submit(ray_head, demo_data, run_dir, "train.epochs=50")
     assert done.returncode == 0, done.stderr
     job_id = done.stdout.split()[2]
     deadline = time.monotonic() + 180
@@ -259,10 +237,7 @@ def test_stop_a_running_job(ray_head, demo_data, tmp_path, monkeypatch):
 
 def test_a_job_whose_dataset_is_missing_on_the_cluster_fails_naming_it(ray_head, tmp_path):
     missing = tmp_path / "no-such-dataset"
-    done = _bigrank(
-        "submit", "configs/demo.yaml", "--address", ray_head.dashboard, "--wait", "--set", f"data.root={missing}",
-        "--set", f"run_dir={tmp_path / 'run'}",
-    )  # fmt: skip
+    done = _submit(ray_head, missing, tmp_path / "run", "--wait")
     assert done.returncode == 1, done.stdout[-3000:] + done.stderr[-3000:]
     assert "bigrank job: error:" in done.stdout and str(missing) in done.stdout
     assert "FAILED" in done.stdout.splitlines()[-1]

@@ -17,23 +17,19 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
-import torch
 
-from bigrank.data.synthetic import generate
 from bigrank.export.recommend import Recommender
 from bigrank.export.seen import SeenItems
-from bigrank.export.serve import make_server
-from bigrank.export.writer import export_embeddings
 from bigrank.train.launcher import free_port
+from tests.helpers import stdlib_server
 
 # Ray Serve's own config models use a pydantic idiom that pydantic 2 deprecates; not ours to fix.
 pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore:Using extra keyword arguments on `Field`")]
-DIM = 8
 
 
 @pytest.fixture(scope="module", params=["proxy", "haproxy"])
-def apps(request, tmp_path_factory):
-    """A demo export (history tower, seen table), the stdlib server, and two Ray Serve applications:
+def apps(request, demo_export):
+    """The demo export (history tower, seen table), the stdlib server, and two Ray Serve applications:
     ``/`` (2 replicas) and ``/tight`` (1 replica, 1 ongoing + 1 queued request), behind Serve's Python proxy
     and then behind HAProxy with direct ingress (each a Ray runtime of its own: Serve reads it at start)."""
     import ray
@@ -47,33 +43,8 @@ def apps(request, tmp_path_factory):
         set_ingress_environment,
     )
 
-    root = tmp_path_factory.mktemp("serve-ray")
-    dataset = generate("demo", root / "demo", progress=False)
-    gen = torch.Generator().manual_seed(0)
-    tables = {
-        name: torch.randn(rows, DIM, generator=gen)
-        for name, rows in (
-            ("items", dataset["num_items"]),
-            ("users", dataset["num_users"]),
-            ("history", dataset["num_items"]),
-        )
-    }
-    export_embeddings(
-        root / "export",
-        rank=0,
-        world_size=1,
-        group=None,
-        item_rows=(0, dataset["num_items"], tables["items"]),
-        user_rows=(0, dataset["num_users"], tables["users"]),
-        history_rows=(0, dataset["num_items"], tables["history"]),
-        dataset_root=root / "demo",
-        model_info={"dim": DIM, "has_history": True},
-    )
-    rec = Recommender(root / "export")
-    stdlib = make_server(rec, "127.0.0.1", 0, quiet=True)
-    thread = threading.Thread(target=stdlib.serve_forever, daemon=True)
-    thread.start()
-    export = str(root / "export")
+    rec = Recommender(demo_export.path)
+    export = str(demo_export.path)
     saved = {name: os.environ.get(name) for name in (*HAPROXY_ENVIRONMENT, DRAINING_PERIOD_ENV)}
     set_ingress_environment(request.param)  # Ray's processes read it when they start
     ray.init(address="local", num_cpus=4, include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=False)
@@ -84,14 +55,15 @@ def apps(request, tmp_path_factory):
             export, max_ongoing_requests=1, max_queued_requests=1, max_batch_size=1, replica_cpus=0.5, search_threads=1
         )
         tight_url = deploy(tight, port=port, name="tight", route_prefix="/tight")
-        yield {
-            "ray": f"{url}",
-            "tight": tight_url,
-            "stdlib": "http://{}:{}".format(*stdlib.server_address[:2]),
-            "rec": rec,
-            "seen": SeenItems(root / "demo"),
-            "items": tables["items"].numpy(),
-        }
+        with stdlib_server(rec) as stdlib:
+            yield {
+                "ray": f"{url}",
+                "tight": tight_url,
+                "stdlib": stdlib,
+                "rec": rec,
+                "seen": SeenItems(demo_export.dataset),
+                "items": demo_export.tables["items"].numpy(),
+            }
     finally:
         serve.shutdown()
         ray.shutdown()
@@ -100,9 +72,6 @@ def apps(request, tmp_path_factory):
                 os.environ.pop(name, None)
             else:
                 os.environ[name] = value
-        stdlib.shutdown()
-        stdlib.server_close()
-        thread.join(timeout=5)
 
 
 def request(url: str, body: dict | None = None, timeout: float = 60) -> tuple[int, dict, dict]:
