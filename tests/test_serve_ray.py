@@ -1,8 +1,8 @@
 """``bigrank serve --ray``: a real Ray Serve application on loopback, one Ray runtime for the module.
 
 Its answers equal the stdlib server's and a numpy brute force; bad parameters get the same 400s; a full
-queue answers 503 with Retry-After; a replica killed during a stream of requests loses no request that was
-answered 200 and the application recovers.
+queue answers 503 with Retry-After; a replica killed during a stream of requests costs each client at most the
+requests it held (every answer given is right) and the application recovers.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import pytest
 from bigrank.export.recommend import Recommender
 from bigrank.export.seen import SeenItems
 from bigrank.train.launcher import free_port
-from tests.helpers import stdlib_server
+from tests.helpers import HANG_GUARD_S, stdlib_server
 
 # Ray Serve's own config models use a pydantic idiom that pydantic 2 deprecates; not ours to fix.
 pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore:Using extra keyword arguments on `Field`")]
@@ -167,13 +167,18 @@ def test_a_full_queue_answers_503_with_a_retry_hint(apps):
     assert {k.lower(): v for k, v in refused.items()}.get("retry-after") == "1"
 
 
-def test_a_killed_replica_loses_no_answered_request_and_the_app_recovers(apps):
+def test_a_killed_replica_fails_at_most_two_requests_a_client_and_the_app_recovers(apps):
+    """Three clients stream requests while one of the two replicas is killed. Allowed: each client loses at most
+    the request in flight on the killed replica and one routed to it before its death is noticed, as a 5xx or
+    (behind HAProxy) a cut connection; over four runs here: 0-1 in all behind Serve's proxy, 2-3 behind HAProxy, 2
+    at most a client. Never a 4xx or a wrong answer; every client is answered again after the kill; the
+    application gets its second replica back."""
     import ray
     from ray import serve
 
     users = list(range(0, apps["rec"].num_users, 11))
     expected = {user: _reference(apps, user, 10) for user in users}
-    answers, stop = [], threading.Event()
+    answers, stop = {offset: [] for offset in (0, 7, 14)}, threading.Event()
 
     def stream(offset: int) -> None:
         position = offset
@@ -183,26 +188,41 @@ def test_a_killed_replica_loses_no_answered_request_and_the_app_recovers(apps):
                 status, body, _ = request(apps["ray"] + f"/recommend?user={user}&k=10", timeout=30)
             except OSError as error:  # behind HAProxy, a request in flight on the killed replica is cut off
                 status, body = type(error).__name__, {}
-            answers.append((user, status, body))
+            answers[offset].append((user, status, body))
             position += 1
 
-    threads = [threading.Thread(target=stream, args=(i * 7,)) for i in range(3)]
+    def wait_until(condition, what: str) -> None:
+        deadline = time.monotonic() + HANG_GUARD_S
+        while not condition():
+            assert time.monotonic() < deadline, f"{what}: {[[a[1] for a in got] for got in answers.values()]}"
+            time.sleep(0.05)
+
+    threads = [threading.Thread(target=stream, args=(offset,)) for offset in answers]
     for thread in threads:
         thread.start()
-    time.sleep(1.0)
-    replicas = [
-        actor for actor in ray.util.list_named_actors(all_namespaces=True) if "bigrank#Recommend#" in actor["name"]
-    ]
-    assert len(replicas) == 2, replicas
-    ray.kill(ray.get_actor(replicas[0]["name"], namespace=replicas[0]["namespace"]), no_restart=True)
-    time.sleep(3.0)
-    stop.set()
-    for thread in threads:
-        thread.join(timeout=60)
-    answered = [(user, body) for user, status, body in answers if status == 200]
-    assert len(answered) > 10, [status for _, status, _ in answers][:20]
-    for user, body in answered:  # every 200 is a correct answer
-        assert _ids(body["items"]) == expected[user]
+    try:
+        wait_until(lambda: all(len(got) >= 3 for got in answers.values()), "each client is answered")
+        replicas = [
+            actor for actor in ray.util.list_named_actors(all_namespaces=True) if "bigrank#Recommend#" in actor["name"]
+        ]
+        assert len(replicas) == 2, replicas
+        before = {offset: len(got) for offset, got in answers.items()}
+        ray.kill(ray.get_actor(replicas[0]["name"], namespace=replicas[0]["namespace"]), no_restart=True)
+        # Five answers after the kill: a routing that kept sending requests to the dead replica would lose as many.
+        wait_until(
+            lambda: all(sum(a[1] == 200 for a in got[before[o] :]) >= 5 for o, got in answers.items()),
+            "each client is answered again after the kill",
+        )
+    finally:
+        stop.set()
+        for thread in threads:
+            thread.join(timeout=60)
+    lost = {offset: [status for _, status, _ in got if status != 200] for offset, got in answers.items()}
+    assert all(len(statuses) <= 2 for statuses in lost.values()), lost
+    assert all(s in (500, 502, 503) or isinstance(s, str) for statuses in lost.values() for s in statuses), lost
+    for user, status, body in (answer for got in answers.values() for answer in got):
+        if status == 200:  # every 200 is a correct answer
+            assert _ids(body["items"]) == expected[user]
 
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
