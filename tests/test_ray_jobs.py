@@ -316,8 +316,9 @@ def test_an_unknown_job_is_named(ray_head):
 
 
 def test_submitting_where_nothing_listens_fails_on_one_connect_naming_the_address(tmp_path):
-    """Nothing listens: the refused connection of bigrank's own check is the error, before Ray's job client (which
-    would retry) is built; so it fails within that connect's timeout. benchmarks/bench_stop.py times it."""
+    """Nothing listens: the error is bigrank's own check, one connect with a 5 s timeout made before Ray's job
+    client is built, naming the address and why (Ray's client says only that it failed to connect); so it fails
+    within seconds, which benchmarks/bench_stop.py times."""
     address = f"http://127.0.0.1:{free_port()}"
     done = _bigrank("submit", "configs/demo.yaml", "--address", address, "--wait", timeout=300)  # a hang guard
     assert done.returncode == 2, done.stdout + done.stderr
