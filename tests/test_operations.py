@@ -558,7 +558,7 @@ def _listeners_on_port(port: int) -> list:
 
 @pytest.mark.slow
 @pytest.mark.filterwarnings("ignore:Using extra keyword arguments on `Field`")
-def test_serve_ray_stops_at_once_on_sigterm_during_start_up(tiny_export, tmp_path):
+def test_serve_ray_stops_on_sigterm_during_start_up_without_serving(tiny_export, tmp_path):
     """SIGTERM while `bigrank serve --ray` deploys (serve.start / serve.run wait in ray.get, where Ray swallows any
     exception but KeyboardInterrupt): the command stops there, exit 143, without serving; its processes end."""
     proc, log, _ = _start_serve_ray(tiny_export, tmp_path / "serve-ray-start.log")
