@@ -13,7 +13,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, settings
 
-REPO = Path(__file__).resolve().parents[1]
+from tests.helpers import REPO, random_tables, write_export
 
 # Hypothesis profiles of the fuzz tests (tests/test_fuzz_*.py). "ci", the default (`make test`): a few examples,
 # drawn the same way on every run (derandomize; no example database), so CI is deterministic. "long"
@@ -63,6 +63,62 @@ def tiny_dataset(tmp_path_factory):
     root = tmp_path_factory.mktemp("tiny")
     write_seed_dataset(SeedRatings(users, items, TINY_USERS, TINY_ITEMS), root, 0, "test:tiny", {"preset": "tiny"})
     return root
+
+
+def tiny_config(root, run_dir, *layers: dict, raw: bool = False, **sections):
+    """The config of a run of the dataset at ``root`` into ``run_dir``: what the trainer tests share (seed 3,
+    2 workers, dim 8, a record every step, no progress bar), then each of ``layers`` (a module's own settings) and
+    ``sections`` (a test's), in that order, merged section by section: a dict updates that section, any other
+    value replaces it. ``raw``: the dict, unchecked."""
+    from bigrank.config import config_from_dict
+
+    merged = {
+        "data": {"root": str(root), "shuffle_buffer": 256},
+        "run_dir": str(run_dir),
+        "seed": 3,
+        "workers": 2,
+        "model": {"dim": 8},
+        "train": {"log_every": 1, "progress": False},
+    }
+    for layer in (*layers, sections):
+        for section, values in layer.items():
+            if isinstance(values, dict):
+                merged[section] = {**merged.get(section, {}), **values}
+            else:
+                merged[section] = values
+    return merged if raw else config_from_dict(merged)
+
+
+@pytest.fixture(scope="module")
+def demo_data(tmp_path_factory) -> Path:
+    """The demo preset (``bigrank generate --preset demo``, seed 0): 2,000 users, a module's own copy."""
+    from bigrank.data.synthetic import generate
+
+    root = tmp_path_factory.mktemp("demo") / "data"
+    generate("demo", root, seed=0, progress=False)
+    return root
+
+
+@dataclass
+class RandomExport:
+    """An export of random tables (what `bigrank export` writes; no training needed)."""
+
+    path: Path
+    tables: dict  # name -> float32 tensor, as exported
+    dataset: Path  # the dataset it was exported with (seen items, history)
+
+
+@pytest.fixture(scope="module")
+def demo_export(demo_data, tmp_path_factory) -> RandomExport:
+    """Random 8-d item, user and history tables of the demo data, exported with it; the user rows are the
+    table's (serving adds each user's mean history row)."""
+    from bigrank.data.manifest import load_manifest
+
+    manifest = load_manifest(demo_data)
+    tables = random_tables(manifest["num_items"], manifest["num_users"])
+    out = tmp_path_factory.mktemp("demo-export") / "export"
+    write_export(out, tables, dataset_root=demo_data, user_vectors=None)
+    return RandomExport(out, tables, demo_data)
 
 
 def read_checkpoint(checkpoint) -> dict:

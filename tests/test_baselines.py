@@ -95,20 +95,19 @@ def test_paired_difference_is_the_mean_difference_with_a_bootstrap_interval():
 
 def test_export_scores_of_a_history_tower_follow_the_recommenders_user_vectors(tmp_path):
     from bigrank.export.recommend import Recommender
-    from tests.distributed_utils import run_distributed
-    from tests.test_export import NUM_ITEMS, NUM_USERS, _export_rank, random_tables, write_ingested_dataset
+    from tests.helpers import random_tables, write_export, write_ingested_dataset
 
     dataset = tmp_path / "data"
-    write_ingested_dataset(dataset)
-    tables = random_tables()
-    ranges = {name: [(0, len(table))] for name, table in tables.items()}
-    run_distributed(_export_rank, 1, args=(str(tmp_path / "export"), str(dataset), tables, ranges), timeout=90)
+    num_users, num_items = 157, 301
+    write_ingested_dataset(dataset, num_users, num_items)
+    tables = random_tables(num_items, num_users)
+    write_export(tmp_path / "export", tables, dataset_root=dataset, user_vectors=None)  # a history tower's rows
     train = split_matrix(dataset, "train")
     scores = export_scores(tmp_path / "export", train)
     recommender = Recommender(tmp_path / "export")
     assert recommender.user_vector_rule == "table+history_mean"
-    expected = np.stack([recommender.user_vector(u) for u in range(NUM_USERS)]) @ tables["items"].numpy().T
-    assert scores.shape == (NUM_USERS, NUM_ITEMS)
+    expected = np.stack([recommender.user_vector(u) for u in range(num_users)]) @ tables["items"].numpy().T
+    assert scores.shape == (num_users, num_items)
     np.testing.assert_allclose(scores, expected, rtol=1e-4, atol=1e-4)
     with pytest.raises(ValueError, match="the dataset"):
         export_scores(tmp_path / "export", train[:, :-1])

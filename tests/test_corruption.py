@@ -23,9 +23,9 @@ from bigrank.data.stream import ParquetStream
 from bigrank.errors import CorruptFileError
 from bigrank.export.format import load_export
 from bigrank.export.recommend import Recommender
-from bigrank.export.writer import export_embeddings
 from bigrank.train.checkpoint import Checkpointer, checkpoint_path, latest_checkpoint
 from tests.conftest import bigrank, tiny_run_yaml
+from tests.helpers import random_split, random_tables, write_dataset, write_export
 
 NUM_USERS, NUM_ITEMS = 500, 300
 GROUP_ROWS = 2_000  # several row groups a part, so that the error can name one
@@ -36,15 +36,8 @@ def make_dataset(root: Path, rows: int = 12_000) -> dict:
     rng = np.random.default_rng(7)
     users = rng.integers(0, NUM_USERS, rows, dtype=np.int32)
     items = rng.integers(0, NUM_ITEMS, rows, dtype=np.int32)
-    labels = layout.random_split_labels(rng, rows)
-    files = {}
-    for label, split in enumerate(layout.SPLITS):
-        mask = labels == label
-        columns = {"user_id": users[mask], "item_id": items[mask]}
-        files[split] = layout.write_split_parts(root, split, columns, rows_per_file=5_000, row_group_size=GROUP_ROWS)
-    return layout.write_manifest(
-        root, num_users=NUM_USERS, num_items=NUM_ITEMS, split_files=files, seed=0, source="test", generator={}
-    )
+    splits = random_split(rng, users, items)
+    return write_dataset(root, splits, NUM_USERS, NUM_ITEMS, rows_per_file=5_000, row_group_size=GROUP_ROWS)
 
 
 def silent_flip(path: Path, row_group: int, column: int = 0, limit: int | None = None) -> int:
@@ -221,23 +214,9 @@ def test_a_flip_in_a_row_group_read_late_is_named_before_the_first_step(tmp_path
 
 
 # ---------------------------------------------------------------------------------------------------- exports
-def _export(out: Path) -> None:
-    gen = torch.Generator().manual_seed(0)
-    items, users = torch.randn(NUM_ITEMS, 8, generator=gen), torch.randn(NUM_USERS, 8, generator=gen)
-    export_embeddings(
-        out,
-        rank=0,
-        world_size=1,
-        group=None,
-        item_rows=(0, NUM_ITEMS, items),
-        user_rows=(0, NUM_USERS, users),
-        model_info={"loss": "softmax", "dim": 8},
-    )
-
-
 def test_export_with_a_flipped_byte_is_named_by_verify_and_by_its_page_checksums(tmp_path, capsys):
     out = tmp_path / "export"
-    _export(out)
+    write_export(out, random_tables(NUM_ITEMS, NUM_USERS), history=False)
     assert main(["verify", str(out)]) == 0
     assert f"OK  export {out}" in capsys.readouterr().out
     part = out / "items/part-r00000.parquet"

@@ -14,13 +14,6 @@ from bigrank.data.stream import read_user_items
 from bigrank.data.synthetic import PRESETS, generate, load_truth, make_seed
 
 
-@pytest.fixture(scope="module")
-def demo(tmp_path_factory):
-    root = tmp_path_factory.mktemp("demo")
-    generate("demo", root, seed=0, progress=False)
-    return root
-
-
 def digest(root) -> str:
     manifest = layout.load_manifest(root)
     h = hashlib.sha256()
@@ -30,8 +23,8 @@ def digest(root) -> str:
     return h.hexdigest()
 
 
-def test_demo_is_small_and_complete(demo):
-    manifest = layout.validate_dataset(demo, deep=True)
+def test_demo_is_small_and_complete(demo_data):
+    manifest = layout.validate_dataset(demo_data, deep=True)
     assert manifest["num_users"] == 2000 and 1000 <= manifest["num_items"] <= 3000
     assert 100_000 <= manifest["num_ratings"] <= 200_000
     rows = {s: manifest["splits"][s]["rows"] for s in layout.SPLITS}
@@ -40,10 +33,10 @@ def test_demo_is_small_and_complete(demo):
     assert manifest["truth"] == "truth.npz" and manifest["generator"]["preset"] == "demo"
 
 
-def test_pairs_unique_splits_disjoint_min_activity(demo):
+def test_pairs_unique_splits_disjoint_min_activity(demo_data):
     keys = {}
     for split in layout.SPLITS:
-        indptr, items = read_user_items(demo, split)
+        indptr, items = read_user_items(demo_data, split)
         users = np.repeat(np.arange(len(indptr) - 1), np.diff(indptr))
         keys[split] = users.astype(np.int64) * 10_000 + items
     everything = np.concatenate(list(keys.values()))
@@ -52,19 +45,19 @@ def test_pairs_unique_splits_disjoint_min_activity(demo):
     assert per_user.min() >= 20
 
 
-def test_same_seed_same_bytes_other_seed_differs(demo, tmp_path):
+def test_same_seed_same_bytes_other_seed_differs(demo_data, tmp_path):
     generate("demo", tmp_path / "again", seed=0, progress=False)
     generate("demo", tmp_path / "other", seed=1, progress=False)
-    assert digest(tmp_path / "again") == digest(demo)
-    assert digest(tmp_path / "other") != digest(demo)
+    assert digest(tmp_path / "again") == digest(demo_data)
+    assert digest(tmp_path / "other") != digest(demo_data)
 
 
-def test_existing_output_is_refused_or_resumed(demo):
+def test_existing_output_is_refused_or_resumed(demo_data):
     with pytest.raises(ValueError, match="already holds a dataset"):
-        generate("demo", demo, progress=False)
-    assert generate("demo", demo, resume=True, progress=False) == layout.load_manifest(demo)
+        generate("demo", demo_data, progress=False)
+    assert generate("demo", demo_data, resume=True, progress=False) == layout.load_manifest(demo_data)
     with pytest.raises(ValueError, match="unknown preset"):
-        generate("ml2b", demo)
+        generate("ml2b", demo_data)
 
 
 def recall_at(scores: np.ndarray, train, test, k: int) -> float:
@@ -82,12 +75,12 @@ def recall_at(scores: np.ndarray, train, test, k: int) -> float:
     return float(np.mean(hits))
 
 
-def test_oracle_ranking_beats_popularity(demo):
+def test_oracle_ranking_beats_popularity(demo_data):
     """There is something to learn: the true factors rank held-out items far better than popularity."""
-    user_factors, item_factors = load_truth(demo)
+    user_factors, item_factors = load_truth(demo_data)
     assert user_factors.shape == (2000, 17) and item_factors.shape[1] == 17
     np.testing.assert_allclose(item_factors.sum(axis=0), 1.0, rtol=1e-4)  # each topic is a distribution
-    train, test = read_user_items(demo, "train"), read_user_items(demo, "test")
+    train, test = read_user_items(demo_data, "train"), read_user_items(demo_data, "test")
     popularity = np.bincount(train[1], minlength=item_factors.shape[0]).astype(float)
     oracle = recall_at(user_factors @ item_factors.T, train, test, 20)
     popular = recall_at(np.tile(popularity, (2000, 1)), train, test, 20)
@@ -107,7 +100,7 @@ def test_seed_is_heavy_tailed_and_meets_minimum():
     assert np.all(np.diff(keys) > 0)  # sorted and unique
 
 
-def test_manifest_is_json_with_contract_keys(demo):
-    manifest = json.loads((demo / "manifest.json").read_text())
+def test_manifest_is_json_with_contract_keys(demo_data):
+    manifest = json.loads((demo_data / "manifest.json").read_text())
     for key in ("format_version", "num_users", "num_items", "splits", "schema", "seed", "source", "generator"):
         assert key in manifest

@@ -228,7 +228,6 @@ def test_model_sharding_does_not_import_the_tower_module():
 def test_cuda_planner_topology_uses_the_device_memory_and_stock_sharders():
     """What shard_row_wise builds on CUDA, checked without a GPU: a cuda topology with the given HBM and the
     stock torchrec sharders (the row-wise CPU subclasses stay for CPU); adam is a fused optimizer on CUDA only."""
-    pytest.importorskip("torchrec")
     from torchrec.distributed.embedding import EmbeddingCollectionSharder
     from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
 

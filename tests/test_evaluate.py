@@ -23,35 +23,12 @@ from bigrank.train.evaluate import (
 )
 from tests.conftest import brute_force_metrics, read_pairs
 from tests.distributed_utils import run_distributed
+from tests.helpers import SMALL_ITEMS as NUM_ITEMS
+from tests.helpers import SMALL_USERS as NUM_USERS
+from tests.helpers import write_bad_dataset, write_small_dataset
 
-NUM_USERS, NUM_ITEMS, DIM = 60, 37, 6
+DIM = 6
 KS = (1, 5, 40)  # 40 > NUM_ITEMS: the lists are shorter than K and padded after the excluded items
-
-
-def write_tiny_dataset(root, seed: int = 0) -> dict:
-    """60 users x 37 items, 80/10/10 random split of distinct pairs, several files and row groups per split."""
-    rng = np.random.default_rng(seed)
-    users, items = [], []
-    for user in range(NUM_USERS):
-        chosen = rng.choice(NUM_ITEMS, size=int(rng.integers(3, 20)), replace=False)
-        users += [user] * len(chosen)
-        items += list(chosen)
-    users, items = np.array(users, dtype=np.int32), np.array(items, dtype=np.int32)
-    labels = layout.random_split_labels(rng, len(users))
-    split_files = {}
-    for label, split in enumerate(layout.SPLITS):
-        mask = labels == label
-        columns = {"user_id": users[mask], "item_id": items[mask]}
-        split_files[split] = layout.write_split_parts(root, split, columns, rows_per_file=150, row_group_size=40)
-    return layout.write_manifest(
-        root,
-        num_users=NUM_USERS,
-        num_items=NUM_ITEMS,
-        split_files=split_files,
-        seed=seed,
-        source="test",
-        generator={"test": "tiny"},
-    )
 
 
 def tables(seed: int = 1):
@@ -135,22 +112,8 @@ def _evaluate_body(rank, world_size, group, root, user_table, item_table, sample
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     root = tmp_path_factory.mktemp("tiny")
-    write_tiny_dataset(root)
+    write_small_dataset(root)
     return root
-
-
-def write_bad_dataset(root) -> None:
-    """The tiny dataset with an item id out of range in the first row group of train (read by rank 0 of 2)."""
-    write_tiny_dataset(root)
-    manifest = layout.load_manifest(root)
-    name = manifest["splits"]["train"]["files"][0]
-    bad_pair = {"user_id": np.array([0], np.int32), "item_id": np.array([99], np.int32)}
-    layout.write_parquet_atomic(root / name, bad_pair)
-    # A well-formed file whose ids the manifest does not allow (written, then described, by a buggy tool):
-    # the manifest records the new file, so only the id check can catch it.
-    split_files = {split: manifest["splits"][split]["files"] for split in layout.SPLITS}
-    layout.write_manifest(root, num_users=NUM_USERS, num_items=NUM_ITEMS, split_files=split_files, seed=0,
-                          source="test", generator={"test": "tiny"})  # fmt: skip
 
 
 def test_row_group_shares_partition_the_split(tiny):
@@ -171,7 +134,7 @@ def test_two_ranks_equal_brute_force(tiny, tmp_path):
     write_bad_dataset(tmp_path)
     indexed = tmp_path / "indexed"
     indexed.mkdir()
-    write_tiny_dataset(indexed)
+    write_small_dataset(indexed)
     manifest = layout.DatasetManifest.load(indexed)
     assert all(ensure_index(manifest, split) is not None for split in ("valid", "test", "train"))
     args = (tiny, user_table, item_table, sample, tmp_path, indexed)

@@ -16,42 +16,11 @@ from bigrank.export.index import brute_force_top_k, build_export_index, build_in
 from bigrank.export.recommend import Recommender, SeenItems, load_export, read_table
 from bigrank.export.writer import export_embeddings, quantize_int8
 from tests.distributed_utils import run_distributed
+from tests.helpers import random_tables, write_export, write_ingested_dataset
 
 DIM = 8
 NUM_ITEMS = 301
 NUM_USERS = 157
-
-
-def random_tables(seed: int = 0) -> dict[str, torch.Tensor]:
-    gen = torch.Generator().manual_seed(seed)
-    return {
-        "items": torch.randn(NUM_ITEMS, DIM, generator=gen),
-        "users": torch.randn(NUM_USERS, DIM, generator=gen),
-        "history": torch.randn(NUM_ITEMS, DIM, generator=gen),
-    }
-
-
-def write_ingested_dataset(root) -> dict:
-    """A tiny dataset in the layout of an ingested MovieLens set (original ids + titles), 3 ratings each."""
-    rng = np.random.default_rng(1)
-    users = np.repeat(np.arange(NUM_USERS, dtype=np.int32), 3)
-    items = rng.integers(0, NUM_ITEMS, size=len(users)).astype(np.int32)
-    files = {split: layout.write_split_parts(root, split, {"user_id": users, "item_id": items}) for split in ("train",)}
-    layout.write_parquet_atomic(
-        root / "users.parquet",
-        {"user_id": np.arange(NUM_USERS, dtype=np.int32), "original_id": 10 * np.arange(NUM_USERS) + 7},
-    )
-    layout.write_parquet_atomic(
-        root / "items.parquet",
-        {
-            "item_id": np.arange(NUM_ITEMS, dtype=np.int32),
-            "original_id": 1000 + 3 * np.arange(NUM_ITEMS),
-            "title": np.asarray([f"Movie {i} (1999)" for i in range(NUM_ITEMS)], dtype=object),
-        },
-    )
-    return layout.write_manifest(
-        root, num_users=NUM_USERS, num_items=NUM_ITEMS, split_files=files, seed=0, source="test", generator={}
-    )
 
 
 def _export_rank(rank, world_size, group, out_dir, dataset_root, tables, ranges):
@@ -76,8 +45,8 @@ def _export_rank(rank, world_size, group, out_dir, dataset_root, tables, ranges)
 
 def test_two_rank_export_equals_the_full_tables(tmp_path):
     dataset = tmp_path / "data"
-    write_ingested_dataset(dataset)
-    tables = random_tables()
+    write_ingested_dataset(dataset, NUM_USERS, NUM_ITEMS)
+    tables = random_tables(NUM_ITEMS, NUM_USERS, DIM)
     # Uneven shards, and rank 1 owns no user rows at all.
     ranges = {
         "items": [(0, 120), (120, NUM_ITEMS)],
@@ -149,29 +118,13 @@ def test_a_bad_rank_fails_every_rank_without_a_manifest(tmp_path):
     assert not (out / "manifest.json").exists()
 
 
-def export_single(out, tables=None, dataset_root=None, history=True, user_vectors="full", **kwargs):
-    tables = tables or random_tables()
-    return export_embeddings(
-        out,
-        rank=0,
-        world_size=1,
-        group=None,
-        item_rows=(0, len(tables["items"]), tables["items"]),
-        user_rows=(0, len(tables["users"]), tables["users"]),
-        history_rows=(0, len(tables["history"]), tables["history"]) if history else None,
-        dataset_root=dataset_root,
-        model_info={
-            "loss": "softmax",
-            "dim": tables["items"].shape[1],
-            "has_history": history,
-            "user_vectors": user_vectors,
-        },
-        **kwargs,
-    )
+def export_single(out, tables=None, **options):
+    """``write_export`` of ``tables`` (random ones by default) from one rank."""
+    return write_export(out, tables or random_tables(NUM_ITEMS, NUM_USERS, DIM), **options)
 
 
 def test_shards_that_do_not_tile_the_table_are_rejected(tmp_path):
-    tables = random_tables()
+    tables = random_tables(NUM_ITEMS, NUM_USERS, DIM)
     with pytest.raises(ValueError, match="do not tile"):
         export_embeddings(
             tmp_path / "export",
@@ -207,7 +160,7 @@ def test_export_refuses_a_foreign_directory_and_replaces_an_old_export(tmp_path)
     out = tmp_path / "export"
     export_single(out, quantize=("int8",))
     assert (out / "items_int8").is_dir()
-    second = random_tables(seed=5)
+    second = random_tables(NUM_ITEMS, NUM_USERS, DIM, seed=5)
     export_single(out, tables=second)
     assert not (out / "items_int8").exists()
     np.testing.assert_array_equal(read_table(out, load_export(out), "items")["embedding"], second["items"].numpy())
@@ -259,7 +212,7 @@ def test_exact_index_top_k_equals_numpy_brute_force(tmp_path):
     np.testing.assert_allclose(scores, ref_scores, rtol=1e-5, atol=1e-5)
 
     # The same through an export and the Recommender (saved exact index).
-    tables = random_tables()
+    tables = random_tables(NUM_ITEMS, NUM_USERS, DIM)
     out = tmp_path / "export"
     export_single(out, tables=tables, index=("exact",))
     rec = Recommender(out, index="exact")
@@ -356,9 +309,9 @@ def test_recommend_excludes_seen_items(tmp_path, capsys):
 
 def test_recommend_prints_original_ids_and_titles(tmp_path, capsys):
     dataset = tmp_path / "data"
-    write_ingested_dataset(dataset)
+    write_ingested_dataset(dataset, NUM_USERS, NUM_ITEMS)
     out = tmp_path / "export"
-    tables = random_tables()
+    tables = random_tables(NUM_ITEMS, NUM_USERS, DIM)
     export_single(out, tables=tables, dataset_root=dataset)
     assert cli_main(["recommend", str(out), "--user", "17", "--original-ids", "-k", "4"]) == 0  # user 17 = dense 1
     text = capsys.readouterr().out
@@ -369,7 +322,7 @@ def test_recommend_prints_original_ids_and_titles(tmp_path, capsys):
 
 
 def test_fold_in_uses_the_mean_history_row(tmp_path):
-    tables = random_tables()
+    tables = random_tables(NUM_ITEMS, NUM_USERS, DIM)
     out = tmp_path / "export"
     export_single(out, tables=tables)
     rec = Recommender(out)
@@ -399,8 +352,8 @@ def test_int8_quantisation_error_bound():
 
 def test_history_tower_user_vector_adds_the_mean_of_the_train_items(tmp_path, capsys):
     dataset = tmp_path / "data"
-    write_ingested_dataset(dataset)
-    tables = random_tables()
+    write_ingested_dataset(dataset, NUM_USERS, NUM_ITEMS)
+    tables = random_tables(NUM_ITEMS, NUM_USERS, DIM)
     out = tmp_path / "export"
     manifest = export_single(out, tables=tables, dataset_root=dataset, user_vectors=None)
     assert manifest["user_vector"] == "table+history_mean"
@@ -428,7 +381,7 @@ def test_history_tower_user_vector_adds_the_mean_of_the_train_items(tmp_path, ca
 def test_a_failed_re_export_leaves_no_manifest_behind(tmp_path):
     out = tmp_path / "export"
     export_single(out)
-    bad = random_tables()
+    bad = random_tables(NUM_ITEMS, NUM_USERS, DIM)
     bad["users"][3, 0] = float("inf")
     with pytest.raises(ValueError, match="NaN or infinite"):
         export_single(out, tables=bad)
@@ -537,7 +490,7 @@ def test_exclude_seen_from_the_export_equals_exclude_seen_from_the_dataset(tmp_p
 
 def test_quantised_indexes_record_recall_and_are_searched_by_name(tmp_path, capsys):
     out = tmp_path / "export"
-    tables = random_tables()
+    tables = random_tables(NUM_ITEMS, NUM_USERS, DIM)
     export_single(out, tables=tables, index=("exact-int8",))
     build_export_index(out, "ivf", {"nlist": 8, "nprobe": 8}, num_queries=100, quantize="float16")
     manifest = load_export(out)

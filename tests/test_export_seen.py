@@ -19,6 +19,7 @@ from bigrank.data import manifest as layout
 from bigrank.data import pair_blocks
 from bigrank.export.seen import SPLIT_BITS, SeenItemsFile, write_seen_part
 from bigrank.export.writer import _seen_entry
+from tests import helpers
 from tests.distributed_utils import run_distributed
 
 NUM_USERS, NUM_ITEMS = 97, 41
@@ -67,20 +68,14 @@ def write_dataset(root, kind: str, order: str, seed: int = 0) -> dict:
     writes per user block); ``"shuffled"`` leaves the ratings in random order. The test split is written
     without Parquet statistics (its row groups cannot be skipped)."""
     rng = np.random.default_rng(seed)
-    files = {}
-    for split, (users, items) in _split_columns(kind, rng).items():
-        if order == "user blocks":
+    splits = _split_columns(kind, rng)
+    if order == "user blocks":
+        for split, (users, items) in splits.items():
             permutation = np.argsort(users // 20, kind="stable")
-            users, items = users[permutation], items[permutation]
-        if split == "test":
-            files[split] = _write_without_statistics(root, split, users, items)
-        else:
-            files[split] = layout.write_split_parts(
-                root, split, {"user_id": users, "item_id": items}, rows_per_file=600, row_group_size=150
-            )
-    return layout.write_manifest(
-        root, num_users=NUM_USERS, num_items=NUM_ITEMS, split_files=files, seed=seed, source="test", generator={}
-    )
+            splits[split] = (users[permutation], items[permutation])
+    test = {"test": _write_without_statistics(root, "test", *splits.pop("test"))}
+    return helpers.write_dataset(root, splits, NUM_USERS, NUM_ITEMS, written=test, seed=seed, rows_per_file=600,
+                                 row_group_size=150)  # fmt: skip
 
 
 def _write_without_statistics(root, split: str, users: np.ndarray, items: np.ndarray) -> list[str]:

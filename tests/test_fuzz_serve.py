@@ -9,21 +9,18 @@ from __future__ import annotations
 
 import http.client
 import json
-import threading
 import urllib.parse
 
 import numpy as np
 import pytest
-import torch
 from fuzz_strategies import assert_one_line
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from id_datasets import ODD_ITEM_IDS, ODD_USER_IDS, export_random, string_ids, write_id_dataset
 
 from bigrank.export.api import parse_flag, parse_get, parse_post, search_queries
 from bigrank.export.recommend import Recommender
-from bigrank.export.serve import make_server
-from bigrank.export.writer import export_embeddings
+from tests.helpers import random_tables, stdlib_server, write_export
+from tests.id_datasets import ODD_ITEM_IDS, ODD_USER_IDS, export_random, string_ids, write_id_dataset
 
 DIM = 8
 NAMES = ["user", "items", "k", "exclude_seen"]
@@ -140,35 +137,17 @@ HEADER_CHARACTERS = st.characters(min_codepoint=32, max_codepoint=126)  # what h
 
 @pytest.fixture(scope="module")
 def served(tiny_dataset, tmp_path_factory):
-    """An export of the tiny dataset (a history table and seen items) and a server on an ephemeral loopback
-    port (stopped after the module)."""
+    """An export of random tables of the tiny dataset (a history table and seen items) and a server on an
+    ephemeral loopback port (stopped after the module)."""
     from bigrank.data.manifest import load_manifest
 
     manifest = load_manifest(tiny_dataset)
-    gen = torch.Generator().manual_seed(0)
-    items, users, history = (
-        torch.randn(manifest[n], DIM, generator=gen) for n in ("num_items", "num_users", "num_items")
-    )
     export = tmp_path_factory.mktemp("fuzz-serve") / "export"
-    export_embeddings(
-        export,
-        rank=0,
-        world_size=1,
-        group=None,
-        item_rows=(0, len(items), items),
-        user_rows=(0, len(users), users),
-        history_rows=(0, len(history), history),
-        dataset_root=tiny_dataset,
-        model_info={"dim": DIM, "has_history": True},
-    )
+    tables = random_tables(manifest["num_items"], manifest["num_users"], DIM)
+    write_export(export, tables, dataset_root=tiny_dataset, user_vectors=None)
     recommender = Recommender(export)
-    server = make_server(recommender, "127.0.0.1", 0, quiet=True)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    yield recommender, server.server_address[1]
-    server.shutdown()
-    server.server_close()
-    thread.join(timeout=5)
+    with stdlib_server(recommender) as url:
+        yield recommender, int(url.rsplit(":", 1)[1])
 
 
 @pytest.fixture(scope="module")
@@ -179,13 +158,8 @@ def served_strings(tmp_path_factory):
     write_id_dataset(root / "data", STRING_USERS, STRING_ITEMS, seed=5)
     export_random(root / "export", root / "data", len(STRING_USERS), len(STRING_ITEMS))
     recommender = Recommender(root / "export")
-    server = make_server(recommender, "127.0.0.1", 0, quiet=True)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    yield recommender, server.server_address[1]
-    server.shutdown()
-    server.server_close()
-    thread.join(timeout=5)
+    with stdlib_server(recommender) as url:
+        yield recommender, int(url.rsplit(":", 1)[1])
 
 
 def _answered_or_named(rec, parse):

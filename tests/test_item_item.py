@@ -19,7 +19,7 @@ from bigrank.model.item_item import MAX_ITEMS, ItemItemModel, check_catalog_size
 from bigrank.train.item_item import DenseAdam, UserBatches
 from bigrank.train.launcher import launch_local
 from bigrank.train.workers import export_worker, train_worker
-from tests.conftest import brute_force_metrics, read_checkpoint
+from tests.conftest import brute_force_metrics, read_checkpoint, tiny_config
 
 
 def _trained_like(num_items=9, rank=3, seed=0) -> ItemItemModel:
@@ -99,21 +99,17 @@ def test_user_batches_cover_each_user_once_per_epoch_on_any_worker_count():
         UserBatches(users, 7, seed=5).load_state_dict(state)
 
 
+RUN = {
+    "model": {"kind": "item_item", "item_item_l2": 0.1},
+    "loss": {"name": "rankmax", "params": {"margin": 1.0}},
+    "optim": {"item_optimizer": "adam", "item_lr": 0.05, "lr_decay": "linear"},
+    "train": {"batch_size": 30, "epochs": 5},
+    "eval": {"every_epochs": 2, "ks": [10], "splits": ["valid", "test"]},
+}
+
+
 def _raw(root, run_dir, workers=2, **sections) -> dict:
-    raw = {
-        "data": {"root": str(root)},
-        "run_dir": str(run_dir),
-        "seed": 3,
-        "workers": workers,
-        "model": {"kind": "item_item", "dim": 8, "item_item_l2": 0.1},
-        "loss": {"name": "rankmax", "params": {"margin": 1.0}},
-        "optim": {"item_optimizer": "adam", "item_lr": 0.05, "lr_decay": "linear"},
-        "train": {"batch_size": 30, "epochs": 5, "log_every": 1, "progress": False},
-        "eval": {"every_epochs": 2, "ks": [10], "splits": ["valid", "test"]},
-    }
-    for section, values in sections.items():
-        raw.setdefault(section, {}).update(values)
-    return raw
+    return tiny_config(root, run_dir, RUN, workers=workers, raw=True, **sections)
 
 
 @pytest.mark.parametrize(

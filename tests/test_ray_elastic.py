@@ -17,28 +17,25 @@ from pathlib import Path
 import pytest
 
 from bigrank import run
-from bigrank.config import config_from_dict
 from bigrank.launch.ray_train import RayTrainingError
+from tests.conftest import tiny_config
 
 pytestmark = pytest.mark.slow
 
 MAX_STEPS = 120  # long enough that the node is gone well before the end (~0.05 s a step here)
 
 
+RUN = {
+    "seed": 5,
+    "loss": {"name": "softmax"},
+    "train": {"batch_size": 200, "epochs": 100, "max_steps": MAX_STEPS, "checkpoint_every": 4},
+    "eval": {"every_epochs": None, "ks": [10], "splits": ["valid"]},
+    "ray": {"max_failures": 1, "cpus_per_worker": 1.0},
+}
+
+
 def _config(root, run_dir, **ray):
-    raw = {
-        "data": {"root": str(root), "shuffle_buffer": 256},
-        "run_dir": str(run_dir),
-        "seed": 5,
-        "workers": 2,
-        "model": {"dim": 8},
-        "loss": {"name": "softmax"},
-        "train": {"batch_size": 200, "epochs": 100, "max_steps": MAX_STEPS, "checkpoint_every": 4, "log_every": 1},
-        "eval": {"every_epochs": None, "ks": [10], "splits": ["valid"]},
-        "ray": {"max_failures": 1, "cpus_per_worker": 1.0, **ray},
-    }
-    raw["train"]["progress"] = False
-    return config_from_dict(raw)
+    return tiny_config(root, run_dir, RUN, ray=ray)
 
 
 # Seconds Ray Train waits for a worker group's placement (its CPUs reserved; the workers start after it) before

@@ -14,32 +14,27 @@ import torch
 
 from bigrank import run
 from bigrank.cli import main
-from bigrank.config import config_from_dict, save_config
+from bigrank.config import save_config
 from bigrank.launch.ray_train import RayConnectionError, RayTrainingError, init_ray
 from bigrank.train.launcher import free_port
-from tests.conftest import checkpoint_parameters
+from tests.conftest import checkpoint_parameters, tiny_config
 
 pytestmark = pytest.mark.slow
 
 
+RUN = {
+    "seed": 5,
+    "loss": {"name": "rankmax"},
+    "optim": {"item_optimizer": "adam", "item_lr": 0.01, "user_lr": 0.1},
+    # 8 steps per epoch (~1,450 train rows / 200 per step, last batch short), checkpoints every 4 steps
+    "train": {"batch_size": 200, "epochs": 3, "max_steps": 14, "checkpoint_every": 4},
+    "eval": {"every_epochs": 1, "ks": [10, 50], "splits": ["valid", "test"]},
+    "ray": {"max_failures": 1},
+}
+
+
 def _config(root, run_dir, **sections):
-    raw = {
-        "data": {"root": str(root), "shuffle_buffer": 256},
-        "run_dir": str(run_dir),
-        "seed": 5,
-        "workers": 2,
-        "model": {"dim": 8},
-        "loss": {"name": "rankmax"},
-        "optim": {"item_optimizer": "adam", "item_lr": 0.01, "user_lr": 0.1},
-        # 8 steps per epoch (~1,450 train rows / 200 per step, last batch short), checkpoints every 4 steps
-        "train": {"batch_size": 200, "epochs": 3, "max_steps": 14, "checkpoint_every": 4, "log_every": 1},
-        "eval": {"every_epochs": 1, "ks": [10, 50], "splits": ["valid", "test"]},
-        "ray": {"max_failures": 1},
-    }
-    for section, values in sections.items():
-        raw.setdefault(section, {}).update(values)
-    raw["train"]["progress"] = False
-    return config_from_dict(raw)
+    return tiny_config(root, run_dir, RUN, **sections)
 
 
 @pytest.fixture(scope="module")

@@ -10,10 +10,9 @@ import shutil
 import pytest
 import torch
 
-from bigrank.config import config_from_dict
 from bigrank.train.launcher import launch_local
 from bigrank.train.workers import train_worker
-from tests.conftest import _flatten, read_checkpoint
+from tests.conftest import _flatten, read_checkpoint, tiny_config
 
 # Stated tolerance of the metrics after a change of worker count. The global batches differ after the change
 # (the rest of the epoch is re-split over the new ranks), so the runs are not identical; on this data they end
@@ -21,21 +20,16 @@ from tests.conftest import _flatten, read_checkpoint
 METRIC_TOLERANCE = 0.06
 
 
+RUN = {
+    "loss": {"name": "softmax"},
+    "optim": {"user_lr": 0.1, "item_lr": 0.1, "item_optimizer": "adam"},
+    "train": {"batch_size": 120, "epochs": 6},
+    "eval": {"every_epochs": None, "at_end": True, "ks": [10], "splits": ["valid"]},
+}
+
+
 def _config(root, run_dir, workers=2, **sections):
-    raw = {
-        "data": {"root": str(root), "shuffle_buffer": 256},
-        "run_dir": str(run_dir),
-        "seed": 3,
-        "workers": workers,
-        "model": {"dim": 8},
-        "loss": {"name": "softmax"},
-        "optim": {"user_lr": 0.1, "item_lr": 0.1, "item_optimizer": "adam"},
-        "train": {"batch_size": 120, "epochs": 6, "log_every": 1, "progress": False},
-        "eval": {"every_epochs": None, "at_end": True, "ks": [10], "splits": ["valid"]},
-    }
-    for section, values in sections.items():
-        raw.setdefault(section, {}).update(values)
-    return config_from_dict(raw)
+    return tiny_config(root, run_dir, RUN, workers=workers, **sections)
 
 
 def _resave(config, out_dir):

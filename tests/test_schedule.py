@@ -14,6 +14,7 @@ import torch
 
 from bigrank.config import ConfigError, config_from_dict
 from bigrank.train.schedule import LearningRateSchedule
+from tests.conftest import tiny_config
 
 
 def _expected(step, total, warmup, decay, final):
@@ -79,20 +80,16 @@ def test_softmax_temperature_is_cross_entropy_of_scaled_scores():
 
 
 # ------------------------------------------------------------------------------------- through the trainer
+RUN = {
+    "loss": {"name": "softmax"},
+    "optim": {"user_optimizer": "sgd", "item_optimizer": "sgd", "user_lr": 0.2, "item_lr": 0.2},
+    "train": {"batch_size": 64, "max_steps": 1},
+    "eval": {"every_epochs": None, "at_end": False},
+}
+
+
 def _config(root, run_dir, **optim):
-    return config_from_dict(
-        {
-            "data": {"root": str(root), "shuffle_buffer": 256},
-            "run_dir": str(run_dir),
-            "seed": 3,
-            "workers": 2,
-            "model": {"dim": 8},
-            "loss": {"name": "softmax"},
-            "optim": {"user_optimizer": "sgd", "item_optimizer": "sgd", "user_lr": 0.2, "item_lr": 0.2, **optim},
-            "train": {"batch_size": 64, "max_steps": 1, "log_every": 1, "progress": False},
-            "eval": {"every_epochs": None, "at_end": False},
-        }
-    )
+    return tiny_config(root, run_dir, RUN, optim=optim)
 
 
 def _parameters(checkpoint):

@@ -4,52 +4,26 @@ from __future__ import annotations
 
 import json
 import os
-import threading
 import urllib.error
 import urllib.request
 
 import numpy as np
 import pytest
-import torch
 
-from bigrank.data.synthetic import generate
 from bigrank.export.recommend import Recommender, SeenItems
-from bigrank.export.serve import make_server
-from bigrank.export.writer import export_embeddings
+from tests.helpers import stdlib_server
 
 DIM = 8
 
 
 @pytest.fixture(scope="module")
-def served(tmp_path_factory):
-    """A demo dataset, an export with a history table, and a running server (stopped after the module)."""
-    root = tmp_path_factory.mktemp("serve")
-    dataset = generate("demo", root / "demo", progress=False)
-    gen = torch.Generator().manual_seed(0)
-    items = torch.randn(dataset["num_items"], DIM, generator=gen)
-    users = torch.randn(dataset["num_users"], DIM, generator=gen)
-    history = torch.randn(dataset["num_items"], DIM, generator=gen)
-    export_embeddings(
-        root / "export",
-        rank=0,
-        world_size=1,
-        group=None,
-        item_rows=(0, len(items), items),
-        user_rows=(0, len(users), users),
-        history_rows=(0, len(history), history),
-        dataset_root=root / "demo",
-        model_info={"dim": DIM, "has_history": True},
-    )
-    recommender = Recommender(root / "export")
-    seen = SeenItems(root / "demo")
-    server = make_server(recommender, "127.0.0.1", 0, seen=seen, quiet=True)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    host, port = server.server_address[:2]
-    yield {"url": f"http://{host}:{port}", "rec": recommender, "seen": seen, "items": items.numpy()}
-    server.shutdown()
-    server.server_close()
-    thread.join(timeout=5)
+def served(demo_export):
+    """The demo export (a history table) behind a running server, which answers with the seen items of the demo
+    dataset (stopped after the module)."""
+    recommender = Recommender(demo_export.path)
+    seen = SeenItems(demo_export.dataset)
+    with stdlib_server(recommender, seen=seen) as url:
+        yield {"url": url, "rec": recommender, "seen": seen, "items": demo_export.tables["items"].numpy()}
 
 
 def get(url: str) -> tuple[int, dict]:

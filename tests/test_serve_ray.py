@@ -2,8 +2,8 @@
 
 Its answers equal the stdlib server's and a numpy brute force, also by string original ids (and by dense ids with
 ``dense_ids``); bad parameters and unknown ids get the same 400s; a full
-queue answers 503 with Retry-After; a replica killed during a stream of requests loses no request that was
-answered 200 and the application recovers.
+queue answers 503 with Retry-After; a replica killed during a stream of requests costs each client at most the
+requests it held (every answer given is right) and the application recovers.
 """
 
 from __future__ import annotations
@@ -18,24 +18,20 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
-import torch
 
-from bigrank.data.synthetic import generate
 from bigrank.export.recommend import Recommender
 from bigrank.export.seen import SeenItems
-from bigrank.export.serve import make_server
-from bigrank.export.writer import export_embeddings
 from bigrank.train.launcher import free_port
+from tests.helpers import HANG_GUARD_S, stdlib_server
 from tests.id_datasets import ODD_ITEM_IDS, ODD_USER_IDS, export_random, string_ids, write_id_dataset
 
 # Ray Serve's own config models use a pydantic idiom that pydantic 2 deprecates; not ours to fix.
 pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore:Using extra keyword arguments on `Field`")]
-DIM = 8
 
 
 @pytest.fixture(scope="module", params=["proxy", "haproxy"])
-def apps(request, tmp_path_factory):
-    """A demo export (history tower, seen table), the stdlib server, and two Ray Serve applications:
+def apps(request, demo_export, tmp_path_factory):
+    """The demo export (history tower, seen table), the stdlib server, and two Ray Serve applications:
     ``/`` (2 replicas) and ``/tight`` (1 replica, 1 ongoing + 1 queued request), behind Serve's Python proxy
     and then behind HAProxy with direct ingress (each a Ray runtime of its own: Serve reads it at start). Also an
     export of string original ids, served by the stdlib server and by ``/strings`` (original ids) and
@@ -51,41 +47,14 @@ def apps(request, tmp_path_factory):
         set_ingress_environment,
     )
 
-    root = tmp_path_factory.mktemp("serve-ray")
-    dataset = generate("demo", root / "demo", progress=False)
-    gen = torch.Generator().manual_seed(0)
-    tables = {
-        name: torch.randn(rows, DIM, generator=gen)
-        for name, rows in (
-            ("items", dataset["num_items"]),
-            ("users", dataset["num_users"]),
-            ("history", dataset["num_items"]),
-        )
-    }
-    export_embeddings(
-        root / "export",
-        rank=0,
-        world_size=1,
-        group=None,
-        item_rows=(0, dataset["num_items"], tables["items"]),
-        user_rows=(0, dataset["num_users"], tables["users"]),
-        history_rows=(0, dataset["num_items"], tables["history"]),
-        dataset_root=root / "demo",
-        model_info={"dim": DIM, "has_history": True},
-    )
-    rec = Recommender(root / "export")
-    stdlib = make_server(rec, "127.0.0.1", 0, quiet=True)
-    thread = threading.Thread(target=stdlib.serve_forever, daemon=True)
-    thread.start()
+    rec = Recommender(demo_export.path)
+    export = str(demo_export.path)
+    root = tmp_path_factory.mktemp("serve-ray-strings")
     rng = np.random.default_rng(7)
     ids = {"users": string_ids("u", 60, ODD_USER_IDS, rng), "items": string_ids("sku", 40, ODD_ITEM_IDS, rng)}
     write_id_dataset(root / "strings-data", ids["users"], ids["items"], seed=7)
     string_tables = export_random(root / "strings", root / "strings-data", 60, 40)
     string_rec = Recommender(root / "strings")
-    stdlib_strings = make_server(string_rec, "127.0.0.1", 0, quiet=True)
-    thread_strings = threading.Thread(target=stdlib_strings.serve_forever, daemon=True)
-    thread_strings.start()
-    export = str(root / "export")
     saved = {name: os.environ.get(name) for name in (*HAPROXY_ENVIRONMENT, DRAINING_PERIOD_ENV)}
     set_ingress_environment(request.param)  # Ray's processes read it when they start
     ray.init(address="local", num_cpus=4, include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=False)
@@ -106,22 +75,23 @@ def apps(request, tmp_path_factory):
             name="strings-dense",
             route_prefix="/strings-dense",
         )
-        yield {
-            "ray": f"{url}",
-            "tight": tight_url,
-            "stdlib": "http://{}:{}".format(*stdlib.server_address[:2]),
-            "rec": rec,
-            "seen": SeenItems(root / "demo"),
-            "items": tables["items"].numpy(),
-            "strings": {
-                "ray": strings_url,
-                "ray_dense": strings_dense_url,
-                "stdlib": "http://{}:{}".format(*stdlib_strings.server_address[:2]),
-                "rec": string_rec,
-                "ids": ids,
-                **string_tables,
-            },
-        }
+        with stdlib_server(rec) as stdlib, stdlib_server(string_rec) as stdlib_strings:
+            yield {
+                "ray": f"{url}",
+                "tight": tight_url,
+                "stdlib": stdlib,
+                "rec": rec,
+                "seen": SeenItems(demo_export.dataset),
+                "items": demo_export.tables["items"].numpy(),
+                "strings": {
+                    "ray": strings_url,
+                    "ray_dense": strings_dense_url,
+                    "stdlib": stdlib_strings,
+                    "rec": string_rec,
+                    "ids": ids,
+                    **string_tables,
+                },
+            }
     finally:
         serve.shutdown()
         ray.shutdown()
@@ -130,10 +100,6 @@ def apps(request, tmp_path_factory):
                 os.environ.pop(name, None)
             else:
                 os.environ[name] = value
-        for server, serving in ((stdlib, thread), (stdlib_strings, thread_strings)):
-            server.shutdown()
-            server.server_close()
-            serving.join(timeout=5)
 
 
 def request(url: str, body: dict | None = None, timeout: float = 60) -> tuple[int, dict, dict]:
@@ -196,6 +162,39 @@ def test_ray_answers_equal_the_stdlib_server_and_a_brute_force(apps):
     assert status == 200 and health["num_items"] == rec.num_items and health["exclude_seen"] is True
 
 
+@pytest.mark.parametrize(
+    "query, body, message",
+    [
+        ("user=abc", None, "user must be an integer"),
+        ("user=1&k=0", None, "k must lie in"),
+        ("user=999999", None, "outside"),
+        ("k=3", None, "exactly one of user"),
+        ("user=1&colour=red", None, "unknown parameters"),
+        ("items=1,x", None, "items must be an integer"),
+        ("", {"users": [1], "histories": [[2]]}, "exactly one of"),
+        ("", {"users": "1"}, "non-empty JSON list"),
+        ("", {"users": [1], "k": 5000}, "k must lie in"),
+    ],
+)
+def test_bad_parameters_answer_400_like_the_stdlib_server(apps, query, body, message):
+    status, ray_body, _ = request(apps["ray"] + "/recommend?" + query, body)
+    _, std_body, _ = request(apps["stdlib"] + "/recommend?" + query, body)
+    assert status == 400 and message in ray_body["error"]
+    assert ray_body == std_body
+
+
+def test_a_full_queue_answers_503_with_a_retry_hint(apps):
+    """1 ongoing + 1 queued request at most: of 24 simultaneous slow requests, some are refused at once."""
+    slow = {"users": list(range(1000)), "k": 1000}
+    with ThreadPoolExecutor(24) as pool:
+        answers = list(pool.map(lambda _: request(apps["tight"] + "/recommend", slow), range(24)))
+    statuses = [status for status, _, _ in answers]
+    assert set(statuses) <= {200, 503}, statuses
+    assert 200 in statuses and 503 in statuses, statuses
+    refused = next(headers for status, _, headers in answers if status == 503)
+    assert {k.lower(): v for k, v in refused.items()}.get("retry-after") == "1"
+
+
 def test_ray_takes_and_returns_string_ids_like_the_stdlib_server(apps):
     """By string original ids: the Ray application's answers equal the stdlib server's (rows with original ids
     and attributes), a brute force, and the dense-ids application's for the same users; bad ids are the same 400."""
@@ -237,46 +236,18 @@ def test_ray_takes_and_returns_string_ids_like_the_stdlib_server(apps):
         assert ray_body == request(strings["stdlib"] + "/recommend?" + query, body)[1]
 
 
-@pytest.mark.parametrize(
-    "query, body, message",
-    [
-        ("user=abc", None, "user must be an integer"),
-        ("user=1&k=0", None, "k must lie in"),
-        ("user=999999", None, "outside"),
-        ("k=3", None, "exactly one of user"),
-        ("user=1&colour=red", None, "unknown parameters"),
-        ("items=1,x", None, "items must be an integer"),
-        ("", {"users": [1], "histories": [[2]]}, "exactly one of"),
-        ("", {"users": "1"}, "non-empty JSON list"),
-        ("", {"users": [1], "k": 5000}, "k must lie in"),
-    ],
-)
-def test_bad_parameters_answer_400_like_the_stdlib_server(apps, query, body, message):
-    status, ray_body, _ = request(apps["ray"] + "/recommend?" + query, body)
-    _, std_body, _ = request(apps["stdlib"] + "/recommend?" + query, body)
-    assert status == 400 and message in ray_body["error"]
-    assert ray_body == std_body
-
-
-def test_a_full_queue_answers_503_with_a_retry_hint(apps):
-    """1 ongoing + 1 queued request at most: of 24 simultaneous slow requests, some are refused at once."""
-    slow = {"users": list(range(1000)), "k": 1000}
-    with ThreadPoolExecutor(24) as pool:
-        answers = list(pool.map(lambda _: request(apps["tight"] + "/recommend", slow), range(24)))
-    statuses = [status for status, _, _ in answers]
-    assert set(statuses) <= {200, 503}, statuses
-    assert 200 in statuses and 503 in statuses, statuses
-    refused = next(headers for status, _, headers in answers if status == 503)
-    assert {k.lower(): v for k, v in refused.items()}.get("retry-after") == "1"
-
-
-def test_a_killed_replica_loses_no_answered_request_and_the_app_recovers(apps):
+def test_a_killed_replica_fails_at_most_two_requests_a_client_and_the_app_recovers(apps):
+    """Three clients stream requests while one of the two replicas is killed. Allowed: each client loses at most
+    the request in flight on the killed replica and one routed to it before its death is noticed, as a 5xx or
+    (behind HAProxy) a cut connection; over four runs here: 0-1 in all behind Serve's proxy, 2-3 behind HAProxy, 2
+    at most a client. Never a 4xx or a wrong answer; every client is answered again after the kill; the
+    application gets its second replica back."""
     import ray
     from ray import serve
 
     users = list(range(0, apps["rec"].num_users, 11))
     expected = {user: _reference(apps, user, 10) for user in users}
-    answers, stop = [], threading.Event()
+    answers, stop = {offset: [] for offset in (0, 7, 14)}, threading.Event()
 
     def stream(offset: int) -> None:
         position = offset
@@ -286,26 +257,41 @@ def test_a_killed_replica_loses_no_answered_request_and_the_app_recovers(apps):
                 status, body, _ = request(apps["ray"] + f"/recommend?user={user}&k=10", timeout=30)
             except OSError as error:  # behind HAProxy, a request in flight on the killed replica is cut off
                 status, body = type(error).__name__, {}
-            answers.append((user, status, body))
+            answers[offset].append((user, status, body))
             position += 1
 
-    threads = [threading.Thread(target=stream, args=(i * 7,)) for i in range(3)]
+    def wait_until(condition, what: str) -> None:
+        deadline = time.monotonic() + HANG_GUARD_S
+        while not condition():
+            assert time.monotonic() < deadline, f"{what}: {[[a[1] for a in got] for got in answers.values()]}"
+            time.sleep(0.05)
+
+    threads = [threading.Thread(target=stream, args=(offset,)) for offset in answers]
     for thread in threads:
         thread.start()
-    time.sleep(1.0)
-    replicas = [
-        actor for actor in ray.util.list_named_actors(all_namespaces=True) if "bigrank#Recommend#" in actor["name"]
-    ]
-    assert len(replicas) == 2, replicas
-    ray.kill(ray.get_actor(replicas[0]["name"], namespace=replicas[0]["namespace"]), no_restart=True)
-    time.sleep(3.0)
-    stop.set()
-    for thread in threads:
-        thread.join(timeout=60)
-    answered = [(user, body) for user, status, body in answers if status == 200]
-    assert len(answered) > 10, [status for _, status, _ in answers][:20]
-    for user, body in answered:  # every 200 is a correct answer
-        assert _ids(body["items"]) == expected[user]
+    try:
+        wait_until(lambda: all(len(got) >= 3 for got in answers.values()), "each client is answered")
+        replicas = [
+            actor for actor in ray.util.list_named_actors(all_namespaces=True) if "bigrank#Recommend#" in actor["name"]
+        ]
+        assert len(replicas) == 2, replicas
+        before = {offset: len(got) for offset, got in answers.items()}
+        ray.kill(ray.get_actor(replicas[0]["name"], namespace=replicas[0]["namespace"]), no_restart=True)
+        # Five answers after the kill: a routing that kept sending requests to the dead replica would lose as many.
+        wait_until(
+            lambda: all(sum(a[1] == 200 for a in got[before[o] :]) >= 5 for o, got in answers.items()),
+            "each client is answered again after the kill",
+        )
+    finally:
+        stop.set()
+        for thread in threads:
+            thread.join(timeout=60)
+    lost = {offset: [status for _, status, _ in got if status != 200] for offset, got in answers.items()}
+    assert all(len(statuses) <= 2 for statuses in lost.values()), lost
+    assert all(s in (500, 502, 503) or isinstance(s, str) for statuses in lost.values() for s in statuses), lost
+    for user, status, body in (answer for got in answers.values() for answer in got):
+        if status == 200:  # every 200 is a correct answer
+            assert _ids(body["items"]) == expected[user]
 
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:

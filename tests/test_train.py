@@ -15,31 +15,21 @@ import numpy as np
 import pytest
 import torch
 
-from bigrank.config import config_from_dict
 from bigrank.train.launcher import WorkerError, launch_local
 from bigrank.train.workers import train_worker
 from tests.conftest import TINY_ITEMS as NUM_ITEMS
-from tests.conftest import checkpoint_parameters, read_checkpoint
+from tests.conftest import checkpoint_parameters, read_checkpoint, tiny_config
+
+RUN = {
+    "loss": {"name": "rankmax"},
+    "optim": {"user_lr": 0.1, "item_lr": 0.1},
+    "train": {"batch_size": 64, "epochs": 3},
+    "eval": {"every_epochs": None, "at_end": False},
+}
 
 
 def _config(root, run_dir, **sections):
-    raw = {
-        "data": {"root": str(root), "shuffle_buffer": 256},
-        "run_dir": str(run_dir),
-        "seed": 3,
-        "workers": 2,
-        "model": {"dim": 8},
-        "loss": {"name": "rankmax"},
-        "optim": {"user_lr": 0.1, "item_lr": 0.1},
-        "train": {"batch_size": 64, "epochs": 3, "log_every": 1, "progress": False},
-        "eval": {"every_epochs": None, "at_end": False},
-    }
-    for section, values in sections.items():
-        if isinstance(values, dict):
-            raw.setdefault(section, {}).update(values)
-        else:
-            raw[section] = values
-    return config_from_dict(raw)
+    return tiny_config(root, run_dir, RUN, **sections)
 
 
 def _train_records(run_dir):

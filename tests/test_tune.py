@@ -20,15 +20,6 @@ pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def demo_data(tmp_path_factory):
-    from bigrank.cli import main
-
-    root = tmp_path_factory.mktemp("demo") / "data"
-    assert main(["generate", "--preset", "demo", "--out", str(root), "--no-progress"]) == 0
-    return root
-
-
-@pytest.fixture(scope="module")
 def ray_runtime():
     """One embedded Ray runtime for the module (run_search uses it instead of starting its own)."""
     import ray

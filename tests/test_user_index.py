@@ -19,7 +19,7 @@ from bigrank.data.user_index import INDEX_DIR, ensure_index, index_path, open_in
 from bigrank.errors import CorruptFileError
 from bigrank.train.evaluate import evaluation_data
 from tests.conftest import REPO
-from tests.test_evaluate import write_tiny_dataset
+from tests.helpers import write_bad_dataset, write_small_dataset
 
 ITEM_RANGE = (5, 30)  # a rank's catalog rows: the excluded items are cut to them
 
@@ -54,7 +54,7 @@ def build(root, *splits, **options):
 
 @pytest.fixture
 def tiny(tmp_path):
-    write_tiny_dataset(tmp_path)
+    write_small_dataset(tmp_path)
     return tmp_path
 
 
@@ -85,12 +85,10 @@ def test_index_holds_the_split_and_evaluation_reads_it(tiny):
 
 def test_ids_outside_the_manifest_are_an_error(tmp_path):
     # Out-of-range ids would make keys of other users (items) or be dropped by the user-range filter (users).
-    from tests.test_evaluate import write_bad_dataset  # an item id 99 of 37 in train
-
-    write_bad_dataset(tmp_path)
+    write_bad_dataset(tmp_path)  # an item id 99 of 37 in train
     with pytest.raises(ValueError, match=r"item_id values outside \[0, 37\)"):
         build(tmp_path, "train")
-    write_tiny_dataset(tmp_path / "users")
+    write_small_dataset(tmp_path / "users")
     manifest = DatasetManifest.load(tmp_path / "users")
     name = manifest.raw["splits"]["test"]["files"][0]
     layout.write_parquet_atomic(
@@ -131,7 +129,7 @@ def test_users_slices_read_in_ranges_of_any_size(tiny, monkeypatch, gap, run):
 
 def test_a_changed_dataset_is_never_read_through_a_stale_index(tiny):
     build(tiny, "train", "test")
-    write_tiny_dataset(tiny, seed=5)  # other pairs, same file names
+    write_small_dataset(tiny, seed=5)  # other pairs, same file names
     manifest = DatasetManifest.load(tiny)
     assert open_index(manifest, "train") is None and open_index(manifest, "test") is None
     with_index, from_files = read_both(tiny)

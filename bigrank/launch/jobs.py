@@ -277,10 +277,15 @@ def follow_logs(address: str | None, job_id: str, out=None) -> None:
             out.write(lines)
             out.flush()
 
-    with asyncio.Runner() as runner:  # closes the loop and its log stream however the follow ends
-        with held_stop_signals():  # `submit --wait` stops on a signal's exception: never inside the loop's set-up
+    # `submit --wait` stops on a signal's exception: never inside the loop's set-up, so the loop is built in a
+    # held block (entering `with asyncio.Runner()` would build it before the block).
+    runner = asyncio.Runner()
+    try:
+        with held_stop_signals():
             runner.get_loop()
         runner.run(tail())
+    finally:
+        runner.close()  # closes the loop and its log stream however the follow ends
 
 
 def wait_for_job(address: str | None, job_id: str, *, poll_s: float = 2.0, timeout_s: float | None = None) -> str:
