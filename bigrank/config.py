@@ -8,7 +8,9 @@ made absolute) is what the trainer saves as ``RUN_DIR/config.yaml``; loading tha
 
 Losses come from the loss registry (``bigrank.losses.registry``): ``loss.name`` is one of its names and
 ``loss.params`` may only hold that loss's parameters (its ``*Params`` dataclass), merged over their defaults
-and checked there (types and values), with errors naming the dotted key (``loss.params.k``).
+and checked there (types and values), with errors naming the dotted key (``loss.params.k``). Model kinds come
+from the model registry (``bigrank.model.registry``) the same way: ``model.kind`` and ``model.params``, whose
+``*Params`` dataclass also checks the settings of the other sections its kind trains with.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ import yaml
 from bigrank.atomic import write_text_atomic
 from bigrank.errors import ConfigError
 from bigrank.losses.registry import CANDIDATE_LOSSES, FULL_CATALOG_LOSSES, LOSSES, parse_params
+from bigrank.model.registry import DEFAULT_KIND, model_spec, parse_model_params, upgrade_model_keys
 from bigrank.scalars import EXPONENT_NUMBER, SCALAR_TYPES, convert_scalar
 
 __all__ = [
@@ -40,6 +43,7 @@ __all__ = [
     "config_from_dict",
     "dump_config",
     "load_config",
+    "model_params",
     "parse_override",
     "parse_yaml",
     "requested_layouts",
@@ -82,14 +86,12 @@ class DataConfig:
 
 @dataclass
 class ModelConfig:
-    # towers: a user tower (user table + optional history bag) against item vectors, trained row by row, any
-    # catalog size. item_item: a full-rank item-to-item matrix beside a rank-`dim` one, trained user by user
-    # (bigrank.model.item_item; catalogs up to 32,768 items, the full-rank model of dense data).
-    kind: str = field(default="towers", metadata=_choices("towers", "item_item"))
-    dim: int = 32  # embedding dimension (multiple of 4: fbgemm's tables); item_item: rank of the low-rank term
-    # item_item only: the L2 penalty lambda * (||W||^2 + ||P||^2 + ||Q||^2) / (train rows), added to the mean row
-    # loss of each step (lambda in EASE's sum-over-the-data units).
-    item_item_l2: float = 1.0
+    # One of bigrank.model.registry.MODEL_KINDS (docs/architecture.md lists them). The default, towers: a user
+    # tower against item vectors, trained row by row, any catalog size; the keys below are its settings.
+    kind: str = DEFAULT_KIND
+    # The kind's own parameters (the fields of its *Params dataclass in the registry), merged over their defaults.
+    params: dict[str, Any] = field(default_factory=dict)
+    dim: int = 32  # size of the vectors (multiple of 4: fbgemm's tables); what it sizes in another kind: its docs
     history: bool = False  # add the mean-pooled bag of the user's train items to the user vector
     # Training only (evaluation and export always pool the whole bag): each item of a history bag is left out
     # with probability history_dropout (a denoising regulariser, as in Steck 2020's EDLAE), then a bag longer
@@ -118,7 +120,7 @@ class ModelConfig:
             "model.history_sample_size",
             f"must be >= 1 or null, got {self.history_sample_size}",
         )
-        _check(self.item_item_l2 >= 0, "model.item_item_l2", "must be >= 0")
+        parse_model_params(self.kind, self.params)  # an unknown kind or parameter: ConfigError naming the key
         requested_layouts(self)  # raises ConfigError naming the key
         for key, value, unset in (
             ("history_dropout", self.history_dropout, 0),
@@ -445,38 +447,13 @@ def check(config: Config) -> Config:
                 f"({config.train.batch_size})",
             )
     config.debug.check()
-    if config.model.kind == "item_item":
-        _check_item_item(config)
+    model_params(config).check(config)  # the kind's parameters and the settings it trains with
     return config
 
 
-def _check_item_item(config: Config) -> None:
-    """The settings ``model.kind: item_item`` trains with (bigrank.train.item_item): its loss is a full-catalog
-    loss of every train item of a user at once, its optimiser dense Adam."""
-    loss = config.loss
-    _check(
-        loss.name in ("rankmax", "softmax"),
-        "loss.name",
-        f"must be rankmax or softmax with model.kind item_item, got {loss.name!r}",
-    )
-    params = parse_params(loss.name, loss.params, "loss.params")
-    if loss.name == "rankmax":
-        _check(params.get("k", 1) == 1, "loss.params.k", "must be 1 with model.kind item_item")
-        _check(not params.get("k_fraction"), "loss.params.k_fraction", "must be 0 with model.kind item_item")
-    _check(
-        config.optim.item_optimizer == "adam",
-        "optim.item_optimizer",
-        "must be adam with model.kind item_item (its matrices are dense; item_lr is Adam's rate)",
-    )
-    _check(not config.model.history, "model.history", "must be false with model.kind item_item (x W is its history)")
-    for key, value in (("user_l2", config.optim.user_l2), ("weight_decay", config.optim.weight_decay)):
-        _check(value == 0, f"optim.{key}", "must be 0 with model.kind item_item: its L2 is model.item_item_l2")
-    _check(config.model.layout == "auto", "model.layout", "is for model.kind towers (item_item is replicated)")
-    _check(
-        config.train.precision in ("auto", "fp32"),
-        "train.precision",
-        f"must be auto or fp32 with model.kind item_item (it trains in float32), got {config.train.precision!r}",
-    )
+def model_params(config: Config):
+    """The ``*Params`` of ``config``'s model kind, holding ``model.params`` (merged over the defaults)."""
+    return model_spec(config.model.kind).params(**parse_model_params(config.model.kind, config.model.params))
 
 
 def resolve(config: Config, base_dir: str | os.PathLike | None = None) -> Config:
@@ -487,6 +464,7 @@ def resolve(config: Config, base_dir: str | os.PathLike | None = None) -> Config
     resolved = copy.deepcopy(config)
     loss = resolved.loss
     loss.params = parse_params(loss.name, loss.params, "loss.params")
+    resolved.model.params = parse_model_params(resolved.model.kind, resolved.model.params)
     if loss.candidates is None:  # sampled softmax samples, the other losses see the whole catalog
         loss.candidates = "sampled" if loss.name == "sampled_softmax" else "catalog"
     if loss.warmup is not None:
@@ -670,6 +648,7 @@ def config_from_dict(raw: dict, *, base_dir: str | os.PathLike | None = None) ->
     (default: the current directory)."""
     if not isinstance(raw, dict):
         raise ConfigError(f"a config must be a mapping of sections, got {type(raw).__name__}")
+    raw = upgrade_model_keys(copy.deepcopy(raw))  # keys of configs saved before model.params
     return resolve(check(_build(Config, raw, "")), base_dir)
 
 

@@ -33,6 +33,7 @@ from bigrank.export.writer import check_export_dir
 from bigrank.launch.jobs import CONFIG_ENV
 from bigrank.launch.ray_train import train_on_ray
 from bigrank.losses.build import check_loss_config
+from bigrank.model.registry import model_spec
 from bigrank.runlock import hold_run_dir
 from bigrank.train.checkpoint import latest_checkpoint
 from bigrank.train.evaluate import format_eval_table
@@ -70,20 +71,15 @@ def prepare_run(config: Config, launcher: str = "ray") -> DatasetManifest:
     """The pre-flight of every run: check the devices, build the loss once and read the dataset's manifest.
 
     Raises DeviceError (a GPU asked for where there is none, saying what to change; ``launcher`` "local" counts
-    this machine's GPUs), ConfigError (a bad loss parameter, naming the key; a catalog too large for
-    ``model.kind: item_item``) or FileNotFoundError (no dataset at ``data.root``) before anything is spawned.
+    this machine's GPUs), ConfigError (a bad loss parameter, naming the key; a dataset the model kind cannot
+    train on, e.g. a catalog too large for an n x n matrix: the kind's ``preflight``) or FileNotFoundError (no
+    dataset at ``data.root``) before anything is spawned.
     Returns the dataset's manifest, for the workers.
     """
     check_devices(config, launcher)
     check_loss_config(config.loss)
     manifest = DatasetManifest.load(config.data.root)
-    if config.model.kind == "item_item":  # an n x n matrix: refuse a large catalog before any worker starts
-        from bigrank.model.item_item import check_catalog_size
-
-        try:
-            check_catalog_size(manifest.num_items)
-        except ValueError as error:
-            raise ConfigError(str(error)) from None
+    model_spec(config.model.kind).kind.preflight(config, manifest)
     return manifest
 
 

@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 
 from bigrank.config import Config
 from bigrank.losses.registry import LOSSES
+from bigrank.model.registry import MODEL_KINDS
 
 
 def _schema_keys(cls=Config, prefix: str = "") -> list[str]:
@@ -30,12 +31,17 @@ LOSS_PARAM_KEYS = sorted(
     {f"{section}.params.{f.name}" for spec in LOSSES.values() for f in dataclasses.fields(spec.params)
      for section in ("loss", "loss.warmup")}
 )  # fmt: skip
-KEYS = _schema_keys() + LOSS_PARAM_KEYS
+MODEL_PARAM_KEYS = sorted(
+    {f"model.params.{f.name}" for spec in MODEL_KINDS.values() for f in dataclasses.fields(spec.params)}
+    | {f"model.{old}" for spec in MODEL_KINDS.values() for old, _ in spec.renamed}  # keys of older configs
+)
+KEYS = _schema_keys() + LOSS_PARAM_KEYS + MODEL_PARAM_KEYS
 CHOICES = sorted(
     set(KEYS)  # keys as values too
     | {"auto", "force", "valid", "test", "catalog", "sampled", "replicated", "sharded", "cpu", "cuda", "bf16"}
     | {"tf32", "fp32", "sgd", "adam", "adagrad", "rowwise_adagrad", "cosine", "linear", "none", "popularity"}
     | set(LOSSES)
+    | set(MODEL_KINDS)
 )
 
 # YAML that trips PyYAML's scanner, parser, composer or constructors: malformed tagged scalars, unclosed flows,

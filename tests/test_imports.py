@@ -1,11 +1,12 @@
-"""The bigrank package has no import cycles, counting function-local imports too.
+"""The bigrank package has no import cycles, counting function-local and type-only imports too.
 
 The graph is built from the source (``ast``), not by importing: every ``import`` / ``from ... import`` anywhere
-in a module (module level, inside functions, inside ``try``), resolved to bigrank modules, is an edge
-``importer -> imported``. ``import a.b`` and ``from a.b import c`` depend on ``a.b`` (and on ``a.b.c`` when
-that is a module); a package's ``__init__`` counts as the module of the package. Imports under
-``if TYPE_CHECKING:`` are left out: they never run. A cycle is printed as ``a -> b -> a`` with the file and
-line of each edge.
+in a module (module level, inside functions, inside ``try``, under ``if TYPE_CHECKING:``), resolved to bigrank
+modules, is an edge ``importer -> imported``. ``import a.b`` and ``from a.b import c`` depend on ``a.b`` (and on
+``a.b.c`` when that is a module); a package's ``__init__`` counts as the module of the package. A type-only
+import never runs, but it still ties the two modules together (the evaluator once named a model kind's class
+that way, and that kind's trainer imported the evaluator): a protocol breaks such a knot. A cycle is printed as
+``a -> b -> a`` with the file and line of each edge.
 """
 
 from __future__ import annotations
@@ -27,19 +28,6 @@ def _modules() -> dict[str, Path]:
     return {_module_name(path): path for path in sorted(PACKAGE_DIR.rglob("*.py"))}
 
 
-def _type_checking_lines(tree: ast.Module) -> set[int]:
-    """Line numbers inside ``if TYPE_CHECKING:`` blocks."""
-    lines: set[int] = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.If):
-            test = node.test
-            name = test.id if isinstance(test, ast.Name) else getattr(test, "attr", None)
-            if name == "TYPE_CHECKING":
-                for child in node.body:
-                    lines.update(range(child.lineno, (child.end_lineno or child.lineno) + 1))
-    return lines
-
-
 def _resolve(name: str, modules: dict[str, Path]) -> str | None:
     """The longest bigrank module that ``name`` (a dotted name) is or lies in."""
     while name:
@@ -55,10 +43,9 @@ def import_graph() -> dict[str, dict[str, str]]:
     graph: dict[str, dict[str, str]] = {name: {} for name in modules}
     for name, path in modules.items():
         tree = ast.parse(path.read_text(), filename=str(path))
-        skip = _type_checking_lines(tree)
         is_package = path.name == "__init__.py"
         for node in ast.walk(tree):
-            if not isinstance(node, ast.Import | ast.ImportFrom) or node.lineno in skip:
+            if not isinstance(node, ast.Import | ast.ImportFrom):
                 continue
             targets: list[str] = []
             if isinstance(node, ast.Import):
@@ -164,11 +151,12 @@ def test_the_cycle_finder_finds_a_planted_cycle_and_accepts_a_tree():
     assert find_cycles({"a": {"b": "x:1"}, "b": {}, "c": {"a": "x:2", "b": "x:3"}}) == []
 
 
-def test_the_graph_sees_function_local_and_dotted_imports():
+def test_the_graph_sees_function_local_type_only_and_dotted_imports():
     graph = import_graph()
     assert "bigrank.errors" in graph["bigrank.cli"]  # module level
     assert graph["bigrank.errors"] == {}  # the leaf
     assert "bigrank.losses.registry" in graph["bigrank.config"]
+    assert "bigrank.train.bootstrap" in graph["bigrank.train.kind"]  # under `if TYPE_CHECKING:` only
 
 
 def test_the_bigrank_package_has_no_import_cycles():

@@ -100,7 +100,7 @@ def test_user_batches_cover_each_user_once_per_epoch_on_any_worker_count():
 
 
 RUN = {
-    "model": {"kind": "item_item", "item_item_l2": 0.1},
+    "model": {"kind": "item_item", "params": {"l2": 0.1}},
     "loss": {"name": "rankmax", "params": {"margin": 1.0}},
     "optim": {"item_optimizer": "adam", "item_lr": 0.05, "lr_decay": "linear"},
     "train": {"batch_size": 30, "epochs": 5},
@@ -119,8 +119,10 @@ def _raw(root, run_dir, workers=2, **sections) -> dict:
         ("loss", {"params": {"k": 2}}, "loss.params.k must be 1"),
         ("optim", {"item_optimizer": "adagrad"}, "optim.item_optimizer must be adam"),
         ("model", {"history": True}, "model.history must be false"),
-        ("optim", {"weight_decay": 1e-4}, "optim.weight_decay must be 0 .* its L2 is model.item_item_l2"),
-        ("model", {"item_item_l2": -1}, "model.item_item_l2 must be >= 0"),
+        ("optim", {"weight_decay": 1e-4}, "optim.weight_decay must be 0 .* its L2 is model.params.l2"),
+        ("model", {"params": {"l2": -1}}, "model.params.l2 must be >= 0"),
+        ("model", {"params": {"l2": "x"}}, "model.params.l2 must be a number"),
+        ("model", {"params": {"lambda": 1}}, "unknown key 'model.params.lambda': model.kind 'item_item' accepts l2"),
         ("model", {"kind": "graph"}, "model.kind must be one of towers, item_item"),
     ],
 )

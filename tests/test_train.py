@@ -231,9 +231,9 @@ def _first_batch_positives(config):
     trainer = Trainer(config)
     batch = next(iter(trainer.stream))
     users = batch["user_id"].to(torch.int64)
-    positives = trainer._gather_positives(users)
+    positives = trainer.training._gather_positives(users)  # the towers' step (bigrank.train.towers)
     dummy = torch.zeros(users.numel(), 1)
-    _, gathered_users = all_gather_rows_with_ids(dummy, users, trainer.local_batch, trainer.group)
+    _, gathered_users = all_gather_rows_with_ids(dummy, users, trainer.training.local_batch, trainer.group)
     loss, _ = trainer.train_step(batch)
     dist.barrier(trainer.group)
     return positives, gathered_users[gathered_users >= 0], loss

@@ -195,7 +195,7 @@ class Recommender:
     def fold_in_vector(self, item_ids: Iterable[int]) -> np.ndarray:
         """User vector of a user known only by the items ``item_ids``, float32[d]: the mean of their history rows
         (history towers), or their sum / sqrt(count) for exports whose manifest says ``"fold_in": "sqrt_sum"``
-        (``model.kind: item_item``, whose user vector is ``|x|^-1/2 [x P, x W]``)."""
+        (a model kind whose user vector is ``|x|^-1/2`` times the sum of its items' history rows)."""
         if self.history_vectors is None:
             raise ValueError(
                 "this export has no history table (the model was trained without the history tower), so a user "

@@ -485,7 +485,7 @@ def _write_manifest(
         "has_history": "history" in tables,
         "user_vector": _user_vector_rule("history" in tables, model_info),
         # How a user given by items is folded in from the history rows: their mean (the history tower's pooling)
-        # or their sum / sqrt(count) (model.kind item_item: s(x) = |x|^-1/2).
+        # or their sum / sqrt(count) (a model kind whose user vector is |x|^-1/2 times the sum: its export rows say).
         "fold_in": model_info.get("fold_in", "mean"),
         "quantized": list(quantize),
         "quantization": {"int8": "per-row symmetric: embedding ≈ scale * q"} if "int8" in quantize else {},

@@ -7,8 +7,12 @@
     TorchConfig(backend="cpu:gloo,cuda:nccl" when GPUs are requested, "gloo" otherwise)
     RunConfig(storage_path=config.ray.storage_path, failure_config=FailureConfig(config.ray.max_failures))
 
-Ray Train initialises ``torch.distributed`` in every worker before the loop runs, which is all the trainer
-needs. torchrec (and fbgemm's operators) are imported inside the workers, never in the driver.
+``torch.distributed`` is initialised in every worker before the trainer runs, which is all the trainer needs: on a
+cluster by Ray Train (``TorchConfig``); on a runtime whose every node is this machine's loopback (the embedded one)
+by the workers themselves (``bigrank.launch.ray_group.WorkerProcessGroup``,
+``bigrank.train.bootstrap.join_loopback_group``), so that the group's store listens on 127.0.0.1 only, not on
+every interface as Ray Train's would. torchrec (and fbgemm's operators) are imported inside the workers, never in
+the driver.
 
 Where Ray runs:
     * no address (argument, ``config.ray.address`` or ``RAY_ADDRESS``): an embedded single-node runtime on
@@ -58,6 +62,7 @@ __all__ = [
     "RayConnectionError",
     "RayTrainingError",
     "init_ray",
+    "nodes_on_loopback",
     "resolve_address",
     "ray_worker_loop",
     "scaling_workers",
@@ -173,15 +178,29 @@ def _use_token_auth() -> bool:
     return True
 
 
-def ray_worker_loop(worker: Callable[[dict], dict], config_dict: dict[str, Any]) -> None:
-    """The function each Ray Train worker runs: ``worker(config_dict)`` (the trainer) on the process group Ray
-    Train set up, then one ``ray.train.report`` of its summary with the final checkpoint (rank 0 attaches it)."""
-    import ray.train
+def ray_worker_loop(worker: Callable[[dict], dict], backend: str | None, config_dict: dict[str, Any]) -> None:
+    """The function each Ray Train worker runs: ``worker(config_dict)`` (the trainer) on the process group, then one
+    ``ray.train.report`` of its summary with the final checkpoint (rank 0 attaches it). ``backend``: None when Ray
+    Train started the group (a cluster); else the workers start it on the loopback interface with that backend
+    (``bigrank.train.bootstrap.start_ray_process``) and destroy it at the end, as Ray Train's ``TorchConfig``
+    does its own."""
+    import torch.distributed as dist
 
     # The workers' imports (torch, torchrec): the driver of a cluster run needs neither.
     from bigrank.train.bootstrap import start_ray_process
 
-    start_ray_process()  # the process; the worker function starts the job (bigrank.train.bootstrap.start_worker)
+    own_group = start_ray_process(backend)  # the process; the worker function starts the job (start_worker)
+    try:
+        _run_and_report(worker, config_dict)
+    finally:
+        if own_group and dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _run_and_report(worker: Callable[[dict], dict], config_dict: dict[str, Any]) -> None:
+    """``worker(config_dict)`` with the driver's stop requests watched, and its one report to Ray Train."""
+    import ray.train
+
     watch_stop_file(Path(config_dict["run_dir"]) / STOP_FILE)  # the driver's signals, at step boundaries
     try:
         summary = worker(config_dict)
@@ -197,6 +216,18 @@ def ray_worker_loop(worker: Callable[[dict], dict], config_dict: dict[str, Any])
     # checkpoint that does not exist anymore"). Only rank 0 attaches a checkpoint, so only its name is used.
     name = f"bigrank-step-{int(summary['steps']):08d}-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
     ray.train.report(dict(summary), checkpoint=checkpoint, checkpoint_dir_name=name)
+
+
+def nodes_on_loopback() -> bool:
+    """Whether every live node of the connected Ray runtime has this machine's loopback address (the embedded
+    runtime of ``bigrank.launch.loopback``, a local cluster started on 127.0.0.1): then every worker runs here and
+    the process group can listen on 127.0.0.1 only."""
+    import ray
+
+    from bigrank.launch.loopback import LOOPBACK
+
+    nodes = [node for node in ray.nodes() if node.get("Alive")]
+    return bool(nodes) and all(node.get("NodeManagerAddress") == LOOPBACK for node in nodes)
 
 
 def scaling_workers(config: Config) -> int | tuple[int, int]:
@@ -289,6 +320,8 @@ def _fit(config, worker, address, owns_runtime, started, stop, training) -> dict
     from bigrank.devices import check_ray_gpus, process_group_backend
 
     use_gpu = config.ray.gpus_per_worker > 0
+    # cpu:gloo,cuda:nccl on GPUs: nccl cannot carry the CPU tensors of control traffic
+    backend = process_group_backend("cuda" if use_gpu else "cpu")
     resources = {"CPU": config.ray.cpus_per_worker}
     if use_gpu:
         resources["GPU"] = config.ray.gpus_per_worker
@@ -304,11 +337,16 @@ def _fit(config, worker, address, owns_runtime, started, stop, training) -> dict
         num_workers = scaling_workers(config)
         count = f"{num_workers[0]} to {num_workers[1]}" if isinstance(num_workers, tuple) else str(num_workers)
         print(f"training {config.run_dir} on {where}: {count} workers", flush=True)
+        if nodes_on_loopback():  # every worker here: they start the group on a loopback store (ray_group)
+            from bigrank.launch.ray_group import WorkerProcessGroup
+
+            loop, torch_config = functools.partial(ray_worker_loop, worker, backend), WorkerProcessGroup(backend)
+        else:
+            loop, torch_config = functools.partial(ray_worker_loop, worker, None), TorchConfig(backend=backend)
         trainer = TorchTrainer(
-            functools.partial(ray_worker_loop, worker),
+            loop,
             train_loop_config=config.to_dict(),
-            # cpu:gloo,cuda:nccl on GPUs: nccl cannot carry the CPU tensors of control traffic
-            torch_config=TorchConfig(backend=process_group_backend("cuda" if use_gpu else "cpu")),
+            torch_config=torch_config,
             scaling_config=ScalingConfig(num_workers=num_workers, use_gpu=use_gpu, resources_per_worker=resources),
             run_config=RunConfig(
                 name=_run_name(config),

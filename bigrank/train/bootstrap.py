@@ -10,9 +10,11 @@ Two steps, each in one place:
      loopback interface, and the default process group (on the store of torch elastic's agent, named by
      ``MASTER_ADDR``/``MASTER_PORT``, one key prefix per attempt of the group) with the backend the run layer
      chose for the workers' devices (``bigrank.devices.process_group_backend``).
-   * :func:`start_ray_process` — a Ray Train worker: Ray Train has created the process group (with the same
-     backend choice, ``bigrank.launch.ray_train``) and owns the actor's signals; the torch threads follow the
-     CPUs Ray gave the worker.
+   * :func:`start_ray_process` — a Ray Train worker: Ray Train owns the actor's signals; the torch threads follow
+     the CPUs Ray gave the worker. On a runtime whose every node is this machine's loopback (the embedded one)
+     the worker joins the default process group itself, as a local worker does: rank 0 hosts the store on
+     127.0.0.1 and hands its port to the others through Ray Train (``ray.train.collective``); on a cluster Ray
+     Train's ``TorchConfig`` has created it (with the same backend choice, ``bigrank.launch.ray_train``).
 
 2. The job, by every worker function (train, evaluate, export, a tune trial's training) under either
    launcher: :func:`start_worker` — the process group checked, the CPU control group, the device, the seed, the
@@ -60,6 +62,7 @@ from bigrank.signals import defer_stop_signals
 __all__ = [
     "PROCESS_GROUP_TIMEOUT",
     "Worker",
+    "join_loopback_group",
     "keep_freed_memory",
     "loopback_store",
     "require_process_group",
@@ -150,15 +153,51 @@ def loopback_store(port: int, timeout: datetime.timedelta, address: str = "127.0
     return dist.TCPStore(address, port, is_master=True, timeout=timeout, master_listen_fd=sock.detach())
 
 
-def start_ray_process() -> None:
-    """Set up a Ray Train worker process (its process group is Ray Train's): torch threads as many as the CPUs
-    Ray gave the worker (Ray sets ``OMP_NUM_THREADS``, which torch may have read before), and the root logger
-    back to WARNING (Ray Train sets it to INFO, where fbgemm logs every library it loads and every table's full
-    argument list)."""
+def start_ray_process(backend: str | None = None) -> bool:
+    """Set up a Ray Train worker process: torch threads as many as the CPUs Ray gave the worker (Ray sets
+    ``OMP_NUM_THREADS``, which torch may have read before), and the root logger back to WARNING (Ray Train sets it
+    to INFO, where fbgemm logs every library it loads and every table's full argument list).
+
+    ``backend``: None when Ray Train started the process group (``TorchConfig``); else the workers start it here,
+    on a store that listens on 127.0.0.1 only (:func:`join_loopback_group`; ``bigrank.launch.ray_group`` says
+    why). Collective then. Returns whether this call started the group (the caller destroys it at the end)."""
     logging.getLogger().setLevel(logging.WARNING)
     threads = int(os.environ.get("OMP_NUM_THREADS") or 0)
     if threads > 0:
         torch.set_num_threads(threads)
+    if backend is None or dist.is_initialized():
+        return False
+    join_loopback_group(backend)
+    return True
+
+
+def join_loopback_group(backend: str) -> None:
+    """Join the default process group of this Ray Train worker group on a store bound to 127.0.0.1 (every worker
+    on this machine): rank 0 hosts it (:func:`loopback_store` on a free port), and the others learn its port from
+    ``ray.train.collective.broadcast_from_rank_zero`` (Ray's own channel between the workers: no other listener).
+    Sets the variables Ray Train's ``TorchConfig`` would (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``,
+    ``LOCAL_WORLD_SIZE``, ``NODE_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``: torchrec's planner reads
+    ``LOCAL_WORLD_SIZE``) and, for nccl, its asynchronous error handling unless the environment chose one."""
+    import ray.train
+    from ray.train.collective import broadcast_from_rank_zero
+
+    context = ray.train.get_context()
+    rank, world_size = context.get_world_rank(), context.get_world_size()
+    os.environ.update(
+        RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_RANK=str(context.get_local_rank()),
+        LOCAL_WORLD_SIZE=str(context.get_local_world_size()),
+        NODE_RANK=str(context.get_node_rank()),
+    )
+    if "nccl" in backend and not {"TORCH_NCCL_ASYNC_ERROR_HANDLING", "TORCH_NCCL_BLOCKING_WAIT"} & set(os.environ):
+        os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = "1"  # a timed-out collective fails (Ray Train's setting)
+    store = loopback_store(0, PROCESS_GROUP_TIMEOUT) if rank == 0 else None
+    port = broadcast_from_rank_zero(store.port if store is not None else None)
+    os.environ.update(MASTER_ADDR=_LOOPBACK[0], MASTER_PORT=str(port))
+    if store is None:
+        store = dist.TCPStore(_LOOPBACK[0], port, is_master=False, timeout=PROCESS_GROUP_TIMEOUT)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=PROCESS_GROUP_TIMEOUT)
 
 
 def start_worker(config) -> Worker:

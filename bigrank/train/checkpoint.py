@@ -56,7 +56,6 @@ __all__ = [
     "latest_checkpoint",
     "list_checkpoints",
     "load_parts",
-    "model_identity",
     "read_trainer_state",
     "remove_partial_checkpoints",
     "row_sharded",
@@ -247,20 +246,6 @@ def load_parts(path: str | os.PathLike, parts: Mapping[str, Stateful]) -> None:
 
 
 # ----------------------------------------------------------------------------------------- checkpointer
-def model_identity(config, model) -> dict[str, Any]:
-    """The settings a checkpoint's tensors depend on (a resume with other values cannot load them): the
-    :class:`Checkpointer`'s ``identity`` for the run of ``config`` (a :class:`~bigrank.config.Config`) and its
-    ``model`` (a :class:`~bigrank.train.model.Model`)."""
-    return {
-        "model.dim": config.model.dim,
-        "model.history": config.model.history,
-        "dataset users": model.num_users,
-        "dataset items": model.num_items,
-        "optim.user_optimizer": config.optim.user_optimizer,
-        "optim.item_optimizer": config.optim.item_optimizer,
-    }
-
-
 class Checkpointer:
     """Decides when to checkpoint, writes checkpoints atomically, finds and loads the newest one.
 
@@ -270,8 +255,8 @@ class Checkpointer:
             ``rank_parts`` because a checkpoint of W workers holds W of them.
         every: steps between checkpoints (None: only at epoch ends and at the end).
         keep: complete checkpoints kept (the oldest are removed).
-        identity: the settings a checkpoint's tensors depend on; loading a checkpoint of another identity
-            is refused naming the differing settings.
+        identity: the settings a checkpoint's tensors depend on (the model kind's ``identity``); loading a
+            checkpoint of another identity is refused naming the differing settings.
     """
 
     def __init__(

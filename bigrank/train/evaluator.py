@@ -2,22 +2,37 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, Protocol
 
 from bigrank.config import Config
 from bigrank.data.manifest import DatasetManifest
 from bigrank.train.evaluate import EvaluationData, evaluate_model, evaluation_data
-from bigrank.train.model import Model
 
 if TYPE_CHECKING:
-    from bigrank.train.item_item import ItemItemRun
+    import torch
 
-__all__ = ["Evaluator"]
+    from bigrank.model.catalog import CatalogView
+
+__all__ = ["Evaluator", "RankingModel"]
+
+
+class RankingModel(Protocol):
+    """What evaluation ranks with, whatever the model kind (``bigrank.train.kind``): the dataset's user and item
+    counts and ``ranking_view()``, ``(user_vectors_fn, catalog)`` — ``user_vectors_fn(user_ids int64[b]) ->
+    float[b, d]`` (collective: every rank calls it with the same ``b``; no grad) and the
+    :class:`~bigrank.model.catalog.CatalogView` of the item vectors float[stop - start, d] of the rows this rank
+    owns (together the ranks own the catalog once). A user's score of item ``j`` is their dot product."""
+
+    num_users: int
+    num_items: int
+
+    def ranking_view(self) -> tuple[Callable[[torch.Tensor], torch.Tensor], CatalogView]: ...
 
 
 class Evaluator:
-    """Runs ``evaluate_model`` on the model of this rank (collective) and decides when it is due. ``model``: any
-    model with a ``ranking_view()`` (user vectors and this rank's catalog rows).
+    """Runs ``evaluate_model`` on the model of this rank (collective) and decides when it is due. ``model``: a
+    :class:`RankingModel` (user vectors and this rank's catalog rows), of any kind.
 
     The users, relevant items and excluded (train) items of a split are read from the dataset the first time
     the split is evaluated and reused afterwards (keyed by the user sample), so evaluating every epoch costs
@@ -26,9 +41,7 @@ class Evaluator:
     from the dataset's user indexes where every rank has them (``evaluation_data``; the same data, faster).
     """
 
-    def __init__(
-        self, config: Config, model: Model | ItemItemRun, group, manifest: DatasetManifest, use_index: bool = True
-    ):
+    def __init__(self, config: Config, model: RankingModel, group, manifest: DatasetManifest, use_index: bool = True):
         self.config, self.model, self.group = config, model, group
         self.manifest = manifest
         self.use_index = use_index

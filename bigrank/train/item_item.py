@@ -14,8 +14,10 @@ its slice of the batch and the ranks all-reduce the gradients (data parallel)::
     backward; all-reduce the gradients (sum); Adam (lr: optim.item_lr, decayed by optim.lr_decay)
 
 Objective and optimiser are those of ``benchmarks/rankmax_item_item.py``, which measured the model on
-MovieLens-1M (issue 25). The trainer reuses :class:`~bigrank.train.trainer.Trainer`'s loop, checkpoints,
-signals, logs and evaluation; only the model, its step and the order of the data are its own.
+MovieLens-1M (issue 25). The kind (:data:`ITEM_ITEM`, registered in ``bigrank.model.registry``; its parameters
+are ``bigrank.model.item_item_params``) supplies the model, its step, its checkpoint part and the order of the
+data; ``bigrank.train.trainer.Trainer``'s loop does the rest (checkpoints, signals, the schedule, logs,
+evaluation), as for every kind.
 """
 
 from __future__ import annotations
@@ -28,22 +30,24 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from bigrank.atomic import write_text_atomic
+from bigrank.config import Config, model_params
 from bigrank.data.manifest import DatasetManifest
 from bigrank.distributed.collectives import all_reduce_no_grad
+from bigrank.errors import ConfigError
 from bigrank.losses import rankmax_shared_loss, softmax_shared_loss
 from bigrank.model.catalog import CatalogView, owned_range
-from bigrank.model.item_item import ItemItemModel, multi_hot
-from bigrank.train.checkpoint import Checkpointer
-from bigrank.train.evaluator import Evaluator
-from bigrank.train.schedule import LearningRateSchedule
-from bigrank.train.state import RNGState, StreamState, TrainState
-from bigrank.train.trainer import Trainer, _fail_once
+from bigrank.model.item_item import ItemItemModel, check_catalog_size, multi_hot
+from bigrank.records import PLAN_TEXT
+from bigrank.train.kind import ExportRows, ModelKind, StepContext, StepResult, TrainingRun
 
 __all__ = [
+    "ITEM_ITEM",
     "DenseAdam",
+    "ItemItemKind",
     "ItemItemRun",
     "ItemItemState",
-    "ItemItemTrainer",
+    "ItemItemTraining",
     "UserBatches",
     "build_item_item",
     "item_item_identity",
@@ -164,14 +168,16 @@ class ItemItemState:
 
 @dataclass
 class ItemItemRun:
-    """A built item-item model on this rank: the module, the train split's items of every user (its input) and
-    the process group; what the trainer, evaluation and export share."""
+    """A built item-item model on this rank: the module, the train split's items of every user (its input), and the
+    catalog rows ``[owned_start, owned_stop)`` this rank owns (it holds them all: the model is replicated); what
+    training, evaluation and export share."""
 
     module: ItemItemModel
     history: tuple[np.ndarray, np.ndarray]  # (indptr, items) CSR of the train split
-    group: Any
     num_users: int
     num_items: int
+    owned_start: int
+    owned_stop: int
     device: torch.device = torch.device("cpu")  # where the module lives (this worker's device)
 
     def inputs(self, user_ids) -> torch.Tensor:
@@ -187,7 +193,7 @@ class ItemItemRun:
     def ranking_view(self):
         """``(user_vectors_fn, CatalogView)`` evaluation ranks with: the item vectors ``[Q_j, e_j]`` of the rows
         this rank owns."""
-        start, stop = owned_range(self.num_items, self.group)
+        start, stop = self.owned_start, self.owned_stop
         with torch.no_grad():
             rows = self.module.item_vectors(start, stop)
         return self.user_vectors, CatalogView(start, stop, self.num_items, self.module.dim, rows)
@@ -195,17 +201,19 @@ class ItemItemRun:
 
 def build_item_item(config, group, manifest: DatasetManifest, device: torch.device | str = "cpu") -> ItemItemRun:
     """The item-item model of ``config`` for the dataset of ``manifest`` on ``device`` (this worker's device),
-    initialised from ``config.seed`` (drawn on the CPU: the same values on every device)."""
+    initialised from ``config.seed`` (drawn on the CPU: the same values on every device); the rows this rank owns
+    are its share of ``group``'s (``owned_range``)."""
     from bigrank.data.stream import read_user_items
 
     device = torch.device(device)
     module = ItemItemModel(manifest.num_items, config.model.dim, seed=config.seed).to(device)
     history = read_user_items(manifest, "train", manifest.num_users)
-    return ItemItemRun(module, history, group, manifest.num_users, manifest.num_items, device)
+    start, stop = owned_range(manifest.num_items, group)
+    return ItemItemRun(module, history, manifest.num_users, manifest.num_items, start, stop, device)
 
 
 def item_item_identity(config, run: ItemItemRun) -> dict[str, Any]:
-    """The checkpoint identity of an item-item run (see ``bigrank.train.checkpoint.model_identity``)."""
+    """The checkpoint identity of an item-item run (the settings its tensors depend on)."""
     return {
         "model.kind": "item_item",
         "model.dim": config.model.dim,
@@ -214,61 +222,45 @@ def item_item_identity(config, run: ItemItemRun) -> dict[str, Any]:
     }
 
 
-class ItemItemTrainer(Trainer):
-    """:class:`~bigrank.train.trainer.Trainer` for ``model.kind: item_item`` (see the module docstring)."""
+class ItemItemTraining:
+    """The item-item model's training parts on this rank (``bigrank.train.kind.Training``; the module docstring):
+    the model, the user batches, dense Adam, the checkpoint part ``item_item``."""
 
-    def __init__(self, config, manifest: DatasetManifest | None = None):
-        from bigrank.atomic import write_text_atomic
-        from bigrank.records import PLAN_TEXT
-
-        self._start_run(config, manifest)
-        config, manifest = self.config, self.manifest
-        self.model = run = build_item_item(config, self.group, manifest, self.device)
-        module = run.module
-        indptr = run.history[0]
+    def __init__(self, run: TrainingRun):
+        config, manifest, worker = run.config, run.manifest, run.worker
+        self.config, self.group, self.world_size = config, worker.group, worker.world_size
+        self.model = model = build_item_item(config, self.group, manifest, worker.device)
+        module = model.module
+        indptr = model.history[0]
         users = np.flatnonzero(np.diff(indptr) > 0)
         self.train_rows = int(indptr[-1])
         if self.train_rows == 0:
             raise ValueError(f"the train split of {manifest.root} is empty")
+        self.l2 = model_params(config).l2
         self.stream = UserBatches(
-            users, config.train.batch_size, rank=self.rank, world_size=self.world_size, seed=config.seed
+            users, config.train.batch_size, rank=worker.rank, world_size=self.world_size, seed=config.seed
         )
         self.optimizer = DenseAdam({name: getattr(module, name) for name in _PARAMETERS}, config.optim.item_lr)
-        self.state = TrainState()
-        self.lr_schedule = LearningRateSchedule.for_run(config, self.stream.steps_per_epoch())
-        self.lr_factor = 1.0
-        self.local_batch = config.train.batch_size // self.world_size
-        self.checkpointer = Checkpointer(
-            self.run_dir,
-            {
-                "item_item": ItemItemState(module, self.optimizer),
-                "stream": StreamState(self.stream),
-                "train": self.state,
-            },
-            rank_parts={"rng": RNGState()},
-            every=config.train.checkpoint_every,
-            keep=config.train.keep_checkpoints,
-            identity=item_item_identity(config, run),
-            group=self.group,
-        )
-        self.evaluator = Evaluator(config, run, self.group, manifest)
-        self.eval_history: list[dict] = []
-        if self.rank == 0:
+        self.parts = {"item_item": ItemItemState(module, self.optimizer)}
+        if worker.rank == 0:
             plan = (
-                f"model item_item: W {run.num_items} x {run.num_items} (full rank) + P, Q {run.num_items} x "
+                f"model item_item: W {model.num_items} x {model.num_items} (full rank) + P, Q {model.num_items} x "
                 f"{module.rank}, replicated on {self.world_size} workers (gradients all-reduced), float32\n"
                 f"{len(users)} users with train items, {self.train_rows} train rows, "
                 f"{self.stream.steps_per_epoch()} steps of {config.train.batch_size} users per epoch"
             )
-            print(f"training on {self.device} ({self.world_size} workers)\n{plan}", flush=True)
-            write_text_atomic(self.run_dir / PLAN_TEXT, plan + "\n")
+            print(f"training on {worker.device} ({self.world_size} workers)\n{plan}", flush=True)
+            write_text_atomic(run.run_dir / PLAN_TEXT, plan + "\n")
 
-    def train_step(self, batch: dict[str, torch.Tensor]) -> tuple[float, int]:
-        """One step on the global batch of users; returns ``(mean row loss, rows of the global batch)``."""
+    temperature = None  # no temperature schedule
+
+    def set_lr_factor(self, factor: float) -> None:
+        """Adam's rate: ``optim.item_lr`` times ``factor``."""
+        self.optimizer.lr = self.config.optim.item_lr * factor
+
+    def step(self, batch: dict[str, torch.Tensor], context: StepContext) -> StepResult:
+        """One step on the global batch of users (collective): the mean row loss of the global batch."""
         config = self.config
-        _fail_once(config, self.run_dir, self.state.step + 1, self.rank)
-        self.lr_factor = self.lr_schedule.factor(self.state.step)
-        self.optimizer.lr = config.optim.item_lr * self.lr_factor
         module = self.model.module
         x = self.model.inputs(batch["user_id"])
         positives = x > 0
@@ -278,15 +270,13 @@ class ItemItemTrainer(Trainer):
             loss_sum = rankmax_shared_loss(scores, positives, params["margin"], reduction="sum")
         else:
             loss_sum = softmax_shared_loss(scores, positives, "sum", params.get("temperature", 1.0))
-        if config.debug.nan_at_step == self.state.step + 1:
-            loss_sum = loss_sum * float("nan")
+        loss_sum = context.poison(loss_sum)
         # [loss sum, rows, stop requests] of every rank: the step's mean and whether any rank must stop.
-        local = torch.tensor([float(loss_sum.detach()), float(positives.sum()), float(self._stop_requested())])
+        local = torch.tensor([float(loss_sum.detach()), float(positives.sum()), float(context.stop_requested)])
         total_loss, total_rows, stops = all_reduce_no_grad(local.double(), self.group).tolist()
-        self.stopping = stops > 0
         value = total_loss / max(total_rows, 1.0)
-        self._check_finite(value)
-        penalty = config.model.item_item_l2 / self.train_rows / self.world_size  # added once over the ranks
+        context.check_finite(value)
+        penalty = self.l2 / self.train_rows / self.world_size  # added once over the ranks
         for parameter in self.optimizer.parameters.values():
             parameter.grad = None
         (loss_sum / max(total_rows, 1.0) + penalty * module.squared_norm()).backward()
@@ -296,13 +286,50 @@ class ItemItemTrainer(Trainer):
                 dist.all_reduce(parameter.grad, group=self.group)
         self.optimizer.step()
         module.zero_diagonal()
-        self.state.step += 1
-        self.state.first_loss = value if self.state.first_loss is None else self.state.first_loss
-        self.state.last_loss = value
-        return value, int(total_rows)
+        return StepResult(value, int(total_rows), stops > 0)
 
-    def _temperature(self) -> float | None:
-        return None
+
+class ItemItemKind(ModelKind):
+    """``model.kind: item_item`` (``bigrank.train.kind.ModelKind``)."""
+
+    name = "item_item"
+
+    def preflight(self, config: Config, manifest: DatasetManifest) -> None:
+        """An ``n x n`` matrix: refuse a catalog too large (``MAX_ITEMS``) before any worker starts."""
+        try:
+            check_catalog_size(manifest.num_items)
+        except ValueError as error:
+            raise ConfigError(str(error)) from None
+
+    def start_training(self, run: TrainingRun) -> ItemItemTraining:
+        """The training parts on this rank (collective)."""
+        return ItemItemTraining(run)
+
+    def load(self, config: Config, worker, manifest: DatasetManifest) -> tuple[ItemItemRun, dict]:
+        """The model and its matrices' part (no Adam moments)."""
+        run = build_item_item(config, worker.group, manifest, worker.device)
+        return run, {"item_item": ItemItemState(run.module)}
+
+    def identity(self, config: Config, model: ItemItemRun) -> dict[str, Any]:
+        """:func:`item_item_identity`."""
+        return item_item_identity(config, model)
+
+    def export_rows(self, model: ItemItemRun, rank: int, world_size: int) -> ExportRows:
+        """:func:`export_rows`, with the manifest's ``model`` additions: the kind, the vectors' dimension r + n, the
+        rank r, user rows that are whole vectors, and fold-in by ``sqrt_sum``."""
+        items, users, history = export_rows(model, rank, world_size)
+        module = model.module
+        info = {
+            "kind": "item_item",
+            "dim": module.dim,
+            "rank": module.rank,
+            "user_vectors": "full",
+            "fold_in": "sqrt_sum",
+        }
+        return ExportRows(items, users, history, info)
+
+
+ITEM_ITEM = ItemItemKind()
 
 
 def export_rows(run: ItemItemRun, rank: int, world_size: int, batch_users: int = 1024):
@@ -310,7 +337,7 @@ def export_rows(run: ItemItemRun, rank: int, world_size: int, batch_users: int =
     the item vectors ``[Q_j, e_j]`` and the history rows ``[P_h, W_h]`` of its owned items (a user with items
     ``x`` is ``|x|^-1/2`` times the sum of theirs: the export's ``"fold_in": "sqrt_sum"``), and the user vectors
     ``s(x) [x P, x W]`` of an even share of the users, each ``(start, stop, float32[stop - start, r + n])``."""
-    start, stop = owned_range(run.num_items, run.group)
+    start, stop = run.owned_start, run.owned_stop
     module = run.module
     with torch.no_grad():
         items = module.item_vectors(start, stop).cpu()

@@ -1,4 +1,5 @@
-"""The model of one rank: the torchrec user tower and this rank's catalog rows, each table in its layout.
+"""The model of one rank of ``model.kind: towers``: the torchrec user tower and this rank's catalog rows, each table
+in its layout (its training, checkpoint parts and export rows: ``bigrank.train.towers``).
 
 ::
 
@@ -26,8 +27,8 @@ from bigrank.distributed.collectives import group_size
 from bigrank.model.catalog import CatalogShard
 
 __all__ = [
-    "Model",
-    "build_model",
+    "TowersModel",
+    "build_towers",
     "history_bags",
     "history_generator",
     "user_vectors",
@@ -38,7 +39,7 @@ _HISTORY_DRAWS = 0x4B1D  # tags the seed of history-bag draws apart from the oth
 
 
 @dataclass
-class Model:
+class TowersModel:
     """The model of one rank: the user tower and the catalog rows, each table in its layout."""
 
     tower: Any  # DistributedModelParallel around bigrank.model.towers.UserTower
@@ -61,14 +62,14 @@ class Model:
         return user_vectors_fn(self), self.shard.owned()
 
 
-def build_model(
+def build_towers(
     config: Config,
     group,
     manifest: DatasetManifest,
     device: torch.device | str = "cpu",
     explain_layout: bool = True,
     initialize: bool = True,
-) -> Model:
+) -> TowersModel:
     """Build the sharded user tower and this rank's catalog shard on ``device`` (this worker's device from
     ``bigrank.devices.worker_device``) for the dataset of ``manifest`` (the run's, from
     ``bigrank.data.manifest.dataset_manifest``); collective. ``explain_layout``: see :func:`decide_layout`.
@@ -112,7 +113,7 @@ def build_model(
         initialize=initialize,
     )
     history = read_user_items(manifest, "train", manifest.num_users) if model_cfg.history else None
-    return Model(
+    return TowersModel(
         dmp,
         shard,
         plan,
@@ -190,7 +191,7 @@ def history_bags(
     bag.
 
     Args:
-        history: ``(indptr int64[U+1], items int64[nnz])``, the CSR of the train split (``Model.history``).
+        history: ``(indptr int64[U+1], items int64[nnz])``, the CSR of the train split (``TowersModel.history``).
         user_ids: int64[b].
         exclude: int64[b] item to leave out of each bag (ids not in the bag leave it whole), or None.
         dropout, sample_size, rng: training only (``model.history_dropout``, ``model.history_sample_size``),
@@ -227,7 +228,7 @@ def history_generator(seed: int, step: int, rank: int) -> np.random.Generator:
 
 
 def user_vectors(
-    model: Model,
+    model: TowersModel,
     user_ids: torch.Tensor,
     *,
     pad_to: int | None = None,
@@ -248,7 +249,7 @@ def user_vectors(
     return model.tower(features)[: user_ids.numel()]
 
 
-def user_vectors_fn(model: Model):
+def user_vectors_fn(model: TowersModel):
     """``fn(user_ids int64[b]) -> float[b, d]`` for evaluation (no grad; callers pad collectively)."""
 
     def fn(user_ids: torch.Tensor) -> torch.Tensor:

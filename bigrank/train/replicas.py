@@ -37,7 +37,7 @@ class ReplicaSync:
     """Gradient sum and update of this worker's replicated tables.
 
     Args:
-        model: ``bigrank.train.model.Model`` (its ``layout``, ``shard`` and ``replicated_tower``).
+        model: ``bigrank.train.model.TowersModel`` (its ``layout``, ``shard`` and ``replicated_tower``).
         item_optimizer: the catalog's :class:`RowOptimizer`.
         user_optimizer, user_lr: ``optim.user_optimizer`` / ``optim.user_lr`` for the tower's replicated tables.
         group: the workers' process group.

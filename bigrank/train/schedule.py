@@ -10,7 +10,7 @@ steps is ``base_lr * factor(t)`` with, for ``W`` warm-up steps and final ratio `
     factor(t) = r + (1 - r) * (1 + cos(pi * p)) / 2         cosine decay (Loshchilov & Hutter, SGDR, 2017)
     factor(t) = 1                                           no decay
 
-``factor`` depends only on ``(t, T)``, so a resumed run needs no schedule state. :meth:`LearningRateSchedule.apply`
+``factor`` depends only on ``(t, T)``, so a resumed run needs no schedule state. :func:`set_learning_rates`
 sets the factor on both optimisers of the trainer before each step's forward pass:
 
 * the item optimiser (any ``torch.optim`` optimiser): ``group["lr"] = base * factor`` for each param group;
@@ -28,7 +28,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-__all__ = ["DECAYS", "LearningRateSchedule"]
+__all__ = ["DECAYS", "LearningRateSchedule", "set_learning_rates"]
 
 DECAYS = ("none", "linear", "cosine")
 
@@ -91,20 +91,19 @@ class LearningRateSchedule:
             shape = 0.5 * (1.0 + math.cos(math.pi * progress))
         return self.final_ratio + (1.0 - self.final_ratio) * shape
 
-    def apply(self, step: int, item_optimizer, item_lr: float, tower=None, user_lr: float | None = None) -> float:
-        """Set the rates of the update of step ``step`` on ``item_optimizer`` (``item_lr * factor``) and on the
-        fused optimizer of the sharded ``tower`` (``user_lr * factor``; skipped when ``tower`` is None).
-        Returns the factor. Call it before the step's forward pass: the fused update happens inside backward
-        with the rate fbgemm's lookup took in forward (measured: a rate set between forward and backward is
-        only used by the next step)."""
-        factor = self.factor(step)
-        if hasattr(item_optimizer, "param_groups"):  # a torch.optim optimizer
-            for group in item_optimizer.param_groups:
-                group["lr"] = item_lr * factor
-        else:  # bigrank.train.item_optim.RowOptimizer
-            item_optimizer.lr = item_lr * factor
-        if tower is not None:
-            from bigrank.model.sharding import set_fused_learning_rate
 
-            set_fused_learning_rate(tower, user_lr * factor)
-        return factor
+def set_learning_rates(factor: float, item_optimizer, item_lr: float, tower=None, user_lr: float | None = None) -> None:
+    """Set ``item_lr * factor`` on ``item_optimizer`` (a ``torch.optim`` optimizer's param groups, or the ``lr`` of
+    a ``bigrank.train.item_optim.RowOptimizer``) and ``user_lr * factor`` on the fused optimizer of the sharded
+    ``tower`` (skipped when ``tower`` is None). Call it before the step's forward pass: the fused update happens
+    inside backward with the rate fbgemm's lookup took in forward (measured: a rate set between forward and
+    backward is only used by the next step)."""
+    if hasattr(item_optimizer, "param_groups"):  # a torch.optim optimizer
+        for group in item_optimizer.param_groups:
+            group["lr"] = item_lr * factor
+    else:  # bigrank.train.item_optim.RowOptimizer
+        item_optimizer.lr = item_lr * factor
+    if tower is not None:
+        from bigrank.model.sharding import set_fused_learning_rate
+
+        set_fused_learning_rate(tower, user_lr * factor)

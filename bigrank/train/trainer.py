@@ -1,21 +1,16 @@
-"""The Trainer: every rank of an initialised process group runs ``Trainer(config).train()``.
+"""The Trainer: every rank of an initialised process group runs ``Trainer(config).train()``, for every model kind.
 
-One step on rank r of W (global batch B, local batch b = B/W)::
+The loop is one: the process group and run directory (``_start_run``), resume, checkpoint cadence, the agreed
+stop at a step boundary, the learning-rate schedule, the debug switches, the finite-loss guard, the step
+counters, the logs and evaluation timing live here once. The model kind (``model.kind``, looked up in
+``bigrank.model.registry``) supplies what differs through its ``bigrank.train.kind.Training``: the model built
+and laid out, the stream of batches, the optimisers, the checkpoint parts, and the forward, backward and update
+of one step (each kind's module documents its step: ``bigrank.train.towers`` for the default kind), as a
+torchtitan model supplies its builders through its ``TrainSpec``.
 
-    users, items  = the rank's next batch of (user, item) train pairs         ParquetStream, same steps on all ranks
-    u_local       = tower(users)              [b, d]                           torchrec row-wise sharded user table
-    U, target     = all_gather_rows_with_ids(u_local, items)   [B, d], int64[B]   one all-gather
-                                                           (backward: reduce-scatter of dL/dU to the owners)
-    loss          = L(U @ V_r^T, target; group, offset=start_r)               V_r: this rank's catalog rows
-    loss.backward(); item_optimizer.step_rows(touched rows) | step_dense()   the fused user-table optimizer
-                                                           updates in backward
-
-The loss is the loss of the global batch, replicated on every rank; the catalog rows get exactly their
-gradient of it, so no gradient all-reduce is needed.
-
-The trainer's parts each do one job: the stream (data position), the model (tower + catalog shard), the item
-optimizer, the step loss, the :class:`~bigrank.train.checkpoint.Checkpointer` (when to save; every stateful
-part registered once and saved/loaded generically through DCP, so a run resumes on any worker count), the
+The trainer's parts each do one job: the kind's training parts, the
+:class:`~bigrank.train.checkpoint.Checkpointer` (when to save; every stateful part registered once and
+saved/loaded generically through DCP, so a run resumes on any worker count), the
 :class:`~bigrank.train.evaluator.Evaluator` (when to evaluate; each split's data read once) and the
 :class:`RunLog` (``metrics.jsonl`` + TensorBoard). Process-group setup is the launcher's job (the local
 launcher, Ray Train); the rank's device, seed and control group are the worker bootstrap's
@@ -32,44 +27,22 @@ import time
 from pathlib import Path
 from typing import Any
 
-import torch
 import torch.distributed as dist
 
-from bigrank.atomic import write_text_atomic
 from bigrank.config import Config, config_from_dict, save_config
 from bigrank.data.manifest import DatasetManifest, dataset_manifest
-from bigrank.data.stream import ParquetStream
 from bigrank.devices import setup_precision
-from bigrank.distributed.collectives import all_gather_replicated, all_gather_rows_with_ids, all_reduce_no_grad
-from bigrank.losses.scores import replicated_inputs
-from bigrank.records import (
-    EVAL,
-    PLAN_JSON,
-    PLAN_TEXT,
-    EvalRecord,
-    TrainRecord,
-    append_record,
-    truncate_metrics,
-    write_eval_json,
-)
+from bigrank.model.registry import model_spec
+from bigrank.records import EVAL, EvalRecord, TrainRecord, append_record, truncate_metrics, write_eval_json
 from bigrank.signals import Stopped, signal_name, step_boundaries
 from bigrank.train.bootstrap import start_worker
-from bigrank.train.checkpoint import Checkpointer, latest_checkpoint, model_identity, remove_partial_checkpoints
+from bigrank.train.checkpoint import Checkpointer, latest_checkpoint, remove_partial_checkpoints
 from bigrank.train.evaluator import Evaluator
-from bigrank.train.item_optim import catalog_optimizer
-from bigrank.train.losses import StepLoss
-from bigrank.train.model import build_model, history_generator, user_vectors
-from bigrank.train.regularization import user_l2_penalty
-from bigrank.train.replicas import ReplicaSync
+from bigrank.train.kind import StepContext, TrainingRun
 from bigrank.train.schedule import LearningRateSchedule
-from bigrank.train.state import CatalogState, LossState, RNGState, StreamState, TowerState, TrainState
+from bigrank.train.state import RNGState, StreamState, TrainState
 
 __all__ = ["RunLog", "Trainer", "as_config"]
-
-# The sharded step's stop flag travels in the all-gathered item ids: bit 62 of a rank's ids (an item id is < 2**31,
-# the padding -1) says that this rank has a stop request, so every rank reads every rank's request in the one
-# collective the step makes anyway, at no extra byte.
-_STOP_BIT = 1 << 62
 
 
 def as_config(config: Config | dict) -> Config:
@@ -140,90 +113,32 @@ class Trainer:
     stopping = False
 
     def __init__(self, config: Config | dict, manifest: DatasetManifest | None = None):
-        from bigrank.model.sharding import format_plan, write_plan
-
         self._start_run(config, manifest)
-        config, manifest, train_cfg = self.config, self.manifest, self.config.train
-        self.model = model = build_model(config, self.group, self.manifest, self.device)
-        if self.rank == 0:
-            print(f"training on {self.device} ({self.world_size} workers, precision {self.precision.name})", flush=True)
-            plan_text = f"precision {self.precision.describe()}\n{model.layout_plan}\n\n{format_plan(model.plan)}"
-            print(f"sharding plan ({self.world_size} workers):\n{plan_text}", flush=True)
-            write_plan(model.plan, self.run_dir / PLAN_JSON)
-            write_text_atomic(self.run_dir / PLAN_TEXT, plan_text + "\n")
-        self.local_batch = train_cfg.batch_size // self.world_size
-        self.stream = ParquetStream(
-            manifest,
-            "train",
-            self.local_batch,
-            rank=self.rank,
-            world_size=self.world_size,
-            seed=config.seed,
-            shuffle_buffer=config.data.shuffle_buffer,
-            drop_last=train_cfg.drop_last,
-            prefetch=config.data.prefetch,
-        )
-        steps_per_epoch = self.stream.steps_per_epoch()
-        if steps_per_epoch < 1:
-            raise ValueError(f"train split too small: no full step of {train_cfg.batch_size} rows (train.batch_size)")
-        shard = model.shard
-        optim = config.optim
-        by_popularity = config.loss.sampler == "popularity" and config.loss.candidates == "sampled"
-        self.item_optimizer = catalog_optimizer(shard.weight, optim)
-        self.step_loss = StepLoss(
-            config.loss,
-            num_items=model.num_items,
-            shard_start=shard.start,
-            shard_stop=shard.stop,
-            item_counts=_item_counts(manifest, shard.start, shard.stop) if by_popularity else None,
-            seed=config.seed,
-            rank=self.rank,
-            score_dtype=self.precision.score_dtype,
-        )
-        # A loss whose k follows each row's label set (rankmax, loss.params.k_fraction) reads every user's
-        # number of train items: int64[num_users], 8 bytes a user.
-        self.user_positives = None
-        if self.step_loss.needs_positives:
-            self.user_positives = _user_counts(manifest, model.num_users)
-        self.replicas = ReplicaSync(
-            model,
-            self.item_optimizer,
-            optim.user_optimizer,
-            optim.user_lr,
-            self.group,
-            full_catalog=config.loss.candidates != "sampled",
-            max_touched_rows=self.local_batch + self.step_loss.num_samples,
-        )
+        config, train_cfg = self.config, self.config.train
+        kind = model_spec(config.model.kind).kind
+        run = TrainingRun(config, self.manifest, self.worker, self.precision, self.run_dir)
+        self.training = training = kind.start_training(run)  # the model, built and laid out; the step's parts
+        self.model, self.stream = training.model, training.stream
         self.state = TrainState()
-        self.lr_schedule = LearningRateSchedule.for_run(config, steps_per_epoch)
+        self.lr_schedule = LearningRateSchedule.for_run(config, self.stream.steps_per_epoch())
         self.lr_factor = 1.0
         self.checkpointer = Checkpointer(
             self.run_dir,
-            {
-                "tower": TowerState(
-                    model.tower,
-                    {t: (p, self.replicas.tower_optimizers[t]) for t, p in model.replicated_tower.items()},
-                    self.group,
-                ),
-                "catalog": CatalogState(shard, self.item_optimizer),
-                "stream": StreamState(self.stream),
-                "loss": LossState(self.step_loss),
-                "train": self.state,
-            },
+            {**training.parts, "stream": StreamState(self.stream), "train": self.state},
             rank_parts={"rng": RNGState()},
             every=train_cfg.checkpoint_every,
             keep=train_cfg.keep_checkpoints,
-            identity=model_identity(config, model),
+            identity=kind.identity(config, self.model),
             group=self.group,
         )
-        self.evaluator = Evaluator(config, model, self.group, manifest)
+        self.evaluator = Evaluator(config, self.model, self.group, self.manifest)
         self.eval_history: list[dict] = []
 
     def _start_run(self, config: Config | dict, manifest: DatasetManifest | None) -> None:
-        """What every kind of model's trainer starts with: the worker (process group, device, seed), the
+        """What every run starts with, whatever its model kind: the worker (process group, device, seed), the
         precision, the run directory (config saved, partial checkpoints removed) and the dataset's manifest."""
         self.config = config = as_config(config)
-        worker = start_worker(config)  # process group, device, seed (bigrank.train.bootstrap)
+        self.worker = worker = start_worker(config)  # process group, device, seed (bigrank.train.bootstrap)
         self.group, self.rank, self.world_size, self.device = (
             worker.group,
             worker.rank,
@@ -324,63 +239,22 @@ class Trainer:
         dist.barrier(self.group)
         return self._summary(resumed_from, examples, train_seconds, final_eval)
 
-    def train_step(self, batch: dict[str, torch.Tensor]) -> tuple[float, int]:
-        """One optimisation step on the global batch; returns ``(loss, rows of the global batch)``."""
-        _fail_once(self.config, self.run_dir, self.state.step + 1, self.rank)
-        optim = self.config.optim
-        if not self.lr_schedule.constant:  # before the forward: fbgemm's fused update takes the forward's rate
-            self.lr_factor = self.lr_schedule.apply(
-                self.state.step, self.item_optimizer, optim.item_lr, self.model.tower, optim.user_lr
-            )
-            self.replicas.set_user_lr(optim.user_lr * self.lr_factor)
-        users, items = batch["user_id"], batch["item_id"]
-        dropout, sample = self.config.model.history_dropout, self.config.model.history_sample_size
-        rng = None
-        if dropout > 0 or sample is not None:
-            rng = history_generator(self.config.seed, self.state.step, self.rank)
-        local_vectors = user_vectors(
-            self.model,
-            users,
-            pad_to=self.local_batch,
-            exclude=items,
-            history_dropout=dropout,
-            rng=rng,
-            history_sample_size=sample,
-        )
-        items = items.to(self.device, non_blocking=True)
-        stats = None
-        if self.model.shard.replicated:
-            loss, value, rows, stats = self._local_loss(local_vectors, items, users)
-        else:
-            loss, value, rows = self._global_loss(local_vectors, items, users)
-        if stats is None:
-            self._check_finite(value)
-        penalty = user_l2_penalty(local_vectors, rows, optim.user_l2)  # this rank's rows
-        self.model.shard.weight.grad = None
-        self.replicas.zero_grad()
-        (loss if penalty is None else loss + penalty).backward()
-        touched = self.step_loss.last_rows  # candidate losses: only the rows the step read (sparse update)
-        if self.model.shard.replicated and self.world_size > 1:
-            # Sums the catalog's and the tower's replicated gradients (and the folded loss sum and row count).
-            summed = self.replicas.reduce(touched, stats)
-            scale = 1.0
-            if stats is not None:  # the shares were taken of the nominal batch: rescale to the real one
-                total_loss, total_rows, stops = summed.tolist()
-                self.stopping = stops > 0
-                value, scale, rows = total_loss / max(total_rows, 1), rows / max(total_rows, 1), int(total_rows)
-                self._check_finite(value)
-            self.replicas.apply(scale)
-        else:
-            self.replicas.step()  # the tower's replicated tables, if any
-            if touched is not None:
-                self.item_optimizer.step_rows(touched.ids, touched.grad)
-            else:
-                self.item_optimizer.step_dense(self.model.shard.weight.grad)
-        self.step_loss.after_step()
+    def train_step(self, batch: dict) -> tuple[float, int]:
+        """One optimisation step on the global batch (the kind's :meth:`~bigrank.train.kind.Training.step` between
+        the loop's bookkeeping); returns ``(loss, rows of the global batch)``."""
+        step = self.state.step
+        _fail_once(self.config, self.run_dir, step + 1, self.rank)
+        if not self.lr_schedule.constant:  # a constant schedule leaves the optimisers' rates as built
+            self.lr_factor = self.lr_schedule.factor(step)
+            self.training.set_lr_factor(self.lr_factor)
+        nan = self.config.debug.nan_at_step == step + 1
+        context = StepContext(step, self._stop_requested(), nan, self._check_finite)
+        result = self.training.step(batch, context)
+        self.stopping = result.stopping
         self.state.step += 1
-        self.state.first_loss = value if self.state.first_loss is None else self.state.first_loss
-        self.state.last_loss = value
-        return value, rows
+        self.state.first_loss = result.loss if self.state.first_loss is None else self.state.first_loss
+        self.state.last_loss = result.loss
+        return result.loss, result.rows
 
     def _check_finite(self, value: float) -> None:
         if not math.isfinite(value):
@@ -390,89 +264,6 @@ class Trainer:
                 f"loss is {value} at step {self.state.step + 1} (epoch {self.stream.epoch}); {where}. "
                 "Lower optim.item_lr / optim.user_lr or check the data; the run stopped before updating."
             )
-
-    def _global_loss(self, local_vectors, items, users) -> tuple[torch.Tensor, float, int]:
-        """Sharded catalog: the loss of the all-gathered global batch against this rank's rows, the same value
-        on every rank; ``(loss, value, rows of the global batch)``."""
-        global_vectors, target = self._gather_batch(local_vectors, items)
-        with replicated_inputs():  # the target and the batch are all-gathered: the same on every rank
-            loss = self.step_loss(
-                global_vectors,
-                target,
-                self.model.shard.weight,
-                group=self.group,
-                chunk_size=self.config.train.chunk_size,
-                step=self.state.step,
-                positives=self._gather_positives(users),
-            )
-        if self.config.debug.nan_at_step == self.state.step + 1:
-            loss = loss * float("nan")
-        return loss, float(loss.detach()), int(target.numel())
-
-    def _local_loss(self, local_vectors, items, users):
-        """Replicated catalog: this rank's rows against the whole catalog, no collective in the loss.
-
-        Returns ``(share, value, rows, stats)``: ``share`` is this rank's share of the global batch's mean loss
-        (the shares of all ranks add up to the global loss, so their gradients add up to its gradient),
-        ``value`` the global mean and ``rows`` the global batch's rows. The loss sum and row count cross ranks
-        once so that every rank sees the same value (and the same NaN): folded into the gradient all-reduce
-        after backward when nothing is updated inside backward (``stats`` float32[3] is then this rank's
-        ``[sum, rows, stop request]``, ``share`` is taken of the nominal batch and ``value`` is None until the
-        sum arrives), else in a small all-reduce before backward (``stats`` None). Either way the ranks' stop
-        requests travel summed beside the loss and set :attr:`stopping`."""
-        rows = items.numel()
-        if rows:
-            positives = None if self.user_positives is None else self.user_positives[users].to(self.device)
-            mean = self.step_loss(
-                local_vectors,
-                items,
-                self.model.shard.weight,
-                group=None,
-                chunk_size=self.config.train.chunk_size,
-                step=self.state.step,
-                positives=positives,
-            )
-            local_sum = mean * rows
-        else:  # an empty last batch: still part of the step's collectives (and of a sharded tower's backward)
-            local_sum = local_vectors.sum() * 0.0
-        if self.config.debug.nan_at_step == self.state.step + 1:
-            local_sum = local_sum * float("nan")
-        # [sum, rows, stop requests]: the ranks' stop requests are summed with the loss (see train()).
-        counts = torch.tensor([float(rows), float(self._stop_requested())], device=self.device)
-        totals = torch.cat([local_sum.detach().float().reshape(1), counts])
-        if self.replicas.folds_loss:
-            nominal = self.config.train.batch_size
-            return local_sum / nominal, None, nominal, totals
-        total_loss, total_rows, stops = all_reduce_no_grad(totals.double(), self.group).tolist()
-        self.stopping = stops > 0
-        total_rows = max(int(total_rows), 1)
-        return local_sum / total_rows, total_loss / total_rows, total_rows, None
-
-    def _gather_batch(self, local_vectors: torch.Tensor, items: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The global batch's user vectors float[B', d] and positives int64[B'] in one all-gather (each rank's
-        rows padded to the local batch: the last batch of an epoch can be smaller, even empty). Sets
-        :attr:`stopping` when any rank's ids carry its stop request (``_STOP_BIT``)."""
-        if self._stop_requested():
-            items = items.to(torch.int64) | _STOP_BIT
-        vectors, target = all_gather_rows_with_ids(local_vectors, items, self.local_batch, self.group)
-        low, high = torch.stack(torch.aminmax(target)).tolist()  # one device-to-host read for both checks
-        self.stopping = high >= _STOP_BIT
-        if self.stopping:
-            target = torch.where(target >= _STOP_BIT, target - _STOP_BIT, target)
-        if low >= 0:
-            return vectors, target
-        valid = target >= 0
-        return vectors[valid], target[valid]
-
-    def _gather_positives(self, users: torch.Tensor) -> torch.Tensor | None:
-        """The train-item counts int64[B'] of the global batch's users, in ``_gather_batch``'s row order (None
-        unless the loss needs them)."""
-        if self.user_positives is None:
-            return None
-        local = torch.full((self.local_batch,), -1, dtype=torch.int64)
-        local[: users.numel()] = self.user_positives[users.to(torch.int64)]
-        gathered = all_gather_replicated(local.to(self.device), self.group)
-        return gathered[gathered >= 0]
 
     def _stop_requested(self) -> bool:
         """Whether a signal asked this rank to stop (the ranks then agree on the step in its collective)."""
@@ -546,13 +337,10 @@ class Trainer:
             examples_per_s=window.rows / max(window.seconds, 1e-9),
             lr=self.config.optim.item_lr * self.lr_factor,
             user_lr=self.config.optim.user_lr * self.lr_factor,
-            temperature=self._temperature(),
+            temperature=self.training.temperature,
         )
         self.log.write(record, "train")
         progress.set_postfix(loss=f"{record.loss:.4f}", ex_s=f"{record.examples_per_s:.0f}")
-
-    def _temperature(self) -> float | None:
-        return self.step_loss.temperature
 
     def _evaluate_during_training(self) -> None:
         split = self.config.eval.splits[0]
@@ -593,32 +381,6 @@ class Trainer:
             "eval": final_eval or None,
             "eval_history": self.eval_history,
         }
-
-
-def _item_counts(manifest: DatasetManifest, start: int, stop: int) -> torch.Tensor:
-    """Train interactions of items ``[start, stop)`` (popularity sampler), read row group by row group."""
-    import numpy as np
-
-    from bigrank.data.stream import iter_row_groups
-
-    counts = np.zeros(stop - start, dtype=np.int64)
-    for group in iter_row_groups(manifest, "train", columns=("item_id",)):
-        items = group["item_id"].astype(np.int64)
-        items = items[(items >= start) & (items < stop)] - start
-        counts += np.bincount(items, minlength=stop - start)
-    return torch.from_numpy(counts)
-
-
-def _user_counts(manifest: DatasetManifest, num_users: int) -> torch.Tensor:
-    """Train interactions of every user, int64[num_users], read row group by row group."""
-    import numpy as np
-
-    from bigrank.data.stream import iter_row_groups
-
-    counts = np.zeros(num_users, dtype=np.int64)
-    for group in iter_row_groups(manifest, "train", columns=("user_id",)):
-        counts += np.bincount(group["user_id"].astype(np.int64), minlength=num_users)
-    return torch.from_numpy(counts)
 
 
 def _fail_once(config: Config, run_dir: Path, step: int, rank: int) -> None:

@@ -9,24 +9,19 @@ to the model, the stream, evaluation and export."""
 
 from __future__ import annotations
 
-import dataclasses
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch.distributed as dist
 
 from bigrank.config import Config
 from bigrank.data.manifest import DatasetManifest, dataset_manifest
+from bigrank.model.registry import model_spec
 from bigrank.train.bootstrap import require_process_group, start_worker
-from bigrank.train.checkpoint import Checkpointer, latest_checkpoint, model_identity
+from bigrank.train.checkpoint import Checkpointer, latest_checkpoint
 from bigrank.train.evaluate import write_eval_json
-from bigrank.train.evaluator import Evaluator
-from bigrank.train.model import Model, build_model
-from bigrank.train.state import CatalogWeights, TowerState
+from bigrank.train.evaluator import Evaluator, RankingModel
 from bigrank.train.trainer import Trainer, as_config
-
-if TYPE_CHECKING:
-    from bigrank.train.item_item import ItemItemRun
 
 __all__ = ["evaluate_worker", "export_worker", "load_trained_model", "train_worker"]
 
@@ -35,39 +30,23 @@ def train_worker(config: Config | dict, manifest: DatasetManifest | None = None)
     """Train (or resume) the run of ``config`` in this process (every rank calls it); returns the summary
     (same on every rank): steps, epochs, first/last loss, examples/s, the final checkpoint, the evaluation.
     Raises FloatingPointError when the loss is NaN/inf (naming the step and the last good checkpoint)."""
-    config = as_config(config)
-    if config.model.kind == "item_item":
-        from bigrank.train.item_item import ItemItemTrainer
-
-        return ItemItemTrainer(config, manifest).train()
-    return Trainer(config, manifest).train()
+    return Trainer(as_config(config), manifest).train()
 
 
 def load_trained_model(
     config: Config, checkpoint: str | None = None, manifest: DatasetManifest | None = None
-) -> tuple[Model | ItemItemRun, dict, Path]:
+) -> tuple[RankingModel, dict, Path]:
     """The model of a checkpoint (default: the run's newest) on this process group, any worker count
     (collective), for the dataset of ``manifest`` (default: read from ``data.root``). Returns ``(model,
-    trainer.json of the checkpoint, its path)``; the model is an ``ItemItemRun`` for ``model.kind: item_item``."""
+    trainer.json of the checkpoint, its path)``; the model is the kind's (``bigrank.train.kind.ModelKind.load``)."""
     worker = start_worker(config)  # device, seed, control group, allocator (bigrank.train.bootstrap)
     path = Path(checkpoint) if checkpoint else latest_checkpoint(config.run_dir)
     if path is None:
         raise FileNotFoundError(f"no complete checkpoint in {Path(config.run_dir) / 'checkpoints'}")
     manifest = dataset_manifest(config.data.root, manifest)
-    group, device = worker.group, worker.device
-    if config.model.kind == "item_item":
-        from bigrank.train.item_item import ItemItemState, build_item_item, item_item_identity
-
-        run = build_item_item(config, group, manifest, device)
-        parts = {"item_item": ItemItemState(run.module)}
-        checkpointer = Checkpointer(config.run_dir, parts, every=None, keep=1, identity=item_item_identity(config, run))
-        return run, checkpointer.load(path, parts), path
-    # Evaluation and export read each table by the rows a rank owns: the sharded layout holds exactly those
-    # (a checkpoint loads into any layout), without a replica of every table on every worker.
-    config = dataclasses.replace(config, model=dataclasses.replace(config.model, layout="sharded"))
-    model = build_model(config, group, manifest, device=device, explain_layout=False, initialize=False)
-    parts = {"tower": TowerState(model.tower), "catalog": CatalogWeights(model.shard)}
-    checkpointer = Checkpointer(config.run_dir, parts, every=None, keep=1, identity=model_identity(config, model))
+    kind = model_spec(config.model.kind).kind
+    model, parts = kind.load(config, worker, manifest)
+    checkpointer = Checkpointer(config.run_dir, parts, every=None, keep=1, identity=kind.identity(config, model))
     meta = checkpointer.load(path, parts)
     return model, meta, path
 
@@ -112,7 +91,6 @@ def export_worker(
     ``bigrank.export.writer.export_embeddings``, each rank its own rows (``seen``: also the seen-items
     table). Collective; returns the export manifest (rank 0) or None."""
     from bigrank.export.writer import export_embeddings
-    from bigrank.model.tables import HISTORY_TABLE, local_table_rows, local_user_rows
 
     config = as_config(config)
     manifest = dataset_manifest(config.data.root, manifest)
@@ -128,34 +106,19 @@ def export_worker(
         "num_users": model.num_users,
         "num_items": model.num_items,
     }
-    history_rows = None
-    if config.model.kind == "item_item":
-        from bigrank.train.item_item import export_rows
-
-        item_rows, user_rows, history_rows = export_rows(model, rank, world_size)
-        # Vectors of dimension r + n (bigrank.model.item_item); the history rows [P_h, W_h] fold a user in.
-        info.update(
-            kind="item_item", dim=model.module.dim, rank=model.module.rank, user_vectors="full", fold_in="sqrt_sum"
-        )
-    else:
-        user_start, user_stop, user_vectors = local_user_rows(model.user_module)
-        user_rows = (user_start, user_stop, user_vectors.detach().cpu().clone())
-        if config.model.history:
-            start, stop, rows = local_table_rows(model.user_module, HISTORY_TABLE)
-            history_rows = (start, stop, rows.detach().cpu().clone())
-        shard = model.shard
-        item_rows = (shard.start, shard.stop, shard.weight.detach().cpu().clone())
+    rows = model_spec(config.model.kind).kind.export_rows(model, rank, world_size)
+    info.update(rows.info)  # what the kind's vectors are, where they differ from the defaults
     manifest = export_embeddings(
         out_dir,
         rank=rank,
         world_size=world_size,
         group=group,
-        item_rows=item_rows,
-        user_rows=user_rows,
+        item_rows=rows.items,
+        user_rows=rows.users,
         dataset_root=manifest,
         model_info=info,
         quantize=tuple(quantize),
-        history_rows=history_rows,
+        history_rows=rows.history,
         index=tuple(index),
         seen=seen,
     )
