@@ -196,6 +196,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", default="10M,100M", help="log sizes, comma-separated (e.g. 1M,10M,100M)")
     parser.add_argument("--pandas-rows", default="10M", help="sizes pandas runs at (it holds everything in memory)")
+    parser.add_argument("--no-duckdb", action="store_true", help="skip the bare DuckDB script (bigrank alone)")
     parser.add_argument("--memory-limit", default="4GB", help="DuckDB's memory limit, for bigrank and the script")
     parser.add_argument("--threads", type=int, default=os.cpu_count())
     parser.add_argument("--workdir", default="/work/bench-ingest", help="logs (kept) and outputs (deleted)")
@@ -232,12 +233,13 @@ def main() -> None:
             "rounds": manifest["ingest"]["counts"]["k_core_rounds"],
         }
         print("  bigrank steps:\n" + "\n".join(f"    {line}" for line in steps), flush=True)
-        (out / "duckdb").mkdir(parents=True)
-        temp = out / "duckdb-spill"
-        script = [sys.executable, "-c", DUCKDB_SCRIPT, str(log), str(out / "duckdb"), args.memory_limit,
-                  str(args.threads), str(temp), str(VALID_FROM), str(TEST_FROM)]  # fmt: skip
-        seconds, rss, stdout, _ = run_child(script, env)
-        jobs["duckdb"] = {"seconds": seconds, "rss": rss, **json.loads(stdout)}
+        if not args.no_duckdb:
+            (out / "duckdb").mkdir(parents=True)
+            temp = out / "duckdb-spill"
+            script = [sys.executable, "-c", DUCKDB_SCRIPT, str(log), str(out / "duckdb"), args.memory_limit,
+                      str(args.threads), str(temp), str(VALID_FROM), str(TEST_FROM)]  # fmt: skip
+            seconds, rss, stdout, _ = run_child(script, env)
+            jobs["duckdb"] = {"seconds": seconds, "rss": rss, **json.loads(stdout)}
         if rows in pandas_sizes:
             (out / "pandas").mkdir(parents=True)
             script = [

@@ -180,22 +180,28 @@ class RowStore:
         self.con.register("item_codes_given", item_codes)
         self._run("CREATE OR REPLACE TABLE item_codes AS SELECT * FROM item_codes_given")
         self.con.unregister("item_codes_given")
-        keep = []
+        keep, values = [], []
         if self.has_time and self.has_value and dedup in ("last", "first"):
             keep = [f"{'max' if dedup == 'last' else 'min'}(struct_pack(t := t, v := v)) AS m"]
-            select = "uc, ic, m.t AS t, m.v AS v"
+            values = ["m.t AS t", "m.v AS v"]
         else:
             if self.has_time:
                 keep.append(f"{'min' if dedup == 'first' else 'max'}(t) AS t")
+                values.append("t")
             if self.has_value:
                 keep.append(f"{'sum' if dedup == 'sum' else 'max'}(v) AS v")
-            select = "*"
+                values.append("v")
         where = "bad = 0" + (f" AND v >= {float(min_rating)!r}" if min_rating is not None else "")
-        # One pass from the scanned rows to the pairs: the coded rows are never stored on their own.
+        # One pass from the scanned rows to the pairs (the coded rows are never stored on their own), grouped by the
+        # pair packed into one BIGINT: one 8-byte key hashes and compares faster than two columns (62 s against
+        # 71 s for 100M rows of which 97M pairs, 4 GB limit, 2 threads).
+        carried = "".join([", t"] * self.has_time + [", v"] * self.has_value)
         pairs = self._scalar(
-            f"CREATE OR REPLACE TABLE pairs AS SELECT {select} FROM (SELECT {', '.join(['uc', 'ic', *keep])} "
-            "FROM raw JOIN user_codes ON raw.u = user_codes.id JOIN item_codes ON raw.i = item_codes.id "
-            f"WHERE {where} GROUP BY uc, ic)"
+            "CREATE OR REPLACE TABLE pairs AS SELECT (k >> 32)::INTEGER AS uc, (k & 4294967295)::INTEGER AS ic"
+            f"{''.join(', ' + v for v in values)} FROM (SELECT {', '.join(['k', *keep])} FROM ("
+            f"SELECT (user_codes.uc::BIGINT << 32) | item_codes.ic AS k{carried} FROM raw "
+            "JOIN user_codes ON raw.u = user_codes.id JOIN item_codes ON raw.i = item_codes.id "
+            f"WHERE {where}) GROUP BY k)"
         )  # CREATE TABLE … AS answers the rows it wrote
         self._run("DROP TABLE raw")
         return int(pairs)
