@@ -43,7 +43,7 @@ from bigrank.errors import CommandError
 
 __all__ = ["Interrupted", "LocalEngine", "Progress", "clear", "prepare_out", "run"]
 
-WORK_DIR = ".ingest"  # under --out: the stores' databases and spill files; its presence marks an unfinished ingest
+WORK_DIR = ".ingest"  # under --out: the stores' spill files (default); its presence marks an unfinished ingest
 BATCH_ROWS = 1 << 17
 VOCAB_COLUMNS = ("original_id", "count", "first_seen")
 
@@ -114,7 +114,7 @@ def engine_error(error: BaseException, work: Path) -> CommandError:
     lowered = text.lower()
     # DuckDB caps its spill at the free space of the disk, and says "failed to offload" when the cap is reached.
     full = ("no space left", "disk is full", "failed to offload")
-    if any(text in lowered for text in full) or getattr(error, "errno", None) == 28:
+    if any(marker in lowered for marker in full) or getattr(error, "errno", None) == 28:
         return CommandError(
             f"no space left on the disk of {work} (the engine's database and spill files) or of --out: free space, "
             f"or give --temp-dir a larger disk ({text})"
@@ -244,7 +244,7 @@ def _all_integers(ids) -> bool:
         numbers = pc.cast(ids, pa.int64())
     except (pa.ArrowInvalid, pa.ArrowNotImplementedError):
         return False
-    return bool(pc.all(pc.equal(pc.cast(numbers, pa.string()), ids.cast(pa.string()))).as_py() is not False)
+    return pc.all(pc.equal(pc.cast(numbers, pa.string()), ids.cast(pa.string()))).as_py() is not False
 
 
 def _random_cuts(engine, seed: int, total: int, fractions) -> list:
