@@ -41,6 +41,7 @@ import torch
 from tqdm import tqdm
 
 from bigrank.data import manifest as layout
+from bigrank.data.user_index import write_manifest_with_indexes
 
 CLIP = (0.05, 0.99)
 SPLIT_FRACTIONS = (0.8, 0.1, 0.1)
@@ -321,7 +322,7 @@ def _finish(out, num_users, num_items, multiplier, seed, source, base, reduced, 
                 bool
             )
     generator = {**base, "reduced_matrix": reduced.tolist(), "expected_ratings": round(expected)}
-    manifest = layout.write_manifest(
+    manifest = write_manifest_with_indexes(
         out,
         num_users=rows * num_users,
         num_items=cols * num_items,
@@ -335,7 +336,6 @@ def _finish(out, num_users, num_items, multiplier, seed, source, base, reduced, 
             "truth": None,
             "generation_seconds_last_run": round(time.perf_counter() - started, 1),
         },
-        user_index=True,
         progress=(lambda line: print(line, file=sys.stderr, flush=True)) if progress else None,
     )
     shutil.rmtree(out / WORK_DIR, ignore_errors=True)

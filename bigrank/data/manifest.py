@@ -293,17 +293,41 @@ def write_manifest(
     source: str,
     generator: Mapping,
     extra: Mapping | None = None,
-    user_index: bool = False,
-    progress: Callable[[str], None] | None = None,
 ) -> dict:
     """Describe the split files from their footers and write ``<root>/manifest.json`` atomically.
 
     Call it only after every data file is in place: the manifest is the mark of a complete dataset.
     ``extra`` adds keys (e.g. ``num_rated_items``). Records the size and CRC-32 of every data file
-    (``integrity_entry``). With ``user_index`` it first writes each split's per-user index
-    (``bigrank.data.user_index``: what evaluation reads a user's items from), streamed, and lists them under
-    ``user_index``; ``progress`` gets a line now and then. Returns the manifest.
+    (``integrity_entry``). Returns the manifest. (The dataset writers call
+    ``bigrank.data.user_index.write_manifest_with_indexes``, which writes each split's per-user index first.)
     """
+    manifest = describe_dataset(
+        root,
+        num_users=num_users,
+        num_items=num_items,
+        split_files=split_files,
+        seed=seed,
+        source=source,
+        generator=generator,
+        extra=extra,
+    )
+    write_json_atomic(Path(root) / MANIFEST_NAME, manifest)
+    return manifest
+
+
+def describe_dataset(
+    root: str | Path,
+    *,
+    num_users: int,
+    num_items: int,
+    split_files: Mapping[str, list[str]],
+    seed: int | None,
+    source: str,
+    generator: Mapping,
+    extra: Mapping | None = None,
+) -> dict:
+    """The manifest :func:`write_manifest` writes, without writing it: the split files described from their
+    footers, ``extra`` keys, and the size and CRC-32 of every data file."""
     root = Path(root)
     splits = {name: describe_files(root, files) for name, files in split_files.items()}
     schema = {}
@@ -324,16 +348,6 @@ def write_manifest(
     }
     manifest.update(extra or {})
     manifest["integrity"] = integrity_entry(root, [name for split in splits.values() for name in split["files"]])
-    if user_index:
-        from bigrank.data.user_index import build_index
-
-        dataset = DatasetManifest(root, int(num_users), int(num_items), manifest["splits"], manifest)
-        manifest["user_index"] = {
-            name: build_index(dataset, name, progress).relative_to(root).as_posix()
-            for name, split in splits.items()
-            if split["rows"]
-        }
-    write_json_atomic(root / MANIFEST_NAME, manifest)
     return manifest
 
 

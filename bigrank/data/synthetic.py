@@ -41,6 +41,7 @@ import numpy as np
 
 from bigrank.data import manifest as layout
 from bigrank.data.expansion import expand_ratings
+from bigrank.data.user_index import write_manifest_with_indexes
 
 TRUTH_NAME = "truth.npz"
 
@@ -183,7 +184,7 @@ def write_seed_dataset(seed_ratings: SeedRatings, out: str | Path, seed: int, so
         tmp.replace(out / TRUTH_NAME)
     rated_items = int(np.count_nonzero(np.bincount(seed_ratings.items, minlength=seed_ratings.num_items)))
     rated_users = int(np.count_nonzero(np.bincount(seed_ratings.users, minlength=seed_ratings.num_users)))
-    return layout.write_manifest(
+    return write_manifest_with_indexes(
         out,
         num_users=seed_ratings.num_users,
         num_items=seed_ratings.num_items,
@@ -196,7 +197,6 @@ def write_seed_dataset(seed_ratings: SeedRatings, out: str | Path, seed: int, so
             "num_rated_items": rated_items,
             "truth": TRUTH_NAME if seed_ratings.user_factors is not None else None,
         },
-        user_index=True,
     )
 
 

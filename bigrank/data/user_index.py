@@ -57,7 +57,16 @@ from bigrank.data import manifest as layout
 from bigrank.data import pair_blocks
 from bigrank.errors import CorruptFileError
 
-__all__ = ["INDEX_DIR", "UserItemsIndex", "build_index", "ensure_index", "index_key", "index_path", "open_index"]
+__all__ = [
+    "INDEX_DIR",
+    "UserItemsIndex",
+    "build_index",
+    "ensure_index",
+    "index_key",
+    "index_path",
+    "open_index",
+    "write_manifest_with_indexes",
+]
 
 INDEX_DIR = "user_index"
 FORMAT = 1
@@ -272,6 +281,25 @@ def build_index(
         size = path.stat().st_size
         progress(f"  built {path.name}: {nnz:,} items, {size / 1e9:.2f} GB, {time.monotonic() - started:.0f} s")
     return path
+
+
+def write_manifest_with_indexes(root: str | Path, progress: Progress = None, **fields) -> dict:
+    """Write a dataset's manifest (``bigrank.data.manifest.write_manifest``, ``fields`` its arguments) after the
+    per-user index of each split with rows, which it lists under ``user_index``: what ``bigrank ingest`` and
+    ``bigrank generate`` call, so that a dataset comes with what evaluation reads (streamed, :func:`build_index`).
+    ``progress`` gets a line now and then. Returns the manifest."""
+    root = Path(root)
+    manifest = layout.describe_dataset(root, **fields)
+    dataset = layout.DatasetManifest(
+        root, int(manifest["num_users"]), int(manifest["num_items"]), manifest["splits"], manifest
+    )
+    manifest["user_index"] = {
+        name: build_index(dataset, name, progress).relative_to(root).as_posix()
+        for name, split in manifest["splits"].items()
+        if split["rows"]
+    }
+    layout.write_json_atomic(root / layout.MANIFEST_NAME, manifest)
+    return manifest
 
 
 def ensure_index(

@@ -31,11 +31,11 @@ import shutil
 import threading
 from pathlib import Path
 
-from bigrank.data import manifest as layout
 from bigrank.data.ingest import movielens
 from bigrank.data.ingest.options import IngestOptions
 from bigrank.data.ingest.pipeline import WORK_DIR, LocalEngine, Progress, clear, prepare_out, run
 from bigrank.data.ingest.sources import open_source
+from bigrank.data.user_index import write_manifest_with_indexes
 
 __all__ = ["IngestOptions", "ingest"]
 
@@ -67,7 +67,7 @@ def ingest(paths, out, options: IngestOptions | None = None, **settings) -> dict
         from bigrank.signals import graceful_stop, raise_for
 
         with graceful_stop(raise_for):  # a signal while the indexes are written stops at once, cleaned up below
-            manifest = layout.write_manifest(
+            manifest = write_manifest_with_indexes(
                 out,
                 num_users=num_users,
                 num_items=num_items,
@@ -80,7 +80,6 @@ def ingest(paths, out, options: IngestOptions | None = None, **settings) -> dict
                     "fractions": list(options.fractions),
                 },
                 extra={"num_rated_users": num_users, "num_rated_items": num_items, "truth": None, "ingest": record},
-                user_index=True,
                 progress=say,
             )
     except BaseException:
