@@ -283,34 +283,15 @@ def file_schema(path: str | Path) -> dict[str, str]:
     return {field.name: str(field.type) for field in schema}
 
 
-def write_manifest(
-    root: str | Path,
-    *,
-    num_users: int,
-    num_items: int,
-    split_files: Mapping[str, list[str]],
-    seed: int | None,
-    source: str,
-    generator: Mapping,
-    extra: Mapping | None = None,
-) -> dict:
-    """Describe the split files from their footers and write ``<root>/manifest.json`` atomically.
+def write_manifest(root: str | Path, **fields) -> dict:
+    """Describe the split files from their footers (:func:`describe_dataset`, ``fields`` its keyword arguments)
+    and write ``<root>/manifest.json`` atomically; returns the manifest.
 
-    Call it only after every data file is in place: the manifest is the mark of a complete dataset.
-    ``extra`` adds keys (e.g. ``num_rated_items``). Records the size and CRC-32 of every data file
-    (``integrity_entry``). Returns the manifest. (The dataset writers call
-    ``bigrank.data.user_index.write_manifest_with_indexes``, which writes each split's per-user index first.)
+    Call it only after every data file is in place: the manifest is the mark of a complete dataset. (The dataset
+    writers call ``bigrank.data.user_index.write_manifest_with_indexes``, which writes each split's per-user index
+    first.)
     """
-    manifest = describe_dataset(
-        root,
-        num_users=num_users,
-        num_items=num_items,
-        split_files=split_files,
-        seed=seed,
-        source=source,
-        generator=generator,
-        extra=extra,
-    )
+    manifest = describe_dataset(root, **fields)
     write_json_atomic(Path(root) / MANIFEST_NAME, manifest)
     return manifest
 
@@ -327,7 +308,8 @@ def describe_dataset(
     extra: Mapping | None = None,
 ) -> dict:
     """The manifest :func:`write_manifest` writes, without writing it: the split files described from their
-    footers, ``extra`` keys, and the size and CRC-32 of every data file."""
+    footers, ``extra`` keys (e.g. ``num_rated_items``), and the size and CRC-32 of every data file
+    (``integrity_entry``)."""
     root = Path(root)
     splits = {name: describe_files(root, files) for name, files in split_files.items()}
     schema = {}
