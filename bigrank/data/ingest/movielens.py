@@ -60,13 +60,9 @@ def apply_preset(paths: list, options: IngestOptions) -> tuple[list, IngestOptio
     }
     movies_path = ratings.with_name(movies)
     if options.items_file is None and movies_path.is_file():
-        import duckdb
-
         from bigrank.data.ingest.sources import open_source
 
-        items = open_source(
-            [movies_path], "csv", movie_delimiter, movie_header, encoding, typed_text=True, con=duckdb.connect()
-        )
+        items = open_source([movies_path], "csv", movie_delimiter, movie_header, encoding, typed_text=True)
         names = list(items.columns)
         changes.update(
             items_file=str(movies_path),

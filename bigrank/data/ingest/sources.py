@@ -214,7 +214,6 @@ def open_source(
     header: bool | None = None,
     encoding: str = "utf-8",
     typed_text: bool = False,
-    con=None,
 ) -> Source:
     """The :class:`Source` of ``paths``, with every file's schema read and checked against the first's.
 
@@ -226,19 +225,19 @@ def open_source(
 
     files = resolve_files(paths if isinstance(paths, list | tuple) else [paths])
     kind, default_delimiter = _format_of(files, fmt)
-    con = con or duckdb.connect()
     if kind == "csv":
         delimiter = delimiter or default_delimiter or ","
         header = True if header is None else header
     elif delimiter is not None or header is not None:
         raise CommandError(f"--delimiter and --header/--no-header apply to CSV/TSV input, not {kind}")
     schemas = []
-    for file in files:
-        probe = Source((str(file),), kind, {}, delimiter or ",", bool(header), encoding, typed_text)
-        columns = _describe(con, probe.scan(), file)
-        if kind == "csv" and not header:
-            columns = {f"column{i}": kind_ for i, kind_ in enumerate(columns.values())}
-        schemas.append(columns)
+    with duckdb.connect() as con:
+        for file in files:
+            probe = Source((str(file),), kind, {}, delimiter or ",", bool(header), encoding, typed_text)
+            columns = _describe(con, probe.scan(), file)
+            if kind == "csv" and not header:
+                columns = {f"column{i}": kind_ for i, kind_ in enumerate(columns.values())}
+            schemas.append(columns)
     first = schemas[0]
     for file, columns in zip(files[1:], schemas[1:], strict=True):
         if kind == "csv" and list(columns) != list(first):
