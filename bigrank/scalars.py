@@ -69,3 +69,21 @@ def convert_param(value: Any, tp, key: str) -> Any:
     if tp in (int, float, str):
         return convert_scalar(value, tp, key)
     raise ConfigError(f"{key}: unsupported parameter type {tp}")  # a bug in bigrank.losses.params
+
+
+def params_markdown_table(header: str, rows) -> str:
+    """A registry's parameters as a Markdown table (docs/architecture.md): ``header`` is its first line (five
+    columns, the last three parameter, default, meaning); ``rows`` gives per entry ``(lead, params, bare)``: the
+    first two cells of its first line, its parameters' dataclass, and the whole line to print when it has none."""
+    import dataclasses
+
+    lines = [header, "|---|---|---|---|---|"]
+    for lead, params, bare in rows:
+        fields = dataclasses.fields(params)
+        if not fields:
+            lines.append(bare)
+        for i, f in enumerate(fields):
+            first = lead if i == 0 else " | "
+            default = "null" if f.default is None else f.default
+            lines.append(f"| {first} | `{f.name}` | `{default}` | {f.metadata.get('doc', '')} |")
+    return "\n".join(lines)

@@ -42,7 +42,7 @@ from bigrank.losses.params import (
     SoftNDCGParams,
     SparsemaxParams,
 )
-from bigrank.scalars import convert_param
+from bigrank.scalars import convert_param, params_markdown_table
 
 __all__ = [
     "CANDIDATE",
@@ -169,13 +169,10 @@ def parse_params(name: str, raw: dict[str, Any], key: str = "loss.params") -> di
 
 def markdown_table() -> str:
     """The losses and their parameters (default, description) as a Markdown table (docs/architecture.md)."""
-    lines = ["| loss | kind | parameter | default | meaning |", "|---|---|---|---|---|"]
-    for spec in LOSSES.values():
-        fields = dataclasses.fields(spec.params)
-        if not fields:
-            lines.append(f"| `{spec.name}` | {spec.kind} | – | – | {spec.summary} |")
-        for i, f in enumerate(fields):
-            first = f"`{spec.name}` | {spec.kind}" if i == 0 else " | "
-            default = "null" if f.default is None else f.default
-            lines.append(f"| {first} | `{f.name}` | `{default}` | {f.metadata.get('doc', '')} |")
-    return "\n".join(lines)
+    return params_markdown_table(
+        "| loss | kind | parameter | default | meaning |",
+        (
+            (f"`{spec.name}` | {spec.kind}", spec.params, f"| `{spec.name}` | {spec.kind} | – | – | {spec.summary} |")
+            for spec in LOSSES.values()
+        ),
+    )

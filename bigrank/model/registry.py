@@ -31,7 +31,7 @@ from functools import cached_property
 from typing import Any
 
 from bigrank.errors import ConfigError
-from bigrank.scalars import convert_param
+from bigrank.scalars import convert_param, params_markdown_table
 
 __all__ = [
     "DEFAULT_KIND",
@@ -175,13 +175,10 @@ def upgrade_model_keys(raw: dict) -> dict:
 
 def markdown_table() -> str:
     """The model kinds and their parameters (default, description) as a Markdown table (docs/architecture.md)."""
-    lines = ["| model.kind | model | parameter | default | meaning |", "|---|---|---|---|---|"]
-    for spec in MODEL_KINDS.values():
-        fields = dataclasses.fields(spec.params)
-        if not fields:
-            lines.append(f"| `{spec.name}` | {spec.summary} | – | – | – |")
-        for i, f in enumerate(fields):
-            first = f"`{spec.name}` | {spec.summary}" if i == 0 else " | "
-            default = "null" if f.default is None else f.default
-            lines.append(f"| {first} | `{f.name}` | `{default}` | {f.metadata.get('doc', '')} |")
-    return "\n".join(lines)
+    return params_markdown_table(
+        "| model.kind | model | parameter | default | meaning |",
+        (
+            (f"`{spec.name}` | {spec.summary}", spec.params, f"| `{spec.name}` | {spec.summary} | – | – | – |")
+            for spec in MODEL_KINDS.values()
+        ),
+    )
