@@ -208,6 +208,10 @@ class TrainConfig:
     epochs: int = 1
     max_steps: int | None = None  # stop after this many steps (null: epochs * steps per epoch)
     drop_last: bool = False  # skip the incomplete last batch of each epoch
+    # model.kind towers: rows = a step is batch_size (user, item) rows, each scoring the catalog; users = a step
+    # is batch_size users, each scoring the catalog once for all of its train items (rankmax k = 1 or softmax;
+    # bigrank.losses.shared). The item-item model is always trained by users.
+    batching: str = field(default="rows", metadata=_choices("rows", "users"))
     log_every: int = 10  # steps between metrics.jsonl / TensorBoard records
     checkpoint_every: int | None = None  # steps between checkpoints (null: only at epoch ends and the end)
     keep_checkpoints: int = 2  # complete checkpoints kept (oldest removed first)
@@ -514,6 +518,7 @@ TRAJECTORY_KEYS = (
     "train.epochs",
     "train.max_steps",
     "train.drop_last",
+    "train.batching",
 )
 _NOT_COMPARED = ("train.resume",)  # the switch itself
 # Keys under TRAJECTORY_KEYS that do not alter the trajectory: a run resumes on any layout, as on any worker

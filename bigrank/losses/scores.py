@@ -93,8 +93,10 @@ class DenseScores:
     def nonfinite_rows(self) -> torch.Tensor:
         return first_nonfinite_row(self.scores)
 
-    def backward(self, grad_block: Callable[[int, torch.Tensor], torch.Tensor]) -> tuple[torch.Tensor, ...]:
-        return (grad_block(0, self.scores),)
+    def backward(self, grad_block: Callable[[int, torch.Tensor], torch.Tensor], scores: bool = True):
+        """The gradient of the scores, ``(grad_block(0, block),)``; ``scores=False`` passes the block's width
+        instead of the block (a loss that kept what it needs from the forward)."""
+        return (grad_block(0, self.scores if scores else self.scores.shape[1]),)
 
 
 class ChunkedScores:
@@ -180,12 +182,18 @@ class ChunkedScores:
             bad_rows = torch.ones_like(bad_rows)
         return bad_rows
 
-    def backward(self, grad_block: Callable[[int, torch.Tensor], torch.Tensor]) -> tuple[torch.Tensor, ...]:
+    def backward(self, grad_block: Callable[[int, torch.Tensor], torch.Tensor], scores: bool = True):
+        """``(dL/d user_vectors, dL/d item_rows)`` from ``grad_block(start, block)``, the gradient of each block
+        of scores; ``scores=False`` passes the block's width instead of the recomputed block (a loss that kept
+        what it needs from the forward: no GEMM to recompute the scores)."""
         grad_users = torch.zeros_like(self.user_vectors)
         grad_items = torch.empty_like(self.item_rows)
         same_dtype = self.compute_dtype == self.user_vectors.dtype
         users = self.user_vectors.to(self.compute_dtype)
-        for start, block in self.blocks():
+        widths = (
+            (start, min(self.chunk_size, self.num_local - start)) for start in range(0, self.num_local, self.chunk_size)
+        )
+        for start, block in self.blocks() if scores else widths:
             grad = grad_block(start, block)
             rows = self.item_rows[start : start + self.chunk_size].to(self.compute_dtype)
             if same_dtype:

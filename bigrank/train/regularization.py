@@ -23,13 +23,18 @@ import torch
 __all__ = ["user_l2_penalty"]
 
 
-def user_l2_penalty(local_vectors: torch.Tensor, global_batch: int, user_l2: float) -> torch.Tensor | None:
-    """``user_l2 * sum_b ||local_vectors[b]||^2 / global_batch`` (a 0-dim tensor), or None when ``user_l2`` is 0.
+def user_l2_penalty(
+    local_vectors: torch.Tensor, global_batch: int, user_l2: float, rows: torch.Tensor | None = None
+) -> torch.Tensor | None:
+    """``user_l2 * sum_b rows_b ||local_vectors[b]||^2 / global_batch`` (a 0-dim tensor), or None when
+    ``user_l2`` is 0.
 
     Args:
         local_vectors: float[b, d] this rank's user vectors of the step (padding rows removed).
         global_batch: rows of the step over all ranks (``B``).
         user_l2: the coefficient (``optim.user_l2``), >= 0.
+        rows: float[b] the training rows each vector stands for (a user-major step: the user's train items, so
+            that the penalty is the row-wise one); None: 1 each.
     """
     if user_l2 < 0:
         raise ValueError(f"user_l2 must be >= 0, got {user_l2}")
@@ -37,4 +42,6 @@ def user_l2_penalty(local_vectors: torch.Tensor, global_batch: int, user_l2: flo
         raise ValueError(f"global_batch must be >= 1, got {global_batch}")
     if user_l2 == 0:
         return None
-    return local_vectors.pow(2).sum() * (float(user_l2) / global_batch)
+    if rows is None:
+        return local_vectors.pow(2).sum() * (float(user_l2) / global_batch)
+    return (local_vectors.pow(2).sum(dim=1) * rows.to(local_vectors.dtype)).sum() * (float(user_l2) / global_batch)

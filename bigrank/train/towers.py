@@ -29,8 +29,9 @@ from bigrank.atomic import write_text_atomic
 from bigrank.config import Config
 from bigrank.data.manifest import DatasetManifest
 from bigrank.data.stream import ParquetStream
+from bigrank.data.user_batches import UserBatches
 from bigrank.distributed.collectives import all_gather_replicated, all_gather_rows_with_ids, all_reduce_no_grad
-from bigrank.losses.scores import replicated_inputs
+from bigrank.losses.scores import replicated_inputs, score_matrix
 from bigrank.records import PLAN_JSON, PLAN_TEXT
 from bigrank.train.item_optim import catalog_optimizer
 from bigrank.train.kind import ExportRows, ModelKind, StepContext, StepResult, TrainingRun
@@ -39,6 +40,7 @@ from bigrank.train.model import TowersModel, build_towers, history_generator, us
 from bigrank.train.regularization import user_l2_penalty
 from bigrank.train.replicas import ReplicaSync
 from bigrank.train.state import CatalogState, CatalogWeights, LossState, TowerState
+from bigrank.train.user_steps import check_user_batching, gather_users, shared_loss_fn, train_items
 
 __all__ = ["TOWERS", "TowersKind", "TowersTraining", "towers_identity"]
 
@@ -59,7 +61,7 @@ def towers_identity(config: Config, model: TowersModel) -> dict[str, Any]:
         "dataset items": model.num_items,
         "optim.user_optimizer": config.optim.user_optimizer,
         "optim.item_optimizer": config.optim.item_optimizer,
-    }
+    } | ({"train.batching": "users"} if config.train.batching == "users" else {})
 
 
 class TowersTraining:
@@ -77,25 +79,20 @@ class TowersTraining:
         self.model = model = build_towers(config, self.group, manifest, self.device)
         if self.rank == 0:
             print(f"training on {self.device} ({self.world_size} workers, precision {run.precision.name})", flush=True)
-            plan_text = f"precision {run.precision.describe()}\n{model.layout_plan}\n\n{format_plan(model.plan)}"
+            plan_text = (
+                f"precision {run.precision.describe()}\n{_batching_line(config)}\n{model.layout_plan}\n\n"
+                f"{format_plan(model.plan)}"
+            )
             print(f"sharding plan ({self.world_size} workers):\n{plan_text}", flush=True)
             write_plan(model.plan, run.run_dir / PLAN_JSON)
             write_text_atomic(run.run_dir / PLAN_TEXT, plan_text + "\n")
         train_cfg = config.train
+        self.batching = train_cfg.batching
         self.local_batch = train_cfg.batch_size // self.world_size
-        self.stream = ParquetStream(
-            manifest,
-            "train",
-            self.local_batch,
-            rank=self.rank,
-            world_size=self.world_size,
-            seed=config.seed,
-            shuffle_buffer=config.data.shuffle_buffer,
-            drop_last=train_cfg.drop_last,
-            prefetch=config.data.prefetch,
-        )
-        if self.stream.steps_per_epoch() < 1:
-            raise ValueError(f"train split too small: no full step of {train_cfg.batch_size} rows (train.batch_size)")
+        if self.batching == "users":
+            self.stream = self._user_stream(run)
+        else:
+            self.stream = self._row_stream(run)
         shard = model.shard
         optim = config.optim
         by_popularity = config.loss.sampler == "popularity" and config.loss.candidates == "sampled"
@@ -134,6 +131,33 @@ class TowersTraining:
             "loss": LossState(self.step_loss),
         }
 
+    def _row_stream(self, run: TrainingRun) -> ParquetStream:
+        """``train.batching: rows``: the train split's (user, item) rows, ``local_batch`` a step on this rank."""
+        config, manifest, train_cfg = run.config, run.manifest, run.config.train
+        stream = ParquetStream(
+            manifest,
+            "train",
+            self.local_batch,
+            rank=self.rank,
+            world_size=self.world_size,
+            seed=config.seed,
+            shuffle_buffer=config.data.shuffle_buffer,
+            drop_last=train_cfg.drop_last,
+            prefetch=config.data.prefetch,
+        )
+        if stream.steps_per_epoch() < 1:
+            raise ValueError(f"train split too small: no full step of {train_cfg.batch_size} rows (train.batch_size)")
+        return stream
+
+    def _user_stream(self, run: TrainingRun) -> UserBatches:
+        """``train.batching: users``: the users with a train item, ``train.batch_size`` a global step; this rank
+        takes its slice (at most ``local_batch`` users) and reads their train items each step."""
+        config = run.config
+        self.local_batch = -(-config.train.batch_size // self.world_size)
+        users, self.read_train_items = train_items(run.manifest, self.model.history)
+        self.user_loss = shared_loss_fn(config)
+        return UserBatches(users, config.train.batch_size, rank=self.rank, world_size=self.world_size, seed=config.seed)
+
     @property
     def temperature(self) -> float | None:
         """The step loss's current softmax temperature (warm-up schedules), for the logs."""
@@ -149,7 +173,16 @@ class TowersTraining:
         self.replicas.set_user_lr(optim.user_lr * factor)
 
     def step(self, batch: dict[str, torch.Tensor], context: StepContext) -> StepResult:
-        """One optimisation step on the global batch (collective; the module docstring)."""
+        """One optimisation step on the global batch (collective; the module docstring, and
+        ``bigrank.train.user_steps`` for ``train.batching: users``)."""
+        if self.batching == "users":
+            forward = self._users_forward(batch, context)
+        else:
+            forward = self._rows_forward(batch, context)
+        return self._update(*forward, context)
+
+    def _rows_forward(self, batch: dict[str, torch.Tensor], context: StepContext):
+        """A row-wise step's loss: ``(loss, value, rows, stats, stopping, penalty)`` (see ``_update``)."""
         config = self.config
         users, items = batch["user_id"], batch["item_id"]
         dropout, sample = config.model.history_dropout, config.model.history_sample_size
@@ -171,9 +204,57 @@ class TowersTraining:
             loss, value, rows, stats, stopping = self._local_loss(local_vectors, items, users, context)
         else:
             loss, value, rows, stopping = self._global_loss(local_vectors, items, users, context)
+        penalty = user_l2_penalty(local_vectors, rows, config.optim.user_l2)  # this rank's rows
+        return loss, value, rows, stats, stopping, penalty
+
+    def _users_forward(self, batch: dict[str, torch.Tensor], context: StepContext):
+        """A user-major step's loss (``bigrank.train.user_steps``): ``(loss, value, rows, stats, stopping,
+        penalty)`` as ``_rows_forward``'s, with rows the step's (user, train item) pairs."""
+        config = self.config
+        users = batch["user_id"].numpy()
+        indptr, items = self.read_train_items(users)
+        dropout, sample = config.model.history_dropout, config.model.history_sample_size
+        rng = history_generator(config.seed, context.step, self.rank) if dropout > 0 or sample is not None else None
+        local_vectors = user_vectors(
+            self.model,
+            torch.from_numpy(users),
+            pad_to=self.local_batch,
+            history_dropout=dropout,
+            rng=rng,
+            history_sample_size=sample,
+        )
+        shard, chunk, dtype = self.model.shard, config.train.chunk_size, self.step_loss.score_dtype
+        stats = None
+        if shard.replicated:  # this rank's users against the whole catalog
+            local_rows = len(items)
+
+            def local_sum():
+                scores = score_matrix(local_vectors, shard.weight, chunk, dtype=dtype)
+                indptr_t, items_t = torch.from_numpy(indptr), torch.from_numpy(items)
+                return self.user_loss(scores, indptr_t, items_t, group=None, offset=shard.start)
+
+            loss, value, rows, stats, stopping = self._local_totals(
+                local_sum, local_rows, local_vectors, context, fold=False
+            )
+        else:
+            vectors, global_indptr, global_items, stopping = gather_users(
+                local_vectors, indptr, items, self.local_batch, self.group, context.stop_requested
+            )
+            rows = int(global_items.numel())
+            scores = score_matrix(vectors, shard.weight, chunk, dtype=dtype)
+            loss_sum = self.user_loss(scores, global_indptr, global_items, group=self.group, offset=shard.start)
+            loss = context.poison(loss_sum / max(rows, 1))
+            value = float(loss.detach())
+        user_rows = torch.from_numpy(np.diff(indptr)).to(local_vectors.device)
+        penalty = user_l2_penalty(local_vectors, rows, config.optim.user_l2, user_rows)
+        return loss, value, rows, stats, stopping, penalty
+
+    def _update(self, loss, value, rows, stats, stopping, penalty, context: StepContext) -> StepResult:
+        """Backward and the updates of one step from its forward's ``loss`` (this rank's part of the global
+        loss), ``value`` (the global mean, None while folded into the replicated gradients' all-reduce),
+        ``rows``, ``stats`` (the folded ``[sum, rows, stops]``, or None), ``stopping`` and ``penalty``."""
         if stats is None:
             context.check_finite(value)
-        penalty = user_l2_penalty(local_vectors, rows, config.optim.user_l2)  # this rank's rows
         self.model.shard.weight.grad = None
         self.replicas.zero_grad()
         (loss if penalty is None else loss + penalty).backward()
@@ -225,9 +306,9 @@ class TowersTraining:
         ``[sum, rows, stop request]``, ``share`` is taken of the nominal batch and ``value`` is None until the
         sum arrives), else in a small all-reduce before backward (``stats`` None). Either way the ranks' stop
         requests travel summed beside the loss: ``stopping`` is whether any rank asked (None while folded)."""
-        rows = items.numel()
-        if rows:
-            positives = None if self.user_positives is None else self.user_positives[users].to(self.device)
+        positives = None if self.user_positives is None else self.user_positives[users].to(self.device)
+
+        def local_sum():
             mean = self.step_loss(
                 local_vectors,
                 items,
@@ -237,14 +318,23 @@ class TowersTraining:
                 step=context.step,
                 positives=positives,
             )
-            local_sum = mean * rows
+            return mean * items.numel()
+
+        return self._local_totals(local_sum, items.numel(), local_vectors, context)
+
+    def _local_totals(self, local_sum, rows: int, local_vectors, context: StepContext, fold: bool = True):
+        """``_local_loss``'s result from ``local_sum()``, this rank's summed loss over its ``rows`` rows (not
+        called without rows). ``fold=False``: never folded (a user-major step's penalty needs the step's rows
+        before backward)."""
+        if rows:
+            local_sum = local_sum()
         else:  # an empty last batch: still part of the step's collectives (and of a sharded tower's backward)
             local_sum = local_vectors.sum() * 0.0
         local_sum = context.poison(local_sum)
         # [sum, rows, stop requests]: the ranks' stop requests are summed with the loss.
         counts = torch.tensor([float(rows), float(context.stop_requested)], device=self.device)
         totals = torch.cat([local_sum.detach().float().reshape(1), counts])
-        if self.replicas.folds_loss:
+        if fold and self.replicas.folds_loss:
             nominal = self.config.train.batch_size
             return local_sum / nominal, None, nominal, totals, None
         total_loss, total_rows, stops = all_reduce_no_grad(totals.double(), self.group).tolist()
@@ -285,6 +375,10 @@ class TowersKind(ModelKind):
 
     name = "towers"
 
+    def preflight(self, config: Config, manifest: DatasetManifest) -> None:
+        """Refuse ``train.batching: users`` with a loss taken row by row (``user_steps.check_user_batching``)."""
+        check_user_batching(config)
+
     def start_training(self, run: TrainingRun) -> TowersTraining:
         """The towers' training parts on this rank (collective)."""
         return TowersTraining(run)
@@ -321,6 +415,17 @@ class TowersKind(ModelKind):
 
 
 TOWERS = TowersKind()
+
+
+def _batching_line(config: Config) -> str:
+    """The plan's line saying how a step batches (``train.batching``)."""
+    size = config.train.batch_size
+    if config.train.batching == "users":
+        return (
+            f"batching: users ({size} users a step, one score vector per user for all of its train items; "
+            f"{config.loss.name} shared over them)"
+        )
+    return f"batching: rows ({size} (user, item) rows a step, one score vector per row)"
 
 
 def _item_counts(manifest: DatasetManifest, start: int, stop: int) -> torch.Tensor:

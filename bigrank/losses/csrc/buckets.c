@@ -1,0 +1,127 @@
+/* Row-wise bucketing of a score block among each row's sorted thresholds (bigrank.losses.buckets).
+ *
+ * bucket_stats: for every score z[r][c], k = |{j : table[r][j] < z}| (a branchless binary search over the row's
+ * 2^m thresholds, ascending, padded with +inf); counts[r][k] += 1, sums[r][k] += z, and k is written to idx.
+ * bucket_gather: out[r][c] = prefix[r][idx[r][c]].
+ *
+ * Scores are float32 or bfloat16 (the upper half of a float32). With AVX-512 sixteen scores are searched at once
+ * (one gather per level); elsewhere one at a time. Rows are split over `threads` OpenMP threads when built with
+ * OpenMP. Each call returns 0, or -1 when a thread could not allocate its per-row counters.
+ */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
+
+static inline float load_score(const void *z, int bf16, int64_t i) {
+    if (bf16) {
+        uint32_t bits = ((uint32_t)((const uint16_t *)z)[i]) << 16;
+        float value;
+        memcpy(&value, &bits, sizeof value);
+        return value;
+    }
+    return ((const float *)z)[i];
+}
+
+static inline int32_t search(const float *t, int m, float v) {
+    int32_t k = 0;
+    for (int s = m - 1; s >= 0; s--) {
+        int32_t half = (int32_t)1 << s;
+        k = (v > t[k + half - 1]) ? k + half : k;
+    }
+    return k;
+}
+
+static inline void store_index(int16_t *idx16, int32_t *idx32, int64_t at, int32_t k) {
+    if (idx16) idx16[at] = (int16_t)k;
+    else idx32[at] = k;
+}
+
+int bucket_stats(const void *z, int bf16, int64_t rows, int64_t cols, int64_t z_ld, const float *table, int m,
+                 double *counts, double *sums, int16_t *idx16, int32_t *idx32, int64_t idx_ld, int threads) {
+    const int64_t width = (int64_t)1 << m;
+    int failed = 0;
+#ifdef _OPENMP
+#pragma omp parallel num_threads(threads > 0 ? threads : 1) reduction(| : failed)
+#endif
+    {
+        /* Two count arrays, alternating, so that runs of one bucket do not chain every increment. */
+        int64_t *count = (int64_t *)malloc(sizeof(int64_t) * 2 * width);
+        double *sum = (double *)malloc(sizeof(double) * width);
+        if (!count || !sum) failed = 1;
+#ifdef _OPENMP
+#pragma omp for schedule(static)
+#endif
+        for (int64_t r = 0; r < rows; r++) {
+            if (!count || !sum) continue;
+            const float *t = table + r * width;
+            memset(count, 0, sizeof(int64_t) * 2 * width);
+            memset(sum, 0, sizeof(double) * width);
+            const int64_t base = r * z_ld, out = r * idx_ld;
+            int64_t c = 0;
+#ifdef __AVX512F__
+            for (; c + 16 <= cols; c += 16) {
+                __m512 v;
+                if (bf16) {
+                    __m256i half = _mm256_loadu_si256((const __m256i *)((const uint16_t *)z + base + c));
+                    v = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16));
+                } else {
+                    v = _mm512_loadu_ps((const float *)z + base + c);
+                }
+                __m512i k = _mm512_setzero_si512();
+                for (int s = m - 1; s >= 0; s--) {
+                    __m512i probe = _mm512_add_epi32(k, _mm512_set1_epi32((1 << s) - 1));
+                    __mmask16 above = _mm512_cmp_ps_mask(v, _mm512_i32gather_ps(probe, t, 4), _CMP_GT_OQ);
+                    k = _mm512_mask_add_epi32(k, above, k, _mm512_set1_epi32(1 << s));
+                }
+                int32_t ks[16];
+                float vs[16];
+                _mm512_storeu_si512(ks, k);
+                _mm512_storeu_ps(vs, v);
+                if (idx16) _mm256_storeu_si256((__m256i *)(idx16 + out + c), _mm512_cvtepi32_epi16(k));
+                else _mm512_storeu_si512(idx32 + out + c, k);
+                for (int j = 0; j < 16; j++) {
+                    count[(j & 1) * width + ks[j]] += 1;
+                    sum[ks[j]] += vs[j];
+                }
+            }
+#endif
+            for (; c < cols; c++) {
+                float v = load_score(z, bf16, base + c);
+                int32_t k = search(t, m, v);
+                store_index(idx16, idx32, out + c, k);
+                count[k] += 1;
+                sum[k] += v;
+            }
+            for (int64_t j = 0; j < width; j++) {
+                counts[r * width + j] += (double)(count[j] + count[width + j]);
+                sums[r * width + j] += sum[j];
+            }
+        }
+        free(count);
+        free(sum);
+    }
+    return failed ? -1 : 0;
+}
+
+int bucket_gather(int64_t rows, int64_t cols, const int16_t *idx16, const int32_t *idx32, int64_t idx_ld,
+                  const float *prefix, int m, float *out, int threads) {
+    const int64_t width = (int64_t)1 << m;
+#ifdef _OPENMP
+#pragma omp parallel for schedule(static) num_threads(threads > 0 ? threads : 1)
+#endif
+    for (int64_t r = 0; r < rows; r++) {
+        const float *p = prefix + r * width;
+        float *o = out + r * cols;
+        if (idx16) {
+            const int16_t *ix = idx16 + r * idx_ld;
+            for (int64_t c = 0; c < cols; c++) o[c] = p[ix[c]];
+        } else {
+            const int32_t *ix = idx32 + r * idx_ld;
+            for (int64_t c = 0; c < cols; c++) o[c] = p[ix[c]];
+        }
+    }
+    return 0;
+}

@@ -1,0 +1,156 @@
+"""The towers' user-major step (``train.batching: users``): a step takes ``train.batch_size`` users, scores the
+catalog once per user and takes the loss of every one of the user's train items against that score vector
+(``bigrank.losses.shared``).
+
+One step on rank r of W (global batch of B users, each rank's slice of ``UserBatches``)::
+
+    users           = the rank's slice of the step's users                  UserBatches: any worker count, resume
+    P_u             = train items of each user                             the split's per-user index (CSR)
+    u_local         = tower(users)           [b, d]                         history bag: the user's whole bag
+    U, counts       = all_gather_rows_with_ids(u_local, |P_u|)              one all-gather (backward: reduce-scatter)
+    items           = all-gather of the ranks' P_u, padded to the longest  int64
+    loss            = L_shared(U @ V_r^T, CSR(counts, items); group) / R    R: the step's (user, item) rows
+
+The loss is the mean over the step's R rows, as a row-wise step's is over its B rows, so an epoch's objective is
+the row-wise one: every train row once. The user L2 term weighs each user by its rows (``user_l2_penalty``'s
+frequency weighting), as a row-wise epoch does.
+
+The history tower: a row-wise step leaves the row's own item out of the user's bag. Keeping that here would
+give every positive its own user vector, hence its own n scores: the row-wise cost. A users step pools the
+whole bag (each positive is then in the bag that predicts it); ``configs/ml-1m-rankmax-users.yaml`` records
+what that costs on validation.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+import torch
+
+from bigrank.config import Config
+from bigrank.data.manifest import DatasetManifest
+from bigrank.distributed.collectives import all_gather_equal, all_gather_rows_with_ids
+from bigrank.errors import ConfigError
+
+__all__ = ["SHARED_LOSSES", "check_user_batching", "gather_users", "shared_loss_fn", "train_items"]
+
+SHARED_LOSSES = ("rankmax", "softmax")
+_STOP_BIT = 1 << 62  # as the row-wise step's: a rank's stop request rides in its gathered counts
+
+
+def check_user_batching(config: Config) -> None:
+    """Refuse a ``train.batching: users`` run whose loss cannot share one score vector per user (ConfigError
+    naming the setting): rankmax with k = 1 and no per-row k, and softmax, can; the others stay row-wise."""
+    if config.train.batching != "users":
+        return
+    loss = config.loss
+    why = None
+    if loss.name not in SHARED_LOSSES:
+        why = (
+            f"loss {loss.name!r} is taken row by row: users batching takes rankmax (k = 1) or softmax "
+            "(sparsemax's threshold would share too but is not built; the soft-rank and sampled losses read "
+            "each row's own candidates)"
+        )
+    elif loss.name == "rankmax" and (loss.params.get("k", 1) != 1 or loss.params.get("k_fraction", 0.0)):
+        why = "rankmax with k > 1 (or loss.params.k_fraction) is taken row by row: its threshold reads each row's top k"
+    if why is not None:
+        raise ConfigError(f"train.batching: users: {why}; use train.batching: rows")
+
+
+def shared_loss_fn(config: Config) -> Callable[..., torch.Tensor]:
+    """``fn(scores, indptr, items, *, group, offset) -> summed loss`` of the configured loss, user-major."""
+    from bigrank.losses.shared import rankmax_shared_catalog_loss, softmax_shared_catalog_loss
+
+    params = config.loss.params
+    if config.loss.name == "rankmax":
+        margin = float(params.get("margin", 1.0))
+
+        def rankmax(scores, indptr, items, *, group, offset):
+            return rankmax_shared_catalog_loss(scores, indptr, items, margin, "sum", group=group, offset=offset)
+
+        return rankmax
+    temperature = float(params.get("temperature", 1.0))
+
+    def softmax(scores, indptr, items, *, group, offset):
+        return softmax_shared_catalog_loss(
+            scores, indptr, items, "sum", temperature=temperature, group=group, offset=offset
+        )
+
+    return softmax
+
+
+def train_items(manifest: DatasetManifest, history=None) -> tuple[np.ndarray, Callable[[np.ndarray], tuple]]:
+    """``(users, read)``: the ids of the users with a train item (int64, ascending) and ``read(users int64[b]) ->
+    (indptr int64[b + 1], items int64)``, the train items of ``users`` (any order). From the in-memory history
+    CSR when the model holds one, else from the train split's per-user index (built on first use; the split's
+    files when the dataset's directory cannot hold it)."""
+    if history is None:
+        from bigrank.data.user_index import ensure_index
+
+        index = ensure_index(manifest, "train")
+        if index is not None:
+            return index.users_with_items(), _sorted_reader(index.items_of)
+        from bigrank.data.stream import read_user_items
+
+        history = read_user_items(manifest, "train", manifest.num_users)
+    indptr, items = history
+
+    def read(users: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        starts, stops = indptr[users], indptr[users + 1]
+        out = np.zeros(len(users) + 1, dtype=np.int64)
+        np.cumsum(stops - starts, out=out[1:])
+        parts = [items[a:b] for a, b in zip(starts.tolist(), stops.tolist(), strict=True)]
+        flat = np.concatenate(parts).astype(np.int64) if parts else np.empty(0, np.int64)
+        return out, flat
+
+    return np.flatnonzero(np.diff(indptr)).astype(np.int64), read
+
+
+def _sorted_reader(items_of) -> Callable[[np.ndarray], tuple]:
+    """``items_of`` (which takes ascending users) for users in any order."""
+
+    def read(users: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        order = np.argsort(users, kind="stable")
+        indptr, items = items_of(users[order])
+        counts = np.diff(indptr)
+        back = np.empty_like(order)
+        back[order] = np.arange(len(order))
+        starts = indptr[:-1][back]
+        out = np.zeros(len(users) + 1, dtype=np.int64)
+        np.cumsum(counts[back], out=out[1:])
+        take = np.concatenate([np.arange(s, s + c) for s, c in zip(starts, counts[back], strict=True)] or [[]])
+        return out, items[take.astype(np.int64)]
+
+    return read
+
+
+def gather_users(
+    local_vectors: torch.Tensor,
+    indptr: np.ndarray,
+    items: np.ndarray,
+    pad_to: int,
+    group,
+    stop_requested: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, bool]:
+    """The step's users from every rank: ``(vectors float[U, d], indptr int64[U + 1], items int64[R], stopping)``
+    in rank order (collective; each rank's b <= ``pad_to`` users padded to it). The vectors' backward
+    reduce-scatters to their ranks; the items travel in a second all-gather, padded to the longest rank's."""
+    device = local_vectors.device
+    counts = torch.from_numpy(np.diff(indptr)).to(device=device, dtype=torch.int64)
+    if stop_requested:
+        counts = counts | _STOP_BIT
+    vectors, gathered = all_gather_rows_with_ids(local_vectors, counts, pad_to, group)
+    stopping = bool((gathered >= _STOP_BIT).any())
+    gathered = torch.where(gathered >= _STOP_BIT, gathered - _STOP_BIT, gathered)
+    valid = gathered >= 0
+    per_rank = gathered.clamp_min(0).view(-1, pad_to).sum(dim=1)
+    longest = max(int(per_rank.max()), 1)
+    mine = torch.full((longest,), -1, dtype=torch.int64)
+    mine[: len(items)] = torch.from_numpy(np.asarray(items, dtype=np.int64))
+    every = all_gather_equal(mine.to(device), group).view(-1, longest)
+    keep = torch.arange(longest, device=device).unsqueeze(0) < per_rank.unsqueeze(1)
+    lengths = gathered[valid]
+    global_indptr = torch.zeros(lengths.numel() + 1, dtype=torch.int64, device=device)
+    torch.cumsum(lengths, 0, out=global_indptr[1:])
+    return vectors[valid], global_indptr, every[keep], stopping
