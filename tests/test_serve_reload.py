@@ -193,3 +193,44 @@ def test_watched_exports_are_newest_first_and_skip_incomplete_ones(tmp_path):
     (tmp_path / "dataset").mkdir()
     (tmp_path / "dataset" / MANIFEST_NAME).write_text(json.dumps({"kind": "dataset"}))
     assert [c.path.name for c in watched_exports(tmp_path)] == ["a-new", "c-tie", "b-tie", "x-old"]
+
+
+@pytest.mark.slow
+@pytest.mark.filterwarnings("ignore:Using extra keyword arguments on `Field`")
+def test_serve_ray_rolls_to_the_new_export_on_sighup_and_refuses_a_damaged_one(tmp_path):
+    """`bigrank serve --ray` (embedded Ray, HAProxy): SIGHUP with a damaged export is refused before any replica is
+    replaced; with a good one, a rolling update (new replica up before the old one stops) moves /health and the
+    answers to it, and no request of the clients streaming meanwhile fails."""
+    from bigrank.train.launcher import free_port
+
+    old, new = make_export(tmp_path / "day1", seed=1), make_export(tmp_path / "day2", seed=2)
+    damaged = damaged_copy(new, tmp_path / "day2-damaged")
+    current = tmp_path / "current"
+    current.symlink_to(old["path"])
+    log, port = tmp_path / "serve-ray.log", free_port()
+    proc = start_command(log, "serve", str(current), "--ray", "--port", str(port), "--replica-cpus", "0.5")
+    try:
+        wait_for_line(proc, log, "/recommend?user=0", timeout=300)
+        url = f"http://127.0.0.1:{port}"
+        assert get(f"{url}/health")["export_id"] == old["id"]
+        with Clients(url) as clients:
+            wait_until(lambda: len(clients.answers) >= 20, "no answers", proc, log)
+            current.unlink()
+            current.symlink_to(damaged)
+            proc.send_signal(signal.SIGHUP)
+            wait_until(lambda: "refused" in log.read_text(), "no refusal of the damaged export", proc, log)
+            assert "does not match its sha256" in log.read_text()
+            current.unlink()
+            current.symlink_to(new["path"])
+            proc.send_signal(signal.SIGHUP)
+            wait_until(lambda: "now serving" in log.read_text(), "no rolling update", proc, log)
+            assert get(f"{url}/health")["export_id"] == new["id"]
+            swapped_at = len(clients.answers)
+            wait_until(lambda: len(clients.answers) >= swapped_at + 20, "no answers after the update", proc, log)
+        clients.check([old, new])
+        for user in range(0, USERS, 7):
+            assert [row["item_id"] for row in get(f"{url}/recommend?user={user}&k={K}")["items"]] == top_k(new, user)
+        proc.send_signal(signal.SIGTERM)
+        assert_ends(proc, log, 0, session=True)
+    finally:
+        kill_group(proc.pid)

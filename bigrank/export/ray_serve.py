@@ -13,6 +13,10 @@ once, each caller (the HTTP proxy, or with direct ingress the replica itself) qu
 direct ingress; ``set_ingress_environment("haproxy")``) or through Serve's Python proxy actor. Replicas
 are ``num_replicas`` or autoscaled between ``min_replicas`` and ``max_replicas`` on ongoing requests.
 
+A new export (SIGHUP, or ``--watch DIR``: ``bigrank.export.reload``) is read and verified by ``run_ray_serve``,
+then deployed over the running application (``redeploy``): Ray Serve's rolling update, with a surge so that new
+replicas run before old ones stop; a damaged export is refused before any replica is replaced.
+
 Two ways in: ``bigrank serve EXPORT --ray`` (``run_ray_serve``) and a Serve config file whose
 ``import_path`` is ``bigrank.export.ray_serve:app_builder`` (``cluster/serve-bigrank.yaml``,
 ``cluster/kuberay/rayservice.yaml``). ``ray`` and ``starlette`` are imported lazily: the stdlib server
