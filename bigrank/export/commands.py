@@ -335,12 +335,12 @@ def run_serve(args: argparse.Namespace) -> int:
     host, port = server.server_address[:2]
     ids = "dense ids" if args.dense_ids or rec.user_id_kind is None else f"original {rec.user_id_kind} user ids"
     print(
-        f"serving {live.path} (export id {rec.export_id}; {rec.num_items:,} items, {rec.num_users:,} users, "
-        f"{rec.index_kind} index, {ids}; SIGHUP reloads {source}) on http://{host}:{port}/recommend?user="
-        f"{example_user(live.path, args.dense_ids)}&k=10",
+        f"serving {live.path} ({rec.num_items:,} items, {rec.num_users:,} users, {rec.index_kind} index, {ids}) "
+        f"on http://{host}:{port}/recommend?user={example_user(live.path, args.dense_ids)}&k=10",
         file=sys.stderr,
         flush=True,
     )
+    print(f"bigrank serve: export id {rec.export_id}; SIGHUP reloads {source}", file=sys.stderr, flush=True)
     del rec, served  # the server holds them: a swap frees the old export once its requests are answered
     signum, cut_off = serve_until_stopped(server, reloader=reloader)
     if cut_off:  # the drain ran out of time: a stop, not a clean end

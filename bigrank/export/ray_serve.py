@@ -439,11 +439,12 @@ def run_ray_serve(args, source: ExportSource | None = None) -> int:
             ingress = "HAProxy + direct ingress" if haproxy else "Serve proxy"
             print(
                 f"serving {live.path} on Ray Serve ({replicas}, {ingress}, "
-                f"{index} index, batches of <= {settings.max_batch_size}; SIGHUP reloads {source}) at "
+                f"{index} index, batches of <= {settings.max_batch_size}) at "
                 f"{url}/recommend?user={api.example_user(settings.export, settings.dense_ids)}&k=10",
                 file=sys.stderr,
                 flush=True,
             )
+            print(f"bigrank serve: export id {live.export_id}; SIGHUP reloads {source}", file=sys.stderr, flush=True)
             serving = True
             with hangup_requests() as hangup:
                 while not stop.event.wait(0.5):  # short waits: the signal handlers run in this thread between them
