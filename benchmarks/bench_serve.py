@@ -50,14 +50,18 @@ from benchmarks.bench_export import clustered_rows
 from bigrank.train.launcher import free_port
 
 
-def make_export(out: Path, args) -> dict:
-    """Export random or clustered tables with the exact and IVF indexes; returns the manifest."""
+def make_export(out: Path, args, seed: int = 0) -> dict:
+    """Export random or clustered tables (drawn from ``seed``) with the indexes ``args.indexes``; returns the
+    manifest."""
     from bigrank.export.writer import export_embeddings
 
     if args.catalog == "clustered":
-        items, users = clustered_rows(0, args.items, args.dim), clustered_rows(1, args.users, args.dim)
+        items, users = (
+            clustered_rows(2 * seed, args.items, args.dim),
+            clustered_rows(2 * seed + 1, args.users, args.dim),
+        )
     else:
-        rng = np.random.default_rng(0)
+        rng = np.random.default_rng(seed)
         items = rng.standard_normal((args.items, args.dim), dtype=np.float32)
         users = rng.standard_normal((args.users, args.dim), dtype=np.float32)
     return export_embeddings(
@@ -100,13 +104,17 @@ async def _read_response(reader: asyncio.StreamReader) -> tuple[int, bool]:
     return status, close
 
 
-async def load(url: str, users: int, clients: int, seconds: float, post: int = 0) -> dict:
+async def load(
+    url: str, users: int, clients: int, seconds: float, post: int = 0, record: list | None = None, until=None
+) -> dict:
     """``clients`` concurrent keep-alive clients for ``seconds``: counts, latencies and status codes.
 
     Each client is a raw asyncio connection that writes a request and reads the response's status and
     body length only, so the generator, which shares the cores with the server, costs ~0.1-0.2 ms of
     CPU per request (aiohttp cost ~0.5 ms) and is the same for every server. ``post > 0``: each request
-    is a ``POST /recommend`` of ``post`` users; queries/s then counts users.
+    is a ``POST /recommend`` of ``post`` users; queries/s then counts users. ``record``: a list that gets
+    ``(start time.perf_counter(), seconds, status)`` of every request (``bench_swap`` cuts it into phases);
+    ``until``: a ``threading.Event`` that ends the run early when set.
     """
     host, port = urlsplit(url).hostname, urlsplit(url).port
     latencies: list[float] = []
@@ -116,7 +124,7 @@ async def load(url: str, users: int, clients: int, seconds: float, post: int = 0
     async def client(seed: int) -> None:
         rng = random.Random(seed)
         reader = writer = None
-        while time.perf_counter() < deadline:
+        while time.perf_counter() < deadline and not (until is not None and until.is_set()):
             if post:
                 body = b'{"users": [%s], "k": 10}' % b",".join(b"%d" % rng.randrange(users) for _ in range(post))
                 request = (
@@ -134,6 +142,8 @@ async def load(url: str, users: int, clients: int, seconds: float, post: int = 0
             except (OSError, TimeoutError, asyncio.IncompleteReadError, ValueError) as error:
                 status, close = type(error).__name__, True
             statuses[status] = statuses.get(status, 0) + 1
+            if record is not None:
+                record.append((started, time.perf_counter() - started, status))
             if status == 200:
                 latencies.append(time.perf_counter() - started)
             if close and writer is not None:
@@ -326,13 +336,15 @@ def main() -> None:
     print(f"load average at the end: {os.getloadavg()[0]:.1f}")
 
 
-def load_run(url: str, users: int, clients: int, seconds: float, post: int = 0) -> dict:
+def load_run(
+    url: str, users: int, clients: int, seconds: float, post: int = 0, record: list | None = None, until=None
+) -> dict:
     """``load`` on uvloop when it is installed (a cheaper event loop for the generator), else asyncio."""
     try:
         import uvloop
     except ImportError:
-        return asyncio.run(load(url, users, clients, seconds, post))
-    return uvloop.run(load(url, users, clients, seconds, post))
+        return asyncio.run(load(url, users, clients, seconds, post, record, until))
+    return uvloop.run(load(url, users, clients, seconds, post, record, until))
 
 
 def _base(rows, index: str, post: int):

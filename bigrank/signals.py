@@ -45,6 +45,7 @@ __all__ = [
     "Stopped",
     "defer_stop_signals",
     "graceful_stop",
+    "hangup_requests",
     "held_stop_signals",
     "raise_for",
     "raise_in_ray",
@@ -141,6 +142,23 @@ def graceful_stop(on_signal: Callable[[int], None] | None = None) -> Iterator[St
         if signum is None or signum == signal.SIGINT:
             raise
         raise stop_exception(signum) from None
+    finally:
+        restore_handlers(previous)
+
+
+@contextlib.contextmanager
+def hangup_requests() -> Iterator[threading.Event]:
+    """While the block runs, each SIGHUP sets the yielded event instead of ending the process (its default
+    action): a server reloads its export when it sees the event (``bigrank.export.reload``), as nginx and
+    gunicorn reload on SIGHUP. The previous handler comes back on exit. Off the main thread it installs nothing
+    (the event is never set)."""
+    requested = threading.Event()
+    if threading.current_thread() is not threading.main_thread():
+        yield requested
+        return
+    previous = {signal.SIGHUP: signal.signal(signal.SIGHUP, lambda signum, frame: requested.set())}
+    try:
+        yield requested
     finally:
         restore_handlers(previous)
 

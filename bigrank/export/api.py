@@ -2,7 +2,8 @@
 
 Routes::
 
-    GET  /health                         {"status": "ok", "num_items", "num_users", "dim", "index", …}
+    GET  /health                         {"status": "ok", "num_items", "num_users", "dim", "index", …,
+                                          "export", "export_id", "export_created_unix"}
     GET  /recommend?user=U&k=K           {"user": U, "k": K, "index": …, "items": [{"item_id", "score", …}]}
     GET  /recommend?items=I1,I2,…&k=K    fold-in of a user given by items (exports with a history table)
                    &exclude_seen=1       also drop the user's rated items
@@ -67,6 +68,10 @@ def health(rec, seen, dense_ids: bool = False) -> dict:
         "exclude_seen": seen is not None,
         "user_ids": user_id_kind(rec, dense_ids) or "dense",
         "item_ids": item_id_kind(rec, dense_ids) or "dense",
+        # Which export answers: clients and tests see a swap (``bigrank.export.reload``) here.
+        "export": str(rec.export_dir),
+        "export_id": rec.export_id,
+        "export_created_unix": rec.manifest.get("created_unix"),
     }
 
 

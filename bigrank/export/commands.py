@@ -12,6 +12,7 @@ import sys
 
 from bigrank.export.format import INDEX_KINDS as INDEX_CHOICES
 from bigrank.export.format import INDEX_QUANTIZATIONS
+from bigrank.export.reload import WATCH_INTERVAL_S
 
 EXCLUDE_SEEN_HELP = (
     "drop the items the user rated: alone, from the export's seen-items table; with DATA_ROOT, from that dataset"
@@ -69,9 +70,27 @@ def register(subparsers) -> None:
         "(JSON strings or integers, as the dataset has them) when the export has them, else dense ids; the "
         "replies give each item's dense item_id, original_id and attributes (title …). Without --ray: a "
         "standard-library server (one search at a time). With --ray: a Ray Serve application whose replicas "
-        "search concurrent queries as one batch and answer 503 (Retry-After) when their queues are full.",
+        "search concurrent queries as one batch and answer 503 (Retry-After) when their queues are full. "
+        "SIGHUP reloads the export (or --watch a directory for new exports): the new one is loaded and verified "
+        "beside the old one, then swapped in (--ray: a rolling update of the deployment) without dropping a "
+        "request; a damaged one is refused and the old one keeps serving.",
     )
-    serve.add_argument("export", metavar="DIR", help="export directory")
+    serve.add_argument(
+        "export", metavar="DIR", nargs="?", help="export directory (SIGHUP reloads it; or --watch a directory of them)"
+    )
+    serve.add_argument(
+        "--watch",
+        metavar="EXPORTS_DIR",
+        help="serve the newest export in this directory of exports (largest manifest created_unix, then name), "
+        "and swap to a newer one when it appears; instead of DIR",
+    )
+    serve.add_argument(
+        "--watch-interval",
+        type=float,
+        default=WATCH_INTERVAL_S,
+        metavar="SECONDS",
+        help=f"seconds between two scans of --watch (default {WATCH_INTERVAL_S:g})",
+    )
     serve.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     serve.add_argument("--port", type=int, default=8080, help="port (default 8080; 0 picks a free one)")
     _index_arguments(serve)
@@ -217,12 +236,13 @@ def _seen(data_root: str | None, splits: str, rec=None):
     return SeenItems(data_root, splits)
 
 
-def _recommender(args: argparse.Namespace):
-    """The ``Recommender`` of ``bigrank recommend`` / ``bigrank serve``'s export options."""
+def _recommender(args: argparse.Namespace, export=None):
+    """The ``Recommender`` of ``bigrank recommend`` / ``bigrank serve``'s export options (of ``export``, by
+    default ``args.export``)."""
     from bigrank.export.recommend import Recommender
 
     return Recommender(
-        args.export,
+        export if export is not None else args.export,
         index=args.index,
         quantize=args.quantize,
         verify=not args.no_verify,
@@ -276,27 +296,53 @@ def format_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def export_source(args: argparse.Namespace):
+    """The ``bigrank.export.reload.ExportSource`` of ``bigrank serve``'s DIR / ``--watch``."""
+    from bigrank.export.reload import ExportSource
+
+    if args.watch_interval <= 0:
+        raise ValueError(f"--watch-interval must be > 0 seconds, got {args.watch_interval:g}")
+    return ExportSource(args.export, args.watch)
+
+
 def run_serve(args: argparse.Namespace) -> int:
+    source = export_source(args)
     if args.ray:
         from bigrank.export.ray_serve import run_ray_serve
 
-        return run_ray_serve(args)
+        return run_ray_serve(args, source)
     from bigrank.export.api import example_user
-    from bigrank.export.serve import make_server, serve_until_stopped
+    from bigrank.export.reload import Reloader, first_export
+    from bigrank.export.serve import Served, make_server, serve_until_stopped
     from bigrank.signals import raise_for, signal_name
 
-    rec = _recommender(args)
-    seen = _seen(args.exclude_seen, args.seen_splits)
-    server = make_server(rec, args.host, args.port, seen=seen, quiet=args.quiet, dense_ids=args.dense_ids)
+    dataset_seen = _seen(args.exclude_seen, args.seen_splits)
+
+    def load(path) -> Served:
+        rec = _recommender(args, path)
+        return Served(rec, dataset_seen if dataset_seen is not None else rec.seen)
+
+    live, served = first_export(source, load)
+    rec = served.recommender
+    server = make_server(rec, args.host, args.port, seen=served.seen, quiet=args.quiet, dense_ids=args.dense_ids)
+
+    def install(path) -> str:
+        new = load(path)
+        server.swap(new)
+        return new.recommender.export_id
+
+    reloader = Reloader(source, install, live, interval=args.watch_interval)
     host, port = server.server_address[:2]
     ids = "dense ids" if args.dense_ids or rec.user_id_kind is None else f"original {rec.user_id_kind} user ids"
     print(
-        f"serving {args.export} ({rec.num_items:,} items, {rec.num_users:,} users, {rec.index_kind} index, {ids}) "
-        f"on http://{host}:{port}/recommend?user={example_user(args.export, args.dense_ids)}&k=10",
+        f"serving {live.path} ({rec.num_items:,} items, {rec.num_users:,} users, {rec.index_kind} index, {ids}) "
+        f"on http://{host}:{port}/recommend?user={example_user(live.path, args.dense_ids)}&k=10",
         file=sys.stderr,
         flush=True,
     )
-    signum, cut_off = serve_until_stopped(server)
+    print(f"bigrank serve: export id {rec.export_id}; SIGHUP reloads {source}", file=sys.stderr, flush=True)
+    del rec, served  # the server holds them: a swap frees the old export once its requests are answered
+    signum, cut_off = serve_until_stopped(server, reloader=reloader)
     if cut_off:  # the drain ran out of time: a stop, not a clean end
         print(
             f"bigrank serve: {signal_name(signum)}: {cut_off} request(s) not answered within the drain time",

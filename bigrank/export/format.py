@@ -98,6 +98,14 @@ def repair_advice(export_dir: str | Path, verify_hint: bool = True) -> str:
     return advice + (f"; `bigrank verify {export_dir}` lists every damaged file." if verify_hint else ".")
 
 
+def export_id(manifest: dict) -> str:
+    """A short fingerprint of an export: the first 16 hex digits of the sha256 of its manifest (as canonical JSON),
+    which records every file's sha256, so two exports share it only when they hold the same bytes. The servers
+    report it (``/health``) so that a client sees which export answers, before and after a swap."""
+    canonical = json.dumps(manifest, sort_keys=True, separators=(",", ":"), default=str)
+    return hashlib.sha256(canonical.encode()).hexdigest()[:16]
+
+
 def read_export_manifest(export_dir: str | Path) -> dict:
     """``<export_dir>/manifest.json``, checked to be a bigrank export of this format (no file is checked).
 

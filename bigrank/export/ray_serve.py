@@ -13,6 +13,10 @@ once, each caller (the HTTP proxy, or with direct ingress the replica itself) qu
 direct ingress; ``set_ingress_environment("haproxy")``) or through Serve's Python proxy actor. Replicas
 are ``num_replicas`` or autoscaled between ``min_replicas`` and ``max_replicas`` on ongoing requests.
 
+A new export (SIGHUP, or ``--watch DIR``: ``bigrank.export.reload``) is read and verified by ``run_ray_serve``,
+then deployed over the running application (``redeploy``): Ray Serve's rolling update, with a surge so that new
+replicas run before old ones stop; a damaged export is refused before any replica is replaced.
+
 Two ways in: ``bigrank serve EXPORT --ray`` (``run_ray_serve``) and a Serve config file whose
 ``import_path`` is ``bigrank.export.ray_serve:app_builder`` (``cluster/serve-bigrank.yaml``,
 ``cluster/kuberay/rayservice.yaml``). ``ray`` and ``starlette`` are imported lazily: the stdlib server
@@ -28,10 +32,11 @@ import time
 from dataclasses import asdict, dataclass, field, replace
 
 from bigrank.export import api
-from bigrank.export.format import index_name
+from bigrank.export.format import export_id, index_name, load_export
 from bigrank.export.recommend import Recommender
+from bigrank.export.reload import Candidate, ExportSource, Reloader, first_export
 from bigrank.export.seen import SeenItems
-from bigrank.signals import graceful_stop, raise_in_ray, signal_name
+from bigrank.signals import graceful_stop, hangup_requests, raise_in_ray, signal_name
 
 APP_NAME = "bigrank"
 DEPLOYMENT_NAME = "Recommend"
@@ -43,6 +48,9 @@ INGRESS_KINDS = ("haproxy", "proxy")
 HAPROXY_ENVIRONMENT = {"RAY_SERVE_ENABLE_HA_PROXY": "1", "RAY_SERVE_THROUGHPUT_OPTIMIZED": "1"}
 # Seconds a deleted replica gets to finish its requests before Serve kills it.
 GRACEFUL_SHUTDOWN_TIMEOUT_S = 5.0
+# A rolling update runs up to 20% more replicas than asked (rounded up: one at least) while the new ones start.
+ROLLOUT_SURGE_PERCENT = 20
+CONSTRUCTOR_RETRIES = 3
 # With direct ingress, Ray 2.60 keeps a deleted replica reachable for DRAINING_PERIOD_ENV's seconds (default 30)
 # before it even starts draining, so that a load balancer in front of the replicas' ports can deregister them;
 # Serve also raises the graceful_shutdown_timeout_s of the ingress deployment to that plus 5 s. Every stop of
@@ -280,6 +288,13 @@ def build_app(settings: ServeSettings):
         # every wait-loop period whether its requests are done, and is killed after the timeout.
         "graceful_shutdown_timeout_s": GRACEFUL_SHUTDOWN_TIMEOUT_S,
         "graceful_shutdown_wait_loop_s": 0.5,
+        # A new export (a rolling update, ``redeploy``): start the new replicas before stopping old ones, so the
+        # deployment never has fewer running replicas than it should. Ray's default (0) stops an old replica
+        # first: with one replica, nothing would answer until the new one has loaded its export.
+        "max_surge_percent": ROLLOUT_SURGE_PERCENT,
+        # A replica that cannot load its export (a damaged one) fails the rollout after this many tries instead
+        # of Ray's 20 (each one reads and checksums the whole export); Serve then keeps the old replicas.
+        "max_constructor_retry_count": CONSTRUCTOR_RETRIES,
     }
     if settings.autoscale is not None:
         low, high = settings.autoscale_range()
@@ -331,18 +346,46 @@ def deploy(
             start_local_ray(host)
         else:
             ray.init(address=address, log_to_driver=False)
-    if settings.internal_grpc_host is None and ray.util.get_node_ip_address() in ("127.0.0.1", "::1"):
-        settings = replace(settings, internal_grpc_host="127.0.0.1")
     serve.start(http_options={"host": host, "port": port})
-    serve.run(build_app(settings), name=name, route_prefix=route_prefix)
+    redeploy(settings, name, route_prefix)
     return f"http://{host}:{port}{route_prefix.rstrip('/')}"
 
 
-def run_ray_serve(args) -> int:
+def redeploy(settings: ServeSettings, name: str = APP_NAME, route_prefix: str = "/") -> None:
+    """Deploy ``settings`` as application ``name`` on the running Serve and wait until it runs. On a deployed
+    application (a new export: ``settings.export``) this is Ray Serve's rolling update: new replicas start
+    beside the old ones (``ROLLOUT_SURGE_PERCENT``), each loading and verifying the export, and an old one stops
+    (finishing its requests) once a new one runs. RuntimeError when the new replicas fail to start; Serve then
+    keeps the old ones serving."""
+    import ray
+    from ray import serve
+
+    if settings.internal_grpc_host is None and ray.util.get_node_ip_address() in ("127.0.0.1", "::1"):
+        settings = replace(settings, internal_grpc_host="127.0.0.1")
+    serve.run(build_app(settings), name=name, route_prefix=route_prefix)
+
+
+def run_ray_serve(args, source: ExportSource | None = None) -> int:
     """``bigrank serve EXPORT --ray``: deploy, print the URL, and serve until SIGTERM or SIGINT; then drain and
-    return 0 (a signal before the application serves raises KeyboardInterrupt / Terminated instead)."""
+    return 0 (a signal before the application serves raises KeyboardInterrupt / Terminated instead).
+
+    ``source`` (default: ``args.export``): SIGHUP, or a newer export in its watched directory, rolls the
+    deployment to the new export (``redeploy``) once this process has read and verified it
+    (``bigrank.export.reload``); a damaged one is refused here and the replicas keep serving the old one. An
+    export on a cluster (``--address``) that this machine cannot read is deployed unchecked at start (the
+    replicas verify it) and cannot be reloaded."""
+    source = source if source is not None else ExportSource(args.export)
+    verify = not args.no_verify
+
+    def check(path) -> dict:
+        return load_export(path, verify=verify)
+
+    if args.address is not None and source.export is not None and not source.export.is_dir():
+        live = Candidate(source.export, "unknown (not readable here)", 0.0)
+    else:
+        live, _ = first_export(source, check)
     settings = ServeSettings(
-        export=args.export,
+        export=str(live.path),
         index=args.index,
         quantize=args.quantize,
         replicas=args.replicas,
@@ -352,7 +395,7 @@ def run_ray_serve(args) -> int:
         max_ongoing_requests=args.max_ongoing_requests,
         max_queued_requests=args.max_queued_requests,
         replica_cpus=args.replica_cpus,
-        verify=not args.no_verify,
+        verify=verify,
         certified_bf16=getattr(args, "certified_bf16", True),
         data_root=args.data,
         seen_root=args.exclude_seen,
@@ -366,6 +409,16 @@ def run_ray_serve(args) -> int:
     # the application the way Serve does it (each replica stops taking requests and finishes those it has, up
     # to graceful_shutdown_timeout_s) and shuts Ray down: exit status 0.
     serving = False
+    deployed = {"settings": settings}
+
+    def install(path) -> str:
+        manifest = check(path)  # refused here, before any replica is replaced
+        new = replace(deployed["settings"], export=str(path))
+        redeploy(new)
+        deployed["settings"] = new
+        return export_id(manifest)
+
+    reloader = Reloader(source, install, live, interval=args.watch_interval)
 
     def on_signal(signum: int) -> None:
         if not serving:
@@ -378,22 +431,24 @@ def run_ray_serve(args) -> int:
                     set_ingress_environment(args.ingress)  # before Ray (and Serve's constants) start
                 start_local_ray(args.host)
                 stop.reinstall()  # ray.init's own SIGTERM handler aborts the process instead of draining
-            print(f"deploying {args.export} on Ray Serve", file=sys.stderr, flush=True)
+            print(f"deploying {live.path} (export id {live.export_id}) on Ray Serve", file=sys.stderr, flush=True)
             url = deploy(settings, args.host, port, args.address)
             replicas = f"autoscaled {settings.autoscale}" if settings.autoscale else f"{settings.replicas} replica(s)"
             index = index_name(settings.index, settings.quantize)
             haproxy = os.environ.get("RAY_SERVE_ENABLE_HA_PROXY") == "1"
             ingress = "HAProxy + direct ingress" if haproxy else "Serve proxy"
             print(
-                f"serving {args.export} on Ray Serve ({replicas}, {ingress}, "
+                f"serving {live.path} on Ray Serve ({replicas}, {ingress}, "
                 f"{index} index, batches of <= {settings.max_batch_size}) at "
                 f"{url}/recommend?user={api.example_user(settings.export, settings.dense_ids)}&k=10",
                 file=sys.stderr,
                 flush=True,
             )
+            print(f"bigrank serve: export id {live.export_id}; SIGHUP reloads {source}", file=sys.stderr, flush=True)
             serving = True
-            while not stop.event.wait(0.5):  # short waits: the signal handler runs in this thread between them
-                pass
+            with hangup_requests() as hangup:
+                while not stop.event.wait(0.5):  # short waits: the signal handlers run in this thread between them
+                    reloader.poll(hangup)
             print(
                 f"bigrank serve: {signal_name(stop.signum)}: draining the replicas (up to "
                 f"{drain_bound_s(haproxy):g} s) and shutting Ray Serve down",

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
-from bigrank.export.format import TABLE_KEYS, load_export, parse_index_name, read_table
+from bigrank.export.format import TABLE_KEYS, export_id, load_export, parse_index_name, read_table
 from bigrank.export.ids import OriginalIdIndex, parse_original_id
 from bigrank.export.index import CertifiedExactIndex, build_index, read_index, search, set_search_params
 from bigrank.export.seen import SeenItems, SeenItemsFile
@@ -71,6 +71,7 @@ class Recommender:
         index = kind if (quantize or quantization) == "float32" else f"{kind}-{quantize or quantization}"
         self.export_dir = Path(export_dir)
         self.manifest = load_export(self.export_dir, verify=verify)
+        self.export_id = export_id(self.manifest)
         items = read_table(self.export_dir, self.manifest, "items", arrow=True)
         self.item_vectors = items["embedding"]
         # Arrow arrays, not Python objects: a reply converts only its k rows.

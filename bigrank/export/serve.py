@@ -12,6 +12,11 @@ server is made with ``dense_ids=True`` (``bigrank serve --dense-ids``); see ``bi
 Bad parameters and unknown ids answer 400 with ``{"error": message}``; unknown paths 404. The server is threaded; the
 recommender serialises index searches with its own lock, so requests are searched one at a time.
 
+Reloading (``serve_until_stopped`` with a ``bigrank.export.reload.Reloader``): SIGHUP, or a newer export in a
+watched directory, loads and verifies the new export in a thread beside the old one, then ``RecommendServer.swap``
+makes the next requests use it while those in flight finish on the old one; a damaged export is refused and the
+old one keeps serving. ``/health`` names the export served (``export``, ``export_id``).
+
 Stopping (``serve_until_stopped``, what ``bigrank serve`` runs): the first SIGTERM or SIGINT closes the
 listening socket (new connections are refused), lets every connection already taken finish its request for
 up to ``DRAIN_SECONDS``, and returns; a second signal stops at once.
@@ -19,10 +24,12 @@ up to ``DRAIN_SECONDS``, and returns; a second signal stops at once.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
 import threading
 import time
+from dataclasses import dataclass
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import urlsplit
@@ -35,8 +42,28 @@ MAX_BODY_BYTES = 1 << 20
 DRAIN_SECONDS = 20.0
 
 
+@dataclass(frozen=True)
+class Served:
+    """What the server answers from: a ``Recommender`` and the seen items of ``exclude_seen`` (or None)."""
+
+    recommender: object
+    seen: object = None
+
+
+def check_seen(recommender, seen) -> None:
+    """ValueError when ``seen`` (not None) counts another number of items than the export of ``recommender``."""
+    if seen is not None and seen.num_items != recommender.num_items:
+        raise ValueError(
+            f"the seen items ({seen.root}) count {seen.num_items} items but the export has {recommender.num_items}"
+        )
+
+
 class RecommendServer(ThreadingHTTPServer):
-    """``ThreadingHTTPServer`` that holds the recommender (and optional seen items) for its handlers."""
+    """``ThreadingHTTPServer`` that holds what it serves (``served``: a :class:`Served`) for its handlers.
+
+    :meth:`swap` replaces it in one assignment: each request reads ``served`` once when it starts, so the
+    requests in flight finish on the old export and the next ones are answered from the new one.
+    """
 
     daemon_threads = True
     block_on_close = False  # server_close() would join every request thread without a timeout: see drain()
@@ -48,13 +75,17 @@ class RecommendServer(ThreadingHTTPServer):
         self, address, recommender, seen=None, max_k: int = MAX_K, quiet: bool = False, dense_ids: bool = False
     ):
         super().__init__(address, RecommendHandler)
-        self.recommender = recommender
-        self.seen = seen
+        self.served = Served(recommender, seen)
         self.dense_ids = dense_ids
         self.max_k = max_k
         self.quiet = quiet
         self._active = 0  # connections taken and not yet answered (and closed)
         self._active_changed = threading.Condition()
+
+    def swap(self, served: Served) -> None:
+        """Answer the requests that start from now on from ``served``."""
+        check_seen(served.recommender, served.seen)
+        self.served = served
 
     def process_request(self, request, client_address) -> None:
         # Counted in the accepting thread, before the handler's thread starts: a drain that begins after the
@@ -101,12 +132,13 @@ class RecommendHandler(BaseHTTPRequestHandler):
     def _dispatch(self, method: str) -> None:
         url = urlsplit(self.path)
         server = self.server
+        rec, seen = server.served.recommender, server.served.seen  # one export for the whole request (swap)
         try:
             if url.path == "/health" and method == "GET":
-                self._send(HTTPStatus.OK, health(server.recommender, server.seen, server.dense_ids))
+                self._send(HTTPStatus.OK, health(rec, seen, server.dense_ids))
             elif url.path == "/recommend" and method == "GET":
-                query = parse_get(server.recommender, server.seen, url.query, server.max_k, dense_ids=server.dense_ids)
-                self._send(HTTPStatus.OK, search_queries(server.recommender, [query])[0])
+                query = parse_get(rec, seen, url.query, server.max_k, dense_ids=server.dense_ids)
+                self._send(HTTPStatus.OK, search_queries(rec, [query])[0])
             elif url.path == "/recommend" and method == "POST":
                 length = (self.headers.get("Content-Length") or "0").strip()
                 if not length.isdigit():  # a negative length would read until the client closes the connection
@@ -115,9 +147,9 @@ class RecommendHandler(BaseHTTPRequestHandler):
                 if length > MAX_BODY_BYTES:
                     raise ValueError(f"the body is larger than {MAX_BODY_BYTES} bytes")
                 body = self.rfile.read(length)
-                k, queries = parse_post(server.recommender, server.seen, body, server.max_k, dense_ids=server.dense_ids)
-                results = search_queries(server.recommender, queries)
-                self._send(HTTPStatus.OK, {"k": k, "index": server.recommender.index_kind, "results": results})
+                k, queries = parse_post(rec, seen, body, server.max_k, dense_ids=server.dense_ids)
+                results = search_queries(rec, queries)
+                self._send(HTTPStatus.OK, {"k": k, "index": rec.index_kind, "results": results})
             elif url.path in ("/health", "/recommend"):
                 self._send(HTTPStatus.METHOD_NOT_ALLOWED, {"error": f"{method} is not allowed on {url.path}"})
             else:
@@ -151,24 +183,29 @@ def make_server(
     ``serve_forever()`` to answer requests and ``shutdown()`` + ``server_close()`` to stop.
     """
     seen = seen if seen is not None else recommender.seen
-    if seen is not None and seen.num_items != recommender.num_items:
-        raise ValueError(
-            f"the seen items ({seen.root}) count {seen.num_items} items but the export has {recommender.num_items}"
-        )
+    check_seen(recommender, seen)
     return RecommendServer((host, port), recommender, seen=seen, quiet=quiet, dense_ids=dense_ids)
 
 
-def serve_until_stopped(server: RecommendServer, drain_seconds: float = DRAIN_SECONDS) -> tuple[int, int]:
+def serve_until_stopped(
+    server: RecommendServer, drain_seconds: float = DRAIN_SECONDS, reloader=None
+) -> tuple[int, int]:
     """Answer requests until SIGTERM or SIGINT (call from the main thread), then stop taking connections and
     drain the ones taken (``drain_seconds`` at most); closes the server. Returns ``(signal number, requests
-    cut off by the drain's end)``. A second signal raises at once (KeyboardInterrupt / Terminated)."""
-    from bigrank.signals import graceful_stop
+    cut off by the drain's end)``. A second signal raises at once (KeyboardInterrupt / Terminated).
+
+    ``reloader``: a ``bigrank.export.reload.Reloader`` whose ``install`` swaps into this server; SIGHUP, and a
+    newer export in its watched directory, reload the export meanwhile. Without one SIGHUP keeps its default
+    action (the process ends), as before."""
+    from bigrank.signals import graceful_stop, hangup_requests
 
     serving = threading.Thread(target=server.serve_forever, name="bigrank-serve", daemon=True)
-    with graceful_stop() as stop:
+    hangups = hangup_requests() if reloader is not None else contextlib.nullcontext(threading.Event())
+    with graceful_stop() as stop, hangups as hangup:
         serving.start()
-        while not stop.event.wait(0.5):  # short waits: the signal handler runs in this thread between them
-            pass
+        while not stop.event.wait(0.5):  # short waits: the signal handlers run in this thread between them
+            if reloader is not None:
+                reloader.poll(hangup)
         server.shutdown()  # the accept loop ends ...
         server.socket.close()  # ... and new connections are refused from here on
         left = server.drain(drain_seconds)
