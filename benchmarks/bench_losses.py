@@ -34,6 +34,7 @@ import torch
 
 from bigrank.devices import setup_precision
 from bigrank.losses import rankmax_loss, softmax_loss, sparsemax_loss
+from bigrank.losses.fused.source import kernel_scores
 from bigrank.losses.scores import ChunkedScores, score_matrix
 
 ML1B_TRAIN_ROWS = 800_000_000  # the figure for the synthetic ML-1B train split
@@ -57,7 +58,7 @@ def loss_step(loss_fn, kernel: str = "chunked"):
     def step(users, items, target, chunk_size, dtype):
         users = users.detach().requires_grad_(True)
         items = items.detach().requires_grad_(True)
-        loss = loss_fn(score_matrix(users, items, chunk_size, dtype, kernel=kernel), target)
+        loss = loss_fn(kernel_scores(users, items, chunk_size, dtype, kernel=kernel), target)
         loss.backward()
         return users.grad, items.grad
 

@@ -2,7 +2,7 @@
 
 ``python -m tests.fused_cases OUT`` (with ``TRITON_INTERPRET=1`` set before anything imports Triton, as
 ``tests/test_fused_losses.py`` does in a subprocess) writes ``{case: {"fused": (loss, dU, dV), "chunked": (...)}}``
-to OUT (``torch.save``). Single-process cases compare ``score_matrix(..., kernel="fused")`` with the chunked
+to OUT (``torch.save``). Single-process cases compare ``kernel_scores(..., kernel="fused")`` with the chunked
 path on the same factors; item-parallel cases run the fused kernels on 2 and 3 real gloo ranks (uneven shards)
 and compare the summed dU and the concatenated dV with the single-process chunked step.
 """
@@ -14,7 +14,7 @@ import sys
 import torch
 
 from bigrank.losses import rankmax_loss, softmax_loss
-from bigrank.losses.scores import score_matrix
+from bigrank.losses.fused.source import kernel_scores
 from tests.distributed_utils import run_distributed
 from tests.test_distributed_catalog import uneven_bounds
 
@@ -46,7 +46,7 @@ def step(loss_fn, users, items, target, dtype, kernel, **kw):
     """(loss, dU, dV) of one step; ``kw``: group and offset for an item-parallel shard."""
     users = users.clone().requires_grad_(True)
     items = items.clone().requires_grad_(True)
-    loss = loss_fn(score_matrix(users, items, 50, dtype, kernel=kernel), target, **kw)
+    loss = loss_fn(kernel_scores(users, items, 50, dtype, kernel=kernel), target, **kw)
     loss.backward()
     return loss.detach(), users.grad, items.grad
 

@@ -19,12 +19,12 @@ import pytest
 import torch
 
 from bigrank.config import config_from_dict
-from bigrank.devices import DeviceError
+from bigrank.errors import ConfigError
 from bigrank.losses import rankmax_loss, sparsemax_loss
 from bigrank.losses.fused.losses import unfused_reason
 from bigrank.losses.fused.select import loss_without_fused_kernel, resolve_kernel
+from bigrank.losses.fused.source import kernel_scores
 from bigrank.losses.rankmax import _RankmaxImpl
-from bigrank.losses.scores import score_matrix
 from bigrank.losses.softmax import _SoftmaxImpl
 from bigrank.losses.sparsemax import _SparsemaxImpl
 from tests.helpers import REPO
@@ -89,7 +89,7 @@ def test_the_cases_cover_every_interpreted_result(interpreted):
 def test_a_loss_without_a_fused_kernel_is_refused(loss_fn, message):
     users, items, target = torch.randn(4, 8), torch.randn(20, 8), torch.tensor([0, 5, 9, 19])
     with pytest.raises(ValueError, match=message):
-        loss_fn(score_matrix(users, items, kernel="fused"), target)
+        loss_fn(kernel_scores(users, items, kernel="fused"), target)
 
 
 def _loss_section(name, **params):
@@ -118,15 +118,13 @@ def test_kernel_choice():
     assert resolve_kernel("auto", "cuda", rankmax5).name == "chunked"
     assert resolve_kernel("auto", "cuda", softmax).name == "fused"  # triton is installed here
     assert resolve_kernel("fused", "cuda", softmax).name == "fused"
-    with pytest.raises(DeviceError, match="the fused kernels run on CUDA"):
+    with pytest.raises(ConfigError, match="the fused kernels run on CUDA"):
         resolve_kernel("fused", "cpu", softmax)
-    with pytest.raises(DeviceError, match="k = 5 has no fused kernel"):
+    with pytest.raises(ConfigError, match="k = 5 has no fused kernel"):
         resolve_kernel("fused", "cuda", rankmax5)
 
 
 def test_fused_on_cpu_is_a_config_error():
-    from bigrank.errors import ConfigError
-
     with pytest.raises(ConfigError, match="train.kernel"):
         config_from_dict({"data": {"root": "/d"}, "run_dir": "/r", "train": {"device": "cpu", "kernel": "fused"}})
 
@@ -136,5 +134,5 @@ def test_temperature_keeps_the_fused_source():
     from bigrank.losses.fused.source import FusedScores
     from bigrank.losses.scores import divide_scores
 
-    divided = divide_scores(score_matrix(torch.randn(4, 8), torch.randn(20, 8), kernel="fused"), 0.5)
+    divided = divide_scores(kernel_scores(torch.randn(4, 8), torch.randn(20, 8), kernel="fused"), 0.5)
     assert isinstance(divided, FusedScores)

@@ -208,20 +208,12 @@ def score_matrix(
     item_rows: torch.Tensor,
     chunk_size: int | str | None = None,
     dtype: torch.dtype | None = None,
-    kernel: str = "chunked",
 ):
     """``user_vectors @ item_rows.T`` ([B, d] x [n, d]) for a full-catalog loss: the dense [B, n] tensor when
     ``chunk_size`` is None, else ``ChunkedScores`` of ``chunk_size`` items. ``"auto"`` picks blocks of about
     ``AUTO_BLOCK_ELEMENTS[device type]`` scores. ``dtype`` (e.g. ``torch.bfloat16``, ``train.precision=bf16``)
     is the dtype the GEMM runs in and the scores have; gradients reach the factors in their own dtype.
-    ``kernel="fused"`` (``train.kernel``): ``bigrank.losses.fused.FusedScores``, whose losses run as Triton
-    kernels that never store a score (``chunk_size`` is then unused)."""
-    if kernel == "fused":
-        from bigrank.losses.fused.source import FusedScores
-
-        return FusedScores(user_vectors, item_rows, dtype)
-    if kernel != "chunked":
-        raise ValueError(f"kernel must be 'chunked' or 'fused', got {kernel!r}")
+    (``bigrank.losses.fused.source.kernel_scores`` adds ``train.kernel``'s fused choice.)"""
     if chunk_size is None:
         if dtype is not None and dtype != user_vectors.dtype:
             return user_vectors.to(dtype) @ item_rows.to(dtype).T

@@ -181,9 +181,9 @@ class StepLoss:
         """
         self.last_rows = None
         if self.full_catalog:
-            from bigrank.losses.scores import score_matrix
+            from bigrank.losses.fused.source import kernel_scores
 
-            scores = score_matrix(user_vectors, item_weight, chunk_size, dtype=self.score_dtype, kernel=self.kernel)
+            scores = kernel_scores(user_vectors, item_weight, chunk_size, self.score_dtype, self.kernel)
             if self.needs_positives:
                 return self.module(scores, target, group=group, offset=self.start, positives=positives)
             return self.module(scores, target, group=group, offset=self.start)

@@ -1,7 +1,7 @@
 """``train.kernel``: which kernels run a full-catalog loss's step, decided once per run.
 
 ``resolve_kernel(requested, device_type, loss)`` gives a :class:`KernelChoice` (``fused`` or ``chunked`` and
-why), or raises ``DeviceError`` before training starts when ``fused`` is asked for and cannot run:
+why), or raises ``ConfigError`` before training starts when ``fused`` is asked for and cannot run:
 
 * ``fused``: the Triton kernels of ``bigrank.losses.fused`` (CUDA, Triton importable, a loss with a fused
   kernel: softmax, or rankmax with k = 1 and no per-row k);
@@ -17,7 +17,7 @@ import importlib.util
 from dataclasses import dataclass
 
 from bigrank.config import KERNELS
-from bigrank.devices import DeviceError
+from bigrank.errors import ConfigError
 
 __all__ = ["KernelChoice", "loss_without_fused_kernel", "resolve_kernel", "triton_missing"]
 
@@ -62,7 +62,7 @@ def resolve_kernel(requested: str, device_type: str, loss, *, check_triton: bool
     ``check_triton``: whether this process's Triton counts (False in a Ray driver, whose workers may run
     elsewhere: they resolve again themselves)."""
     if requested not in KERNELS:
-        raise DeviceError(f"train.kernel must be one of {', '.join(KERNELS)}; got {requested!r}")
+        raise ConfigError(f"train.kernel must be one of {', '.join(KERNELS)}; got {requested!r}")
     if requested == "chunked":
         return KernelChoice("chunked", "requested")
     from bigrank.losses.registry import FULL_CATALOG_LOSSES
@@ -76,5 +76,5 @@ def resolve_kernel(requested: str, device_type: str, loss, *, check_triton: bool
     if reason is None:
         return KernelChoice("fused", "requested" if requested == "fused" else "auto: CUDA, triton and a fused loss")
     if requested == "fused":
-        raise DeviceError(f"train.kernel=fused cannot run: {reason}; set train.kernel=chunked or auto")
+        raise ConfigError(f"train.kernel=fused cannot run: {reason}; set train.kernel=chunked or auto")
     return KernelChoice("chunked", f"auto: {reason}")

@@ -1,6 +1,6 @@
 """``FusedScores``: the lazy scores ``U @ V.T`` of a full-catalog loss whose step runs as fused Triton kernels.
 
-It is what ``score_matrix(..., kernel="fused")`` returns. To the losses it is a score source like
+``kernel_scores(..., kernel="fused")`` returns it (``train.kernel``). To the losses it is a score source like
 ``ChunkedScores`` (the positive's score, the non-finite check and the item-parallel layout are the same code);
 ``catalog_loss_rows`` asks it to :meth:`FusedScores.fuse` the loss, which swaps in the loss's fused statistics
 and gradient (``bigrank.losses.fused.losses``) or refuses a loss that has none.
@@ -11,9 +11,26 @@ from __future__ import annotations
 import torch
 
 from bigrank.losses.fused.launch import MAX_DIM, SUPPORTED_DTYPES
-from bigrank.losses.scores import ChunkedScores
+from bigrank.losses.scores import ChunkedScores, score_matrix
 
-__all__ = ["FusedScores"]
+__all__ = ["FusedScores", "kernel_scores"]
+
+
+def kernel_scores(
+    user_vectors: torch.Tensor,
+    item_rows: torch.Tensor,
+    chunk_size: int | str | None = None,
+    dtype: torch.dtype | None = None,
+    kernel: str = "chunked",
+):
+    """The scores ``user_vectors @ item_rows.T`` ([B, d] x [n, d]) of a full-catalog loss for ``train.kernel``
+    (resolved: ``"fused"`` or ``"chunked"``): :class:`FusedScores` (``chunk_size`` unused), or
+    ``score_matrix(user_vectors, item_rows, chunk_size, dtype)``."""
+    if kernel == "fused":
+        return FusedScores(user_vectors, item_rows, dtype)
+    if kernel != "chunked":
+        raise ValueError(f"kernel must be 'chunked' or 'fused', got {kernel!r}")
+    return score_matrix(user_vectors, item_rows, chunk_size, dtype)
 
 
 class FusedScores(ChunkedScores):
