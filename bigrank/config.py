@@ -59,6 +59,7 @@ __all__ = [
 # torch, which this module must not).
 DEVICES = ("auto", "cpu", "cuda")
 PRECISIONS = ("auto", "fp32", "tf32", "bf16")
+KERNELS = ("auto", "fused", "chunked")  # train.kernel (bigrank.losses.fused.select)
 
 # The tables whose layout ``model.layout`` sets, and the layouts (bigrank.model.layout decides "auto").
 LAYOUT_TABLES = ("catalog", "user_table", "history_table")
@@ -226,6 +227,10 @@ class TrainConfig:
     # auto: bf16 on a CPU with bf16 GEMM units, else fp32 (bigrank.devices.resolve_precision; the log and
     # plan.txt say which and why).
     precision: str = field(default="auto", metadata=_choices(*PRECISIONS))
+    # How full-catalog losses run their step: fused = Triton kernels that never store a score (CUDA; softmax and
+    # rankmax k = 1); chunked = score blocks of train.chunk_size (the reference, and the CPU path); auto = fused
+    # where it can run, else chunked (bigrank.losses.fused.select; the plan says which and why).
+    kernel: str = field(default="auto", metadata=_choices(*KERNELS))
     # Resuming a run whose saved config differs in a key that alters its trajectory (TRAJECTORY_KEYS):
     # auto = refuse, naming the changes; force = go on with the new settings (they become the run's config).
     resume: str = field(default="auto", metadata=_choices("auto", "force"))
@@ -252,6 +257,11 @@ class TrainConfig:
             not (self.device == "cpu" and self.precision == "tf32"),
             "train.precision",
             "tf32 is a CUDA tensor-core mode: use fp32 or bf16 with train.device=cpu",
+        )
+        _check(
+            not (self.device == "cpu" and self.kernel == "fused"),
+            "train.kernel",
+            "fused is a CUDA (Triton) kernel: use chunked or auto with train.device=cpu",
         )
 
 

@@ -102,7 +102,7 @@ def check_devices(
     Raises DeviceError, before any worker starts, for: a GPU requested on a CPU-only torch build (local
     launcher), or on a machine without GPUs, fewer GPUs than local workers, ``train.device=cuda`` under Ray
     with ``ray.gpus_per_worker`` other than 1, ``train.device=cpu`` with GPUs reserved, ``tf32`` or the fused
-    ``adam`` user optimizer on CPU.
+    ``adam`` user optimizer on CPU, ``train.kernel=fused`` where it cannot run (``bigrank.losses.fused.select``).
     """
     gpus_per_worker = float(config.ray.gpus_per_worker)
     workers = int(config.workers)
@@ -150,6 +150,9 @@ def check_devices(
             "optim.user_optimizer=adam runs in fbgemm's fused CUDA kernels only (training on cpu here): use sgd, "
             "adagrad or rowwise_adagrad, or train on GPUs"
         )
+    from bigrank.losses.fused.select import resolve_kernel
+
+    resolve_kernel(config.train.kernel, kind, config.loss, check_triton=launcher == "local")  # fused that can't run
     return kind
 
 

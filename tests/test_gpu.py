@@ -298,3 +298,24 @@ print("ok")
     )
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip().endswith("ok")
+
+
+@pytest.mark.parametrize("name", ["softmax", "rankmax_k1"])
+@pytest.mark.parametrize("dtype, tolerance", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+def test_fused_kernels_on_cuda_equal_chunked(name, dtype, tolerance):
+    """train.kernel=fused compiled for the GPU (not interpreted) against the chunked path, on the same device
+    (tolerances as in tests/test_fused_losses.py: relative to the largest gradient entry; TF32 off)."""
+    pytest.importorskip("triton")
+    from bigrank.losses.fused.source import kernel_scores
+
+    users, items, target = factors(device="cuda")
+    results = {}
+    for kernel in ("chunked", "fused"):
+        u, v = users.clone().requires_grad_(True), items.clone().requires_grad_(True)
+        loss = LOSSES[name](kernel_scores(u, v, 1000, dtype, kernel=kernel), target)
+        loss.backward()
+        results[kernel] = (loss.detach(), u.grad, v.grad)
+    (loss, grad_u, grad_v), (ref_loss, ref_u, ref_v) = results["fused"], results["chunked"]
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-4, atol=0)
+    for fused, chunked in ((grad_u, ref_u), (grad_v, ref_v)):
+        assert float((fused - chunked).abs().max() / chunked.abs().max()) <= tolerance

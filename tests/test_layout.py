@@ -247,6 +247,7 @@ def test_the_plan_says_which_layout_and_why(layout_runs):
     plan = (layout_runs["mixed"][0] / "plan.txt").read_text()
     assert "requested: catalog replicated, user_table sharded, history_table replicated" in plan
     assert "<- chosen" in plan and "data_parallel" in plan and "row_wise" in plan
+    assert "kernel chunked (auto: training on cpu: the fused kernels run on CUDA)" in plan  # train.kernel
 
 
 @pytest.mark.parametrize(("first", "then", "workers"), [("replicated", "sharded", 2), ("sharded", "replicated", 3)])

@@ -134,17 +134,7 @@ class _RankmaxImpl:
         positive = layout.positive
         # Pass 1: local top-k, and the support sums for the common case mu = z_y - eta (y not in the top k).
         guess = positive - margin
-        top = empty_topk(source.batch, k, source.device)
-        sums = torch.zeros((source.batch, 2), dtype=torch.float64, device=source.device)
-        for _, block in source.blocks():  # one pass: chunked scores are computed once in forward
-            if k == 1 and block.shape[1]:  # the max and the support sums in one read of the block
-                block_max, support_sum, support_size = max_support_sum_count(block, guess)
-                top = torch.maximum(top, block_max.unsqueeze(1))
-                sums[:, 0] += support_sum
-                sums[:, 1] += support_size
-            else:
-                top = merge_topk(top, block)
-                _accumulate_support(block, guess, sums)
+        top, sums = self.local_top_and_support(source, guess)
         gathered = gather_row_stats(torch.cat([top, sums], dim=1), group)  # [W, B, k + 2]
         top = merge_rank_topk(gathered[..., :k])
         sums = gathered[..., k:].sum(dim=0)
@@ -156,11 +146,7 @@ class _RankmaxImpl:
         # keeps the collectives identical on every rank.
         rows = (~y_carries_mu).nonzero().squeeze(1)
         if rows.numel():
-            extra = torch.zeros((rows.numel(), 3), dtype=torch.float64, device=source.device)
-            for _, block in source.blocks(rows):
-                _accumulate_support(block, mu[rows], extra[:, :2])
-                extra[:, 2] += (block == kth[rows].to(block.dtype).unsqueeze(1)).sum(dim=1)
-            extra = sum_row_stats(extra, group)
+            extra = sum_row_stats(self.local_support_and_ties(source, rows, mu[rows], kth[rows]), group)
             sums[rows] = extra[:, :2]
             ties_at_kth[rows] = extra[:, 2].clamp_min(1)
         support_sum, support_size = sums[:, 0], sums[:, 1]
@@ -177,6 +163,32 @@ class _RankmaxImpl:
             y_carries_mu=y_carries_mu, ties_at_kth=ties_at_kth, active=active, kth_rows=kth_rows,
         )  # fmt: skip
         return per_row, state
+
+    def local_top_and_support(self, source, guess: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's top-k [B, k] (descending, -inf padded) and (sum_i (z_i - guess)_+, |{i : z_i > guess}|)
+        [B, 2], float64, over its columns block by block (``bigrank.losses.fused`` computes them without blocks)."""
+        k = self.k
+        top = empty_topk(source.batch, k, source.device)
+        sums = torch.zeros((source.batch, 2), dtype=torch.float64, device=source.device)
+        for _, block in source.blocks():  # one pass: chunked scores are computed once in forward
+            if k == 1 and block.shape[1]:  # the max and the support sums in one read of the block
+                block_max, support_sum, support_size = max_support_sum_count(block, guess)
+                top = torch.maximum(top, block_max.unsqueeze(1))
+                sums[:, 0] += support_sum
+                sums[:, 1] += support_size
+            else:
+                top = merge_topk(top, block)
+                _accumulate_support(block, guess, sums)
+        return top, sums
+
+    def local_support_and_ties(self, source, rows: torch.Tensor, mu: torch.Tensor, kth: torch.Tensor) -> torch.Tensor:
+        """For ``rows`` int64[R] of the batch: (sum_i (z_i - mu)_+, |{i : z_i > mu}|, |{i : z_i == kth}|) over
+        this rank's columns, float64 [R, 3] (Rankmax's second pass, mu = z_[k] - eta)."""
+        extra = torch.zeros((rows.numel(), 3), dtype=torch.float64, device=source.device)
+        for _, block in source.blocks(rows):
+            _accumulate_support(block, mu, extra[:, :2])
+            extra[:, 2] += (block == kth.to(block.dtype).unsqueeze(1)).sum(dim=1)
+        return extra
 
     def grad_block(self, block, start, state, layout: Layout, grad_rows):
         active = state["active"].to(torch.float64)

@@ -220,7 +220,8 @@ def score_matrix(
     """``user_vectors @ item_rows.T`` ([B, d] x [n, d]) for a full-catalog loss: the dense [B, n] tensor when
     ``chunk_size`` is None, else ``ChunkedScores`` of ``chunk_size`` items. ``"auto"`` picks blocks of about
     ``AUTO_BLOCK_ELEMENTS[device type]`` scores. ``dtype`` (e.g. ``torch.bfloat16``, ``train.precision=bf16``)
-    is the dtype the GEMM runs in and the scores have; gradients reach the factors in their own dtype."""
+    is the dtype the GEMM runs in and the scores have; gradients reach the factors in their own dtype.
+    (``bigrank.losses.fused.source.kernel_scores`` adds ``train.kernel``'s fused choice.)"""
     if chunk_size is None:
         if dtype is not None and dtype != user_vectors.dtype:
             return user_vectors.to(dtype) @ item_rows.to(dtype).T
@@ -444,13 +445,19 @@ class _CatalogLoss(torch.autograd.Function):
         def grad_block(start: int, block: torch.Tensor) -> torch.Tensor:
             return ctx.impl.grad_block(block, start, ctx.state, ctx.layout, grad_rows)
 
-        grads = source.backward(grad_block)
+        if hasattr(ctx.impl, "backward"):  # a fused kernel (``bigrank.losses.fused``): no score blocks
+            grads = ctx.impl.backward(source, ctx.state, ctx.layout, grad_rows)
+        else:
+            grads = source.backward(grad_block)
         return (None, None, None, None, None, None, *grads)
 
 
 def catalog_loss_rows(impl, scores, target: torch.Tensor, group, offset: int) -> torch.Tensor:
     """Run the full-catalog loss ``impl`` on ``scores`` (tensor or ChunkedScores): per-row loss [B]."""
     source = as_score_source(scores)
+    fuse = getattr(source, "fuse", None)  # ``FusedScores`` swaps in the loss's fused kernels (or refuses)
+    if fuse is not None:
+        impl = fuse(impl)
     return _CatalogLoss.apply(impl, type(source), source.params, target, group, offset, *source.tensors)
 
 
@@ -458,8 +465,6 @@ def divide_scores(scores, temperature: float):
     """``scores / temperature`` for a float[B, n] tensor; for ``ChunkedScores`` the user vectors are divided
     instead (the same scores, no B x n tensor)."""
     if isinstance(scores, ChunkedScores):
-        # The same compute dtype: bf16 scores stay bf16 after a temperature.
-        return ChunkedScores(
-            scores.user_vectors / temperature, scores.item_rows, scores.chunk_size, scores.compute_dtype
-        )
+        # The same kind of source (chunked or fused) and compute dtype: bf16 scores stay bf16 after a temperature.
+        return type(scores).rebuild((scores.user_vectors / temperature, scores.item_rows), scores.params)
     return scores / temperature

@@ -24,7 +24,9 @@ __all__ = ["softmax_loss", "softmax_shared_loss", "SoftmaxLoss"]
 
 
 class _SoftmaxImpl:
-    def forward(self, source, layout: Layout, group):
+    def local_max_sum_exp(self, source) -> tuple[torch.Tensor, torch.Tensor]:
+        """(max_i z_i, sum_i exp(z_i - max)) over this rank's columns, float64 [B] each, block by block (the
+        fused kernels, ``bigrank.losses.fused``, compute the same two numbers without blocks)."""
         row_max = torch.full((source.batch,), float("-inf"), dtype=torch.float64, device=source.device)
         sum_exp = torch.zeros(source.batch, dtype=torch.float64, device=source.device)
         for _, block in source.blocks():
@@ -35,6 +37,10 @@ class _SoftmaxImpl:
             # Online log-sum-exp: rescale what was summed under the old max (Milakov & Gimelshein, 2018).
             sum_exp = sum_exp * torch.exp(row_max - new_max) + block_sum * torch.exp(block_max - new_max)
             row_max = new_max
+        return row_max, sum_exp
+
+    def forward(self, source, layout: Layout, group):
+        row_max, sum_exp = self.local_max_sum_exp(source)
         stats = gather_row_stats(torch.stack([row_max, sum_exp], dim=1), group)  # [W, B, 2]
         row_max = stats[..., 0].max(dim=0).values
         scale = torch.exp(stats[..., 0] - row_max)

@@ -109,8 +109,10 @@ class StepLoss:
         seed: int = 0,
         rank: int = 0,
         score_dtype: torch.dtype | None = None,
+        kernel: str = "chunked",
     ):
         self.config = config
+        self.kernel = kernel  # train.kernel, resolved: "fused" or "chunked" (full-catalog losses)
         self.module = build_loss(config)
         self.score_dtype = score_dtype  # train.precision: the dtype scores are computed in
         self.full_catalog = config.name in FULL_CATALOG_LOSSES
@@ -179,9 +181,9 @@ class StepLoss:
         """
         self.last_rows = None
         if self.full_catalog:
-            from bigrank.losses.scores import score_matrix
+            from bigrank.losses.fused.source import kernel_scores
 
-            scores = score_matrix(user_vectors, item_weight, chunk_size, dtype=self.score_dtype)
+            scores = kernel_scores(user_vectors, item_weight, chunk_size, self.score_dtype, self.kernel)
             if self.needs_positives:
                 return self.module(scores, target, group=group, offset=self.start, positives=positives)
             return self.module(scores, target, group=group, offset=self.start)

@@ -31,6 +31,7 @@ from bigrank.data.manifest import DatasetManifest
 from bigrank.data.stream import ParquetStream
 from bigrank.data.user_batches import UserBatches
 from bigrank.distributed.collectives import all_gather_replicated, all_gather_rows_with_ids, all_reduce_no_grad
+from bigrank.losses.fused.select import resolve_kernel
 from bigrank.losses.scores import replicated_inputs, score_matrix
 from bigrank.records import PLAN_JSON, PLAN_TEXT
 from bigrank.train.item_optim import catalog_optimizer
@@ -77,12 +78,11 @@ class TowersTraining:
         self.config, self.group, self.rank, self.world_size = config, worker.group, worker.rank, worker.world_size
         self.device = worker.device
         self.model = model = build_towers(config, self.group, manifest, self.device)
+        kernel = resolve_kernel(config.train.kernel, self.device.type, config.loss)
         if self.rank == 0:
             print(f"training on {self.device} ({self.world_size} workers, precision {run.precision.name})", flush=True)
-            plan_text = (
-                f"precision {run.precision.describe()}\n{_batching_line(config)}\n{model.layout_plan}\n\n"
-                f"{format_plan(model.plan)}"
-            )
+            plan_text = f"precision {run.precision.describe()}\n{_batching_line(config)}\n{kernel.describe()}"
+            plan_text += f"\n{model.layout_plan}\n\n{format_plan(model.plan)}"
             print(f"sharding plan ({self.world_size} workers):\n{plan_text}", flush=True)
             write_plan(model.plan, run.run_dir / PLAN_JSON)
             write_text_atomic(run.run_dir / PLAN_TEXT, plan_text + "\n")
@@ -106,6 +106,7 @@ class TowersTraining:
             seed=config.seed,
             rank=self.rank,
             score_dtype=run.precision.score_dtype,
+            kernel=kernel.name,
         )
         # A loss whose k follows each row's label set (rankmax, loss.params.k_fraction) reads every user's
         # number of train items: int64[num_users], 8 bytes a user.

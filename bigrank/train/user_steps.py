@@ -56,6 +56,10 @@ def check_user_batching(config: Config) -> None:
         why = "rankmax with k > 1 (or loss.params.k_fraction) is taken row by row: its threshold reads each row's top k"
     if why is not None:
         raise ConfigError(f"train.batching: users: {why}; use train.batching: rows")
+    if config.train.kernel == "fused":
+        raise ConfigError(
+            "train.kernel: fused has no user-major kernel (train.batching: users): use train.kernel auto or chunked"
+        )
 
 
 def shared_loss_fn(config: Config) -> Callable[..., torch.Tensor]:
