@@ -236,14 +236,19 @@ def user_vectors(
     history_dropout: float = 0.0,
     rng=None,
     history_sample_size: int | None = None,
+    bags: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """User vectors float32[len(user_ids), d] (collective: every rank calls it with the same ``pad_to``).
 
     ``exclude``: int64[b] item to leave out of each user's history bag (training); ids < 0 are unknown users.
     ``history_dropout``, ``history_sample_size``, ``rng``: training only; see :func:`history_bags`.
+    ``bags``: ``(values int64, lengths int64[b])``, the history bags to pool instead of the users' train items
+    (a user-major step's bags, ``bigrank.train.user_steps.split_bags``).
     """
     history = None
-    if model.history is not None:
+    if bags is not None:
+        history = bags
+    elif model.history is not None:
         history = history_bags(model.history, user_ids, exclude, history_dropout, rng, history_sample_size)
     features = model.user_module.features(user_ids, history, pad_to=pad_to, device=model.device)
     return model.tower(features)[: user_ids.numel()]

@@ -20,6 +20,7 @@ rank's rows against the whole catalog and sums the gradients over the ranks (``b
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import Any
 
 import numpy as np
@@ -41,7 +42,7 @@ from bigrank.train.model import TowersModel, build_towers, history_generator, us
 from bigrank.train.regularization import user_l2_penalty
 from bigrank.train.replicas import ReplicaSync
 from bigrank.train.state import CatalogState, CatalogWeights, LossState, TowerState
-from bigrank.train.user_steps import check_user_batching, gather_users, shared_loss_fn, train_items
+from bigrank.train.user_steps import check_user_batching, gather_users, shared_loss_fn, split_bags, train_items
 
 __all__ = ["TOWERS", "TowersKind", "TowersTraining", "towers_identity"]
 
@@ -216,6 +217,9 @@ class TowersTraining:
         indptr, items = self.read_train_items(users)
         dropout, sample = config.model.history_dropout, config.model.history_sample_size
         rng = history_generator(config.seed, context.step, self.rank) if dropout > 0 or sample is not None else None
+        bags = None
+        if self.model.history is not None and dropout > 0 and os.environ.get("BIGRANK_HOLDOUT", "1") == "1":
+            bags, indptr, items = split_bags(indptr, items, dropout, rng, sample)
         local_vectors = user_vectors(
             self.model,
             torch.from_numpy(users),
@@ -223,6 +227,7 @@ class TowersTraining:
             history_dropout=dropout,
             rng=rng,
             history_sample_size=sample,
+            bags=bags,
         )
         shard, chunk, dtype = self.model.shard, config.train.chunk_size, self.step_loss.score_dtype
         stats = None

@@ -129,6 +129,33 @@ def _sorted_reader(items_of) -> Callable[[np.ndarray], tuple]:
     return read
 
 
+def split_bags(
+    indptr: np.ndarray, items: np.ndarray, dropout: float, rng: np.random.Generator, sample_size: int | None = None
+) -> tuple[tuple[torch.Tensor, torch.Tensor], np.ndarray, np.ndarray]:
+    """A user-major step's history bags and targets from each user's train items (CSR ``indptr``, ``items``):
+    every item leaves its user's bag with probability ``dropout`` (``model.history_dropout``), and the items
+    that left are the user's targets, so that no target is in the bag that predicts it (the row-wise step's
+    exclusion, for all of a user's rows at once). A bag longer than ``sample_size`` keeps a uniform random subset.
+
+    Returns ``((bag values int64, bag lengths int64[b]), target indptr int64[b + 1], target items int64)``.
+    """
+    users = len(indptr) - 1
+    row = np.repeat(np.arange(users), np.diff(indptr))
+    target = rng.random(len(items)) < dropout
+    kept_rows, kept = row[~target], items[~target]
+    if sample_size is not None:
+        keys = rng.random(len(kept))
+        order = np.lexsort((keys, kept_rows))  # by user, then at random
+        rank = np.arange(len(order)) - np.searchsorted(kept_rows[order], kept_rows[order])
+        keep = np.sort(order[rank < sample_size])
+        kept_rows, kept = kept_rows[keep], kept[keep]
+    lengths = np.bincount(kept_rows, minlength=users)
+    target_indptr = np.zeros(users + 1, dtype=np.int64)
+    np.cumsum(np.bincount(row[target], minlength=users), out=target_indptr[1:])
+    bags = (torch.from_numpy(kept.astype(np.int64)), torch.from_numpy(lengths.astype(np.int64)))
+    return bags, target_indptr, items[target].astype(np.int64)
+
+
 def gather_users(
     local_vectors: torch.Tensor,
     indptr: np.ndarray,
