@@ -228,6 +228,9 @@ class TrainConfig:
     # Local launcher (torch elastic): worker-group restarts from the last checkpoint after a worker fails (Ray's
     # launcher: ray.max_failures).
     max_restarts: int = 0
+    # A run directory whose newest checkpoint a new run starts from (a warm start on a grown vocabulary,
+    # bigrank.train.warm_start); ignored once this run has a checkpoint of its own (it resumes from that).
+    init_from: str | None = None
 
     def check(self) -> None:
         _check(self.batch_size >= 1, "train.batch_size", "must be >= 1")

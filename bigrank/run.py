@@ -80,6 +80,10 @@ def prepare_run(config: Config, launcher: str = "ray") -> DatasetManifest:
     check_loss_config(config.loss)
     manifest = DatasetManifest.load(config.data.root)
     model_spec(config.model.kind).kind.preflight(config, manifest)
+    if config.train.init_from and latest_checkpoint(config.run_dir) is None:
+        from bigrank.train.warm_start import check_init_from
+
+        check_init_from(config, manifest)
     return manifest
 
 
