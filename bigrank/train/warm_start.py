@@ -50,9 +50,9 @@ def check_init_from(config, manifest) -> Path:
     naming the problem: no run or checkpoint there; another ``model.kind``, ``model.dim`` or setting the tensors
     depend on; a dataset that is not the run's own or a descendant of it (``bigrank ingest --vocab-from``), or
     whose vocabularies are smaller."""
+    from bigrank.config import load_run_config
     from bigrank.data.ingest.vocab import dataset_id, lineage_of
     from bigrank.data.manifest import load_manifest
-    from bigrank.run import load_run_config
     from bigrank.train.checkpoint import latest_checkpoint, read_trainer_state
 
     source = Path(config.train.init_from)
