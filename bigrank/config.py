@@ -43,6 +43,7 @@ __all__ = [
     "config_from_dict",
     "dump_config",
     "load_config",
+    "load_run_config",
     "model_params",
     "parse_override",
     "parse_yaml",
@@ -237,6 +238,9 @@ class TrainConfig:
     # Local launcher (torch elastic): worker-group restarts from the last checkpoint after a worker fails (Ray's
     # launcher: ray.max_failures).
     max_restarts: int = 0
+    # A run directory whose newest checkpoint a new run starts from (a warm start on a grown vocabulary,
+    # bigrank.train.warm_start); ignored once this run has a checkpoint of its own (it resumes from that).
+    init_from: str | None = None
 
     def check(self) -> None:
         _check(self.batch_size >= 1, "train.batch_size", "must be >= 1")
@@ -611,6 +615,14 @@ def parse_override(text: str) -> tuple[list[str], Any]:
     if isinstance(value, str) and EXPONENT_NUMBER.fullmatch(value.strip()):
         value = float(value)
     return key.split("."), value
+
+
+def load_run_config(run_dir: str | os.PathLike) -> Config:
+    """The resolved config a run saved (``RUN_DIR/config.yaml``); FileNotFoundError when there is none."""
+    path = Path(run_dir) / "config.yaml"
+    if not path.is_file():
+        raise FileNotFoundError(f"{run_dir} is not a run directory (no config.yaml)")
+    return load_config(path)
 
 
 def add_override_argument(parser) -> None:

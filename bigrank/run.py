@@ -25,7 +25,7 @@ from typing import Any
 
 import yaml
 
-from bigrank.config import Config, config_from_dict, format_change, load_config, resume_changes
+from bigrank.config import Config, config_from_dict, format_change, load_run_config, resume_changes
 from bigrank.data.manifest import DatasetManifest
 from bigrank.devices import check_devices, cuda_build, process_group_backend, visible_gpus
 from bigrank.errors import CommandError, ConfigError, Terminated
@@ -80,15 +80,11 @@ def prepare_run(config: Config, launcher: str = "ray") -> DatasetManifest:
     check_loss_config(config.loss)
     manifest = DatasetManifest.load(config.data.root)
     model_spec(config.model.kind).kind.preflight(config, manifest)
+    if config.train.init_from and latest_checkpoint(config.run_dir) is None:
+        from bigrank.train.warm_start import check_init_from
+
+        check_init_from(config, manifest)
     return manifest
-
-
-def load_run_config(run_dir: str | os.PathLike) -> Config:
-    """The resolved config a run saved (``RUN_DIR/config.yaml``)."""
-    path = Path(run_dir) / "config.yaml"
-    if not path.is_file():
-        raise FileNotFoundError(f"{run_dir} is not a run directory (no config.yaml)")
-    return load_config(path)
 
 
 def _launch_local(

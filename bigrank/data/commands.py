@@ -119,6 +119,12 @@ def register(subparsers) -> None:
         "--items-file", metavar="PATH", help="a file of item attributes (titles, categories, …) carried to the export"
     )
     items.add_argument("--item-key", metavar="COL", help="its column holding the item id")
+    ingest.add_argument(
+        "--vocab-from",
+        metavar="OLD_DATASET",
+        help="keep the dense ids of this earlier ingested dataset: its users and items keep their ids, new ones are "
+        "appended, ids without rows here stay reserved (for `bigrank train --init-from`)",
+    )
     engine = ingest.add_argument_group("engine")
     engine.add_argument(
         "--memory-limit",
@@ -271,6 +277,7 @@ def run_ingest(args: argparse.Namespace) -> int:
         temp_dir=args.temp_dir,
         address=args.address,
         buckets=args.buckets,
+        vocab_from=args.vocab_from,
         progress=not args.no_progress,
     )
     manifest = ingest(args.paths, args.out, options)
@@ -345,6 +352,11 @@ def format_manifest(manifest: dict, root) -> str:
     lines.append(f"{'total':<12} {total:>15,} ratings")
     if manifest.get("ingest"):
         lines.extend(format_ingest(manifest["ingest"]))
+    parent = manifest.get("parent")
+    if parent:
+        sizes = manifest.get("vocabulary", {})
+        grown = ", ".join(f"{k} {v['before']:,} -> {v['after']:,}" for k, v in sizes.items())
+        lines.append(f"ids from     {parent['root']} (dataset {parent['id']}; {grown})")
     if manifest.get("truth"):
         lines.append(f"truth        {manifest['truth']} (true user/item factors)")
     recorded = manifest.get("integrity")

@@ -39,6 +39,14 @@ def register(subparsers) -> None:
         help="Ray cluster to join (HOST:6379 or ray://HOST:10001; default: config ray.address, RAY_ADDRESS, "
         "else an embedded local runtime)",
     )
+    train.add_argument(
+        "--init-from",
+        metavar="RUN_DIR",
+        default=None,
+        help="start a new run from this earlier run's last checkpoint on a grown vocabulary (a dataset ingested "
+        "with --vocab-from the earlier run's dataset): old rows copied by id, new rows initialised fresh "
+        "(config key train.init_from)",
+    )
     train.set_defaults(func=run_train, resumable=True)
 
     evaluate = subparsers.add_parser(
@@ -96,7 +104,10 @@ def register(subparsers) -> None:
 def run_train(args: argparse.Namespace) -> int:
     from bigrank import run
 
-    config = load_config(args.config, args.overrides)
+    overrides = list(args.overrides or [])
+    if args.init_from:
+        overrides.append(f"train.init_from={json.dumps(str(Path(args.init_from).resolve()))}")
+    config = load_config(args.config, overrides)
     summary = run.train(config, launcher=args.launcher, address=args.address)
     print(run.format_summary(summary))
     return 0

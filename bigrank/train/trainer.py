@@ -111,6 +111,7 @@ class Trainer:
     # carried one from any rank: then every rank stops after this step.
     stop_request = None
     stopping = False
+    warm_started_from: Path | None = None  # the checkpoint a warm start (train.init_from) began from
 
     def __init__(self, config: Config | dict, manifest: DatasetManifest | None = None):
         self._start_run(config, manifest)
@@ -290,6 +291,8 @@ class Trainer:
         """Load the newest complete checkpoint of the run, if any (collective); returns its path."""
         path = latest_checkpoint(self.run_dir)
         if path is None:
+            if self.config.train.init_from:
+                self._warm_start()
             return None
         meta = self.checkpointer.load(path)
         if self.rank == 0:
@@ -298,8 +301,26 @@ class Trainer:
             print(f"resuming from {path} (step {self.state.step}{note})", flush=True)
         return path
 
+    def _warm_start(self) -> None:
+        """A new run begins from ``train.init_from``'s newest checkpoint (``bigrank.train.warm_start``; collective)."""
+        from bigrank.train.checkpoint import read_trainer_state
+        from bigrank.train.warm_start import load_grown
+
+        source = latest_checkpoint(self.config.train.init_from)
+        identity = read_trainer_state(source).get("model") or {}
+        now = {"users": self.manifest.num_users, "items": self.manifest.num_items}
+        vocabulary = {what: (int(identity.get(f"dataset {what}", size)), size) for what, size in now.items()}
+        meta = load_grown(source, self.training.parts, vocabulary, self.group)
+        self.warm_started_from = source
+        if self.rank == 0:
+            grown = ", ".join(f"{what} {old:,} -> {new:,}" for what, (old, new) in vocabulary.items())
+            print(f"warm start from {source} (step {meta.get('step')}; {grown})", flush=True)
+
     def save_checkpoint(self) -> Path:
+        from bigrank.data.ingest.vocab import dataset_id
+
         meta = {"epoch": self.stream.epoch, "last_loss": self.state.last_loss, "first_loss": self.state.first_loss}
+        meta["dataset_id"] = dataset_id(dict(self.manifest.raw))  # what a warm start checks descent against
         return self.checkpointer.save(self.state.step, meta)
 
     # ----- records -----
@@ -378,6 +399,7 @@ class Trainer:
             "train_seconds": train_seconds,
             "checkpoint": str(last) if last else None,
             "resumed_from": str(resumed_from) if resumed_from else None,
+            "init_from": str(self.warm_started_from) if self.warm_started_from else None,
             "eval": final_eval or None,
             "eval_history": self.eval_history,
         }

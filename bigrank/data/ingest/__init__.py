@@ -79,7 +79,13 @@ def ingest(paths, out, options: IngestOptions | None = None, **settings) -> dict
                     "split": options.split,
                     "fractions": list(options.fractions),
                 },
-                extra={"num_rated_users": num_users, "num_rated_items": num_items, "truth": None, "ingest": record},
+                extra={
+                    "num_rated_users": num_users,
+                    "num_rated_items": num_items,
+                    "truth": None,
+                    **record.pop("stable_ids", {}),  # parent, lineage, vocabulary (--vocab-from)
+                    "ingest": record,
+                },
                 progress=say,
             )
     except BaseException:

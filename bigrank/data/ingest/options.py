@@ -117,6 +117,7 @@ class IngestOptions:
     address: str | None = None
     buckets: int | None = None
     progress: bool = True
+    vocab_from: str | None = None  # a parent dataset whose ids are kept (bigrank.data.ingest.vocab)
     preset: str | None = None  # "movielens" when the MovieLens files were recognised (set by the ingest)
     extra: dict = field(default_factory=dict)
 
@@ -162,6 +163,9 @@ class IngestOptions:
             raise CommandError(f"--buckets must be at least 1, got {self.buckets}")
         if self.buckets is not None and self.address is None:
             raise CommandError("--buckets goes with --address (the Ray engine)")
+        if self.vocab_from is not None and self.address is not None:
+            # The cluster's buckets write contiguous ranges of user ids; kept ids are scattered over the range.
+            raise CommandError("--vocab-from runs on the one-machine engine: drop --address")
         self.memory_bytes()
         return replace_options(self, dedup=dedup, fractions=tuple(float(f) for f in self.fractions))
 

@@ -39,6 +39,7 @@ from bigrank.data.ingest.hashing import rank_ids
 from bigrank.data.ingest.options import IngestOptions, parse_time
 from bigrank.data.ingest.sources import Source, duckdb_error, open_source, quote_identifier
 from bigrank.data.ingest.store import Columns, RowStore
+from bigrank.data.ingest.vocab import ParentVocabulary, extend_ids, merged_firsts
 from bigrank.errors import CommandError
 
 __all__ = ["Interrupted", "LocalEngine", "Progress", "clear", "prepare_out", "run"]
@@ -270,7 +271,9 @@ def _random_cuts(engine, seed: int, total: int, fractions) -> list:
     return cuts
 
 
-def _vocabulary_table(id_name: str, count: int, originals, counts, firsts_ms, extra=None):
+def _vocabulary_table(id_name: str, count: int, originals, counts, first_seen, extra=None):
+    """``users.parquet`` / ``items.parquet``: dense ids ``0..count-1``, their ``originals``, ``counts`` and
+    ``first_seen`` (a pyarrow array of epoch seconds, or None), and the ``extra`` columns."""
     import pyarrow as pa
 
     columns = {
@@ -278,12 +281,26 @@ def _vocabulary_table(id_name: str, count: int, originals, counts, firsts_ms, ex
         "original_id": originals,
         "count": pa.array(np.asarray(counts, dtype=np.int64)),
     }
-    if firsts_ms is not None:
-        columns["first_seen"] = pa.array(np.floor_divide(np.asarray(firsts_ms, dtype=np.int64), 1000))
+    if first_seen is not None:
+        columns["first_seen"] = first_seen
     table = pa.table(columns)
     for name, column in (extra or {}).items():
         table = table.append_column(name, column)
     return table
+
+
+def _seconds(firsts_ms):
+    """Epoch milliseconds (int64[n] or None) as a pyarrow array of epoch seconds (or None)."""
+    import pyarrow as pa
+
+    return None if firsts_ms is None else pa.array(np.floor_divide(np.asarray(firsts_ms, dtype=np.int64), 1000))
+
+
+def _scattered(values, dense: np.ndarray, size: int) -> np.ndarray:
+    """int64[size]: ``values[k]`` at ``dense[k]``, 0 elsewhere (the reserved ids of a parent without rows here)."""
+    out = np.zeros(size, dtype=np.int64)
+    out[dense] = np.asarray(values, dtype=np.int64)
+    return out
 
 
 def _write_vocabulary(path: Path, table) -> None:
@@ -461,6 +478,7 @@ def run(source: Source, out: Path, options: IngestOptions, engine, say) -> tuple
     import pyarrow as pa
 
     started = time.monotonic()
+    parent = ParentVocabulary.load(options.vocab_from) if options.vocab_from else None  # its errors come first
     columns = _columns(source, options, say)
     counts = _load(source, columns, options, engine, say)
     item_originals, integer_items, pairs = _encode(source, columns, options, engine, counts, say)
@@ -473,30 +491,54 @@ def run(source: Source, out: Path, options: IngestOptions, engine, say) -> tuple
     present = np.flatnonzero(item_count > 0)
     order = rank_ids(item_originals.take(pa.array(present)))
     items = item_originals.take(pa.array(present[order]))
-    item_ids = np.empty(len(present), dtype=np.int32)
-    item_ids[order] = np.arange(len(present), dtype=np.int32)
     integer_users = not columns.user_is_text() or (source.format == "csv" and all(engine.map("users_are_integers")))
+    if parent is not None:
+        parent.check_types(integer_users, integer_items)
     user_tables = engine.map("user_vocabulary", integer_users)
-    offsets = np.concatenate([[0], np.cumsum([t.num_rows for t in user_tables])]).astype(np.int64)
-    item_table = pa.table({"ic": pa.array(present, type=pa.int32()), "item_id": item_ids})  # one object: sent once
-    last = (options.fractions[1], options.fractions[2]) if options.split == "last" else None
-    engine.map_each("finalize", [(int(o), item_table, last) for o in offsets[:-1]])
     users = pa.concat_tables(user_tables)
-    num_users, num_items = users.num_rows, len(present)
-    say(f"vocabularies: {num_users:,} users, {num_items:,} items")
+    item_firsts = None if item_first is None else item_first[present][order]
+    user_firsts = users.column("first_seen_ms").to_numpy() if "first_seen_ms" in users.column_names else None
+    item_dense = np.arange(len(present), dtype=np.int32)
+    last = (options.fractions[1], options.fractions[2]) if options.split == "last" else None
+    if parent is None:
+        offsets = np.concatenate([[0], np.cumsum([t.num_rows for t in user_tables])]).astype(np.int64)
+        finalize_args = [(int(o), last, None) for o in offsets[:-1]]
+        user_vocabulary = _vocabulary_table(
+            "user_id", users.num_rows, users.column("original_id"), users.column("count"), _seconds(user_firsts)
+        )
+        item_vocabulary = items
+    else:  # ids kept from the parent (one store: options.check refuses the cluster engine)
+        user_dense, user_originals = extend_ids(parent.users, users.column("original_id").combine_chunks())
+        item_dense, item_vocabulary = extend_ids(parent.items, items)
+        ranks = pa.table({"rank": pa.array(np.arange(users.num_rows, dtype=np.int32)), "user_id": user_dense})
+        finalize_args = [(0, last, ranks)]
+        user_vocabulary = _vocabulary_table(
+            "user_id",
+            len(user_originals),
+            user_originals,
+            _scattered(users.column("count").to_numpy(), user_dense, len(user_originals)),
+            merged_firsts(parent.user_firsts, user_dense, user_firsts, len(user_originals)),
+        )
+    item_ids = np.empty(len(present), dtype=np.int32)
+    item_ids[order] = item_dense
+    item_table = pa.table({"ic": pa.array(present, type=pa.int32()), "item_id": item_ids})  # one object: sent once
+    engine.map_each("finalize", [(offset, item_table, rest, ranks) for offset, rest, ranks in finalize_args])
+    num_users, num_items = user_vocabulary.num_rows, len(item_vocabulary)
+    kept = f" ({users.num_rows:,} and {len(present):,} with rows)" if parent is not None else ""
+    say(f"vocabularies: {num_users:,} users, {num_items:,} items{kept}")
 
     split_rows = _split(options, engine, pairs, say)
     split_files = _write_splits(out, options, engine, len(user_tables))
-    firsts = users.column("first_seen_ms").to_numpy() if "first_seen_ms" in users.column_names else None
-    _write_vocabulary(
-        out / "users.parquet",
-        _vocabulary_table("user_id", num_users, users.column("original_id"), users.column("count"), firsts),
-    )
-    attributes = item_attributes(items, options, integer_items, say) if options.items_file else None
-    item_firsts = None if item_first is None else item_first[present][order]
+    _write_vocabulary(out / "users.parquet", user_vocabulary)
+    attributes = item_attributes(item_vocabulary, options, integer_items, say) if options.items_file else None
+    if parent is None:
+        item_counts, item_seen = item_count[present][order], _seconds(item_firsts)
+    else:
+        item_counts = _scattered(item_count[present][order], item_dense, num_items)
+        item_seen = merged_firsts(parent.item_firsts, item_dense, item_firsts, num_items)
     _write_vocabulary(
         out / "items.parquet",
-        _vocabulary_table("item_id", num_items, items, item_count[present][order], item_firsts, attributes),
+        _vocabulary_table("item_id", num_items, item_vocabulary, item_counts, item_seen, attributes),
     )
     record = {
         "engine": engine.name,
@@ -523,8 +565,8 @@ def run(source: Source, out: Path, options: IngestOptions, engine, say) -> tuple
             "merged_duplicates": counts["duplicates"],
             "k_core_rounds": counts["k_core_rounds"],
             "k_core_dropped_rows": counts["k_core_rows"],
-            "k_core_dropped_users": counts["k_core_users_start"] - num_users if counts["k_core_rounds"] else 0,
-            "k_core_dropped_items": counts["k_core_items_start"] - num_items if counts["k_core_rounds"] else 0,
+            "k_core_dropped_users": counts["k_core_users_start"] - users.num_rows if counts["k_core_rounds"] else 0,
+            "k_core_dropped_items": counts["k_core_items_start"] - len(present) if counts["k_core_rounds"] else 0,
         },
         "split": {
             "mode": options.split,
@@ -536,6 +578,11 @@ def run(source: Source, out: Path, options: IngestOptions, engine, say) -> tuple
     }
     if options.split == "time":
         record["split"].update(valid_from=options.valid_from, test_from=options.test_from)
+    if parent is not None:
+        # Top-level manifest keys (the ingest moves them there); reserved ids have no rating.
+        record["stable_ids"] = dict(
+            parent.record(num_users, num_items), num_rated_users=users.num_rows, num_rated_items=len(present)
+        )
     return record, split_files, num_users, num_items
 
 

@@ -279,17 +279,26 @@ class RowStore:
             )
         )
 
-    def finalize(self, user_offset: int, item_ids, last: tuple[float, float] | None = None) -> None:
-        """Give the pairs their dense ids: user ``offset + rank`` (:meth:`user_vocabulary`), item from ``item_ids``
-        (a pyarrow table ``ic, item_id`` from the driver); ``pairs`` becomes ``final``. With ``last`` =
+    def finalize(self, user_offset: int, item_ids, last: tuple[float, float] | None = None, user_ids=None) -> None:
+        """Give the pairs their dense ids: user ``offset + rank`` (:meth:`user_vocabulary`), or ``user_ids`` (a
+        pyarrow table ``rank, user_id``: ids kept from a parent dataset) when given; item from ``item_ids`` (a
+        pyarrow table ``ic, item_id`` from the driver); ``pairs`` becomes ``final``. With ``last`` =
         ``(valid, test)`` fractions, label the per-user split by time in the same pass (:meth:`_last_label`)."""
         self.con.register("item_ids_given", item_ids)
         columns = ["t"] * self.has_time + ["v"] * self.has_value
         rest = "".join(f", pairs.{c}" for c in columns)
+        user_id, user_join = f"(user_ranks.rank + {int(user_offset)})", ""
+        if user_ids is not None:
+            self.con.register("user_ids_given", user_ids)
+            user_id, user_join = (
+                "user_ids_given.user_id",
+                " JOIN user_ids_given ON user_ranks.rank = user_ids_given.rank",
+            )
         joined = (
-            f"SELECT (user_ranks.rank + {int(user_offset)})::INTEGER AS user_id, "
+            f"SELECT {user_id}::INTEGER AS user_id, "
             f"item_ids_given.item_id::INTEGER AS item_id, pairs.ic AS ic{rest} FROM pairs "
-            "JOIN user_ranks ON pairs.uc = user_ranks.uc JOIN item_ids_given ON pairs.ic = item_ids_given.ic"
+            f"JOIN user_ranks ON pairs.uc = user_ranks.uc{user_join} "
+            "JOIN item_ids_given ON pairs.ic = item_ids_given.ic"
         )
         if last is None:
             self._run(f"CREATE OR REPLACE TABLE final AS {joined}")
@@ -302,6 +311,8 @@ class RowStore:
             )
             self.label_sql = "label"
         self.con.unregister("item_ids_given")
+        if user_ids is not None:
+            self.con.unregister("user_ids_given")
         self._run("DROP TABLE pairs")
 
     @staticmethod
