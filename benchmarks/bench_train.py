@@ -16,6 +16,8 @@ ML-1B mode (``--loss``, one or several losses, comma-separated, measured one aft
         --loss sampled_softmax,smooth_ap,recall_at_quantile,pauc_at_budget --negatives 8192 --batch 4096
     .venv/bin/python -m benchmarks.bench_train --data /work/data/ml1b --loss rankmax --batch 256 --steps 12
     .venv/bin/python -m benchmarks.bench_train --data /work/data/ml1b --loss sampled_softmax --bf16   # + bf16 GEMMs
+    .venv/bin/python -m benchmarks.bench_train --data /work/data/ml1b --loss rankmax --batching users \
+        --batch 256 --steps 220 --layouts sharded      # user by user (train.batching: users) beside row by row
 
 For each loss: bigrank (2 workers, ``--launcher local``, row-wise Adagrad on users and items, d = 64) against
 a plain single-process loop (2 threads) doing the same work the lean way — gather the touched user and item
@@ -243,7 +245,7 @@ def _peak_rss_gb(pid: int) -> float | None:
 
 
 def bigrank_ml1b(
-    data, loss_name, batch, negatives, dim, steps, precision="fp32", layout="auto"
+    data, loss_name, batch, negatives, dim, steps, precision="fp32", layout="auto", batching="rows"
 ) -> tuple[float, list[float], str]:
     """bigrank train with 2 local workers: (examples/s without the first logging window, peak RSS per worker GB,
     the layout the run used)."""
@@ -264,7 +266,8 @@ def bigrank_ml1b(
             "loss": loss,
             "optim": {"user_optimizer": "rowwise_adagrad", "item_optimizer": "rowwise_adagrad"},
             "train": {"batch_size": batch, "max_steps": steps, "log_every": log_every, "progress": False,
-                      "checkpoint_every": None, "chunk_size": "auto", "precision": precision},
+                      "checkpoint_every": None, "chunk_size": "auto", "precision": precision,
+                      "batching": batching},
             "eval": {"every_epochs": None, "at_end": False},
         }  # fmt: skip
         path = Path(run_dir) / "bench.yaml"
@@ -300,6 +303,9 @@ def run_ml1b(args) -> None:
     num_items = int(manifest["num_items"])
     steps = args.steps or 30
     rows = []
+    if args.batching == "users":
+        run_ml1b_users(args, data, train_rows, num_items, manifest)
+        return
     for loss_name in args.loss.split(","):
         columns = num_items if loss_name not in SAMPLED_LOSSES else args.negatives
         floor = gemm_floor_seconds(args.batch, columns, args.dim)
@@ -330,6 +336,38 @@ def run_ml1b(args) -> None:
               f"{floor / ours:>15.2f}{rss:>20}{epoch}{extra}")  # fmt: skip
 
 
+def run_ml1b_users(args, data: str, train_rows: int, num_items: int, manifest: dict) -> None:
+    """``--batching users``: the full-catalog losses user by user (``train.batching: users``, ``--batch`` users a
+    step, ``--steps`` steps, the layout of ``--layouts``' first entry) beside the same loss row by row
+    (``--row-steps`` steps of ``--row-batch`` rows), both with 2 workers in ``--precision``, and the GEMM floor of
+    a users step (its 3 GEMMs, ``--batch`` x n x d, timed alone with 2 threads). Examples are (user, item) train
+    rows in both, so the epoch projections compare."""
+    rows_per_user = train_rows / max(int(manifest["num_users"]), 1)
+    layout = args.layouts.split(",")[0]
+    table = []
+    for loss_name in args.loss.split(","):
+        floor = args.batch * rows_per_user / gemm_floor_seconds(args.batch, num_items, args.dim)
+        by_rows = bigrank_ml1b(
+            data, loss_name, args.row_batch, 0, args.dim, args.row_steps, args.precision, layout, "rows"
+        )
+        by_users = bigrank_ml1b(data, loss_name, args.batch, 0, args.dim, args.steps, args.precision, layout, "users")
+        table.append((loss_name, floor, by_rows, by_users))
+        print(f"  {loss_name}: rows {by_rows[0]:,.0f}, users {by_users[0]:,.0f} examples/s", flush=True)
+    print(f"\nML-1B ({data}): {num_items:,} items, {rows_per_user:.0f} train rows a user, d={args.dim}, "
+          f"{args.precision}, 2 workers, layout {layout}; users: {args.batch} users a step, {args.steps} steps; "
+          f"rows: {args.row_batch} rows a step, {args.row_steps} steps")  # fmt: skip
+    print(f"machine load (1/5/15 min): {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
+    print(f"{'loss':<10}{'batching':<10}{'layout':<34}{'examples/s':>12}{'epoch h':>10}{'vs rows':>9}"
+          f"{'floor/ours':>12}{'peak RSS GB/worker':>20}")  # fmt: skip
+    for loss_name, floor, by_rows, by_users in table:
+        for name, (rate, peaks, chosen) in (("rows", by_rows), ("users", by_users)):
+            ratio = f"{rate / by_rows[0]:>9.1f}"
+            versus = f"{floor / rate:>12.2f}" if name == "users" else f"{'':>12}"
+            rss = "/".join(f"{p:.2f}" for p in peaks) or "?"
+            print(f"{loss_name:<10}{name:<10}{chosen:<34}{rate:>12,.0f}{train_rows / rate / 3600:>10.1f}{ratio}"
+                  f"{versus}{rss:>20}")  # fmt: skip
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", default="configs/demo.yaml")
@@ -348,6 +386,10 @@ def main() -> None:
         default="auto,replicated,sharded",
         help="model.layout values to run bigrank with on several workers, comma-separated (auto: the cost model)",
     )
+    parser.add_argument("--batching", choices=("rows", "users"), default="rows", help="ML-1B mode: see run_ml1b_users")
+    parser.add_argument("--precision", default="bf16", help="ML-1B users mode: train.precision of both runs")
+    parser.add_argument("--row-batch", type=int, default=256, help="ML-1B users mode: the row-wise run's batch")
+    parser.add_argument("--row-steps", type=int, default=12, help="ML-1B users mode: the row-wise run's steps")
     args = parser.parse_args()
     torch.set_num_threads(2)
     if args.loss is not None:

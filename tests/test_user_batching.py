@@ -76,15 +76,46 @@ def test_a_rows_checkpoint_is_not_resumed_as_users(tiny_dataset, user_runs):
 
 
 @pytest.mark.parametrize(
-    ("loss", "message"),
+    ("sections", "message"),
     [
-        ({"name": "sparsemax", "params": {}}, "loss 'sparsemax' is taken row by row"),
-        ({"name": "rankmax", "params": {"k": 3}}, "rankmax with k > 1"),
-        ({"name": "rankmax", "params": {"k_fraction": 0.5}}, "rankmax with k > 1"),
-        ({"name": "smooth_ap", "params": {}}, "loss 'smooth_ap' is taken row by row"),
+        ({"loss": {"name": "sparsemax", "params": {}}}, "loss 'sparsemax' is taken row by row"),
+        ({"loss": {"name": "rankmax", "params": {"k": 3}}}, "rankmax with k > 1"),
+        ({"loss": {"name": "rankmax", "params": {"k_fraction": 0.5}}}, "rankmax with k > 1"),
+        ({"loss": {"name": "smooth_ap", "params": {}}}, "loss 'smooth_ap' is taken row by row"),
+        ({"model": {"layout": "sharded", "history": True}}, "needs model.history_dropout > 0"),
     ],
 )
-def test_users_batching_refuses_losses_taken_row_by_row_before_any_worker(tiny_dataset, tmp_path, loss, message):
-    config = _config(tiny_dataset, tmp_path / "run", loss=loss)
+def test_users_batching_refuses_what_it_cannot_share_before_any_worker(tiny_dataset, tmp_path, sections, message):
+    config = _config(tiny_dataset, tmp_path / "run", **sections)
     with pytest.raises(ConfigError, match=message):
         prepare_run(config, launcher="local")
+
+
+def test_a_users_run_with_a_history_bag_learns(tiny_dataset, tmp_path):
+    """The history tower: each user's train items split into the bag and the targets (``split_bags``)."""
+    model = {"layout": "sharded", "history": True, "history_dropout": 0.3}
+    config = _config(tiny_dataset, tmp_path / "run", model=model)
+    result = launch_local(train_worker, 2, (config,), timeout=300)[0]
+    assert result["eval"]["valid"]["recall@10"] > 0.4  # random: ~0.1
+
+
+def test_split_bags_keeps_every_target_out_of_its_users_bag():
+    """Each user's train items are split: targets (left out by the dropout) and the bag (the rest, at most
+    ``sample_size``); no target is in its own user's bag, and every item is one or the other unless sampled out."""
+    import numpy as np
+
+    from bigrank.train.user_steps import split_bags
+
+    rng = np.random.default_rng(0)
+    lengths = np.array([0, 1, 7, 30, 12])
+    indptr = np.concatenate([[0], np.cumsum(lengths)])
+    items = np.concatenate([rng.choice(100, n, replace=False) for n in lengths]).astype(np.int64)
+    (values, bag_lengths), target_indptr, targets = split_bags(indptr, items, 0.4, np.random.default_rng(1), 5)
+    assert target_indptr[-1] == len(targets) and 0 < len(targets) < len(items)
+    bag_starts = np.concatenate([[0], np.cumsum(bag_lengths.numpy())])
+    for user in range(len(lengths)):
+        own = set(items[indptr[user] : indptr[user + 1]].tolist())
+        bag = set(values[bag_starts[user] : bag_starts[user + 1]].tolist())
+        target = set(targets[target_indptr[user] : target_indptr[user + 1]].tolist())
+        assert bag <= own and target <= own and not bag & target
+        assert len(bag) == min(5, len(own) - len(target))  # the bag is whatever the dropout kept, sampled to 5

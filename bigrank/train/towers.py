@@ -20,7 +20,6 @@ rank's rows against the whole catalog and sums the gradients over the ranks (``b
 from __future__ import annotations
 
 import dataclasses
-import os
 from typing import Any
 
 import numpy as np
@@ -218,7 +217,7 @@ class TowersTraining:
         dropout, sample = config.model.history_dropout, config.model.history_sample_size
         rng = history_generator(config.seed, context.step, self.rank) if dropout > 0 or sample is not None else None
         bags = None
-        if self.model.history is not None and dropout > 0 and os.environ.get("BIGRANK_HOLDOUT", "1") == "1":
+        if self.model.history is not None:  # the targets are the items the dropout left out of the bag
             bags, indptr, items = split_bags(indptr, items, dropout, rng, sample)
         local_vectors = user_vectors(
             self.model,

@@ -15,10 +15,13 @@ The loss is the mean over the step's R rows, as a row-wise step's is over its B 
 the row-wise one: every train row once. The user L2 term weighs each user by its rows (``user_l2_penalty``'s
 frequency weighting), as a row-wise epoch does.
 
-The history tower: a row-wise step leaves the row's own item out of the user's bag. Keeping that here would
-give every positive its own user vector, hence its own n scores: the row-wise cost. A users step pools the
-whole bag (each positive is then in the bag that predicts it); ``configs/ml-1m-rankmax-users.yaml`` records
-what that costs on validation.
+The history tower: a row-wise step leaves the row's own item out of the user's bag. Keeping that exactly here
+would give every positive its own user vector, hence its own n scores: the row-wise cost. Pooling the whole bag
+puts each target in the bag that predicts it, and the model learns to score the bag's own items: on ML-1M's
+validation split its AP@10 peaked at 0.092 after 5 epochs and fell to 0.067 by epoch 20. So a users step splits
+each user's train items (``split_bags``): every item leaves the bag with probability ``model.history_dropout``
+(required > 0), and the items that left are the step's targets. No target is in its own bag, as row-wise, and
+each train item is a target in a ``history_dropout`` share of the epochs.
 """
 
 from __future__ import annotations
@@ -56,6 +59,11 @@ def check_user_batching(config: Config) -> None:
         why = "rankmax with k > 1 (or loss.params.k_fraction) is taken row by row: its threshold reads each row's top k"
     if why is not None:
         raise ConfigError(f"train.batching: users: {why}; use train.batching: rows")
+    if config.model.history and not config.model.history_dropout > 0:
+        raise ConfigError(
+            "train.batching: users with model.history needs model.history_dropout > 0: a users step's targets are "
+            "the train items the dropout leaves out of the bag (a bag that holds its own targets overfits)"
+        )
     if config.train.kernel == "fused":
         raise ConfigError(
             "train.kernel: fused has no user-major kernel (train.batching: users): use train.kernel auto or chunked"
