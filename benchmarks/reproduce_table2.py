@@ -83,8 +83,11 @@ DATASETS = {
     ),
 }
 # A loss trains the low-rank towers (configs/<name>-<loss>.yaml); item_item-<loss> the full-rank item-item model
-# (model.kind item_item, configs/<name>-item_item-<loss>.yaml).
-LOSS_CHOICES = ("rankmax", "softmax", "sparsemax", "sampled_softmax", "item_item-rankmax", "item_item-softmax")
+# (model.kind item_item, configs/<name>-item_item-<loss>.yaml); rankmax-users the towers user by user
+# (train.batching: users), shown as a twin of rankmax: its paired difference to it, and its training time.
+LOSS_CHOICES = (
+    "rankmax", "rankmax-users", "softmax", "sparsemax", "sampled_softmax", "item_item-rankmax", "item_item-softmax",
+)  # fmt: skip
 METRICS = (("ap@10", "AP@10"), ("accuracy", "Accuracy"), ("recall@100", "R@100"))
 ROOT = Path(__file__).resolve().parents[1]
 ACTIVITY_EDGES = (30, 60, 120, 250)  # train items per user: the buckets of format_by_activity
