@@ -39,7 +39,7 @@ from dataclasses import dataclass
 
 import torch
 
-from bigrank.distributed.collectives import all_reduce_no_grad
+from bigrank.distributed.collectives import all_reduce_no_grad, is_distributed
 from bigrank.losses.buckets import bucket_gather, bucket_stats, index_dtype, threshold_table
 from bigrank.losses.kernels import exp_grad, max_and_sum_exp
 from bigrank.losses.scores import ChunkedScores, as_score_source, divide_scores, gather_row_stats
@@ -140,8 +140,9 @@ class _RankmaxShared:
         # Only buckets 0..|P_b| of a row can hold scores: the sums cross ranks compacted (R + U values a stat).
         bucket = torch.arange(width, device=device)
         used = bucket.unsqueeze(0) <= positives.lengths.unsqueeze(1)
-        summed = all_reduce_no_grad(torch.cat([counts[used], sums[used]]), group)
-        counts[used], sums[used] = summed[: summed.numel() // 2], summed[summed.numel() // 2 :]
+        if is_distributed(group):
+            summed = all_reduce_no_grad(torch.cat([counts[used], sums[used]]), group)
+            counts[used], sums[used] = summed[: summed.numel() // 2], summed[summed.numel() // 2 :]
         # Scores above the j-th threshold are those in buckets j + 1 and up: suffix sums over the buckets.
         longest = order.shape[1]
         above = counts.flip(1).cumsum(1).flip(1)[:, 1 : longest + 1]  # c_y of the j-th threshold
