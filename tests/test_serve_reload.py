@@ -110,6 +110,21 @@ def served_port(proc, log: Path) -> int:
     return int(line.split("http://127.0.0.1:", 1)[1].split("/", 1)[0])
 
 
+def point_and_hangup(proc, current: Path, target) -> None:
+    """Move the served symlink ``current`` to ``target`` and send SIGHUP (the reload of ``bigrank serve``)."""
+    current.unlink()
+    current.symlink_to(target)
+    proc.send_signal(signal.SIGHUP)
+
+
+def refuse_damaged(proc, log: Path, current: Path, damaged: Path, clients) -> None:
+    """Point ``current`` at ``damaged`` after 20 answers, SIGHUP, and wait for the refusal in the log."""
+    wait_until(lambda: len(clients.answers) >= 20, "no answers", proc, log)
+    point_and_hangup(proc, current, damaged)
+    wait_until(lambda: "refused" in log.read_text(), "no refusal of the damaged export", proc, log)
+    assert "does not match its sha256" in log.read_text()
+
+
 def test_sighup_swaps_to_the_new_export_refuses_a_damaged_one_and_drops_no_request(tmp_path):
     """``bigrank serve exports/current`` (a symlink): the link moved to a damaged export and SIGHUP: refused, the
     old export keeps answering; moved to a good one and SIGHUP: swapped in, /health names it and the answers are
@@ -124,19 +139,13 @@ def test_sighup_swaps_to_the_new_export_refuses_a_damaged_one_and_drops_no_reque
         url = f"http://127.0.0.1:{served_port(proc, log)}"
         assert get(f"{url}/health")["export_id"] == old["id"]
         with Clients(url) as clients:
-            wait_until(lambda: len(clients.answers) >= 20, "no answers", proc, log)
-            current.unlink()
-            current.symlink_to(damaged)
-            proc.send_signal(signal.SIGHUP)
-            wait_until(lambda: "refused" in log.read_text(), "no refusal of the damaged export", proc, log)
-            assert "does not match its sha256" in log.read_text() and "still serving" in log.read_text()
+            refuse_damaged(proc, log, current, damaged, clients)
+            assert "still serving" in log.read_text()
             assert get(f"{url}/health")["export_id"] == old["id"]
             refused_at = len(clients.answers)
             wait_until(lambda: len(clients.answers) >= refused_at + 20, "no answers after the refusal", proc, log)
 
-            current.unlink()
-            current.symlink_to(new["path"])
-            proc.send_signal(signal.SIGHUP)
+            point_and_hangup(proc, current, new["path"])
             wait_until(lambda: get(f"{url}/health")["export_id"] == new["id"], "no swap", proc, log)
             swapped_at = len(clients.answers)
             wait_until(lambda: len(clients.answers) >= swapped_at + 20, "no answers after the swap", proc, log)
@@ -214,15 +223,8 @@ def test_serve_ray_rolls_to_the_new_export_on_sighup_and_refuses_a_damaged_one(t
         url = f"http://127.0.0.1:{port}"
         assert get(f"{url}/health")["export_id"] == old["id"]
         with Clients(url) as clients:
-            wait_until(lambda: len(clients.answers) >= 20, "no answers", proc, log)
-            current.unlink()
-            current.symlink_to(damaged)
-            proc.send_signal(signal.SIGHUP)
-            wait_until(lambda: "refused" in log.read_text(), "no refusal of the damaged export", proc, log)
-            assert "does not match its sha256" in log.read_text()
-            current.unlink()
-            current.symlink_to(new["path"])
-            proc.send_signal(signal.SIGHUP)
+            refuse_damaged(proc, log, current, damaged, clients)
+            point_and_hangup(proc, current, new["path"])
             wait_until(lambda: "now serving" in log.read_text(), "no rolling update", proc, log)
             assert get(f"{url}/health")["export_id"] == new["id"]
             swapped_at = len(clients.answers)

@@ -41,8 +41,9 @@ import torch
 
 from bigrank.distributed.collectives import all_reduce_no_grad, is_distributed
 from bigrank.losses.buckets import bucket_gather, bucket_stats, index_dtype, threshold_table
-from bigrank.losses.kernels import exp_grad, max_and_sum_exp
-from bigrank.losses.scores import ChunkedScores, as_score_source, divide_scores, gather_row_stats
+from bigrank.losses.kernels import exp_grad
+from bigrank.losses.scores import ChunkedScores, as_score_source, divide_scores
+from bigrank.losses.softmax import local_max_sum_exp, log_normalizers
 from bigrank.losses.validation import check_temperature
 
 __all__ = ["rankmax_shared_catalog_loss", "softmax_shared_catalog_loss"]
@@ -184,21 +185,8 @@ class _SoftmaxShared:
     needs_scores = True
 
     def forward(self, source, positives: _Positives, group):
-        users, device = source.batch, source.device
-        row_max = torch.full((users,), float("-inf"), dtype=torch.float64, device=device)
-        sum_exp = torch.zeros(users, dtype=torch.float64, device=device)
-        for _, block in source.blocks():
-            if block.shape[1] == 0:
-                continue
-            block_max, block_sum = max_and_sum_exp(block)
-            new_max = torch.maximum(row_max, block_max)
-            sum_exp = sum_exp * torch.exp(row_max - new_max) + block_sum * torch.exp(block_max - new_max)
-            row_max = new_max
-        stats = gather_row_stats(torch.stack([row_max, sum_exp], dim=1), group)  # [W, U, 2]
-        row_max = stats[..., 0].max(dim=0).values
-        scale = torch.exp(stats[..., 0] - row_max)
-        sum_exp = (stats[..., 1] * torch.where(stats[..., 1] > 0, scale, 0.0)).sum(dim=0)
-        log_normalizer = torch.where(positives.lengths > 0, row_max + torch.log(sum_exp), 0.0)
+        log_normalizer = log_normalizers(*local_max_sum_exp(source), group)
+        log_normalizer = torch.where(positives.lengths > 0, log_normalizer, 0.0)
         loss = (positives.lengths.to(torch.float64) * log_normalizer).sum() - positives.score.sum()
         return loss, {"log_normalizer": log_normalizer}
 

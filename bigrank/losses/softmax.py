@@ -23,29 +23,40 @@ from bigrank.losses.validation import (
 __all__ = ["softmax_loss", "softmax_shared_loss", "SoftmaxLoss"]
 
 
+def local_max_sum_exp(source) -> tuple[torch.Tensor, torch.Tensor]:
+    """(max_i z_i, sum_i exp(z_i - max)) over this rank's columns of ``source`` (a score source,
+    ``bigrank.losses.scores``), float64 [B] each, block by block."""
+    row_max = torch.full((source.batch,), float("-inf"), dtype=torch.float64, device=source.device)
+    sum_exp = torch.zeros(source.batch, dtype=torch.float64, device=source.device)
+    for _, block in source.blocks():
+        if block.shape[1] == 0:
+            continue
+        block_max, block_sum = max_and_sum_exp(block)
+        new_max = torch.maximum(row_max, block_max)
+        # Online log-sum-exp: rescale what was summed under the old max (Milakov & Gimelshein, 2018).
+        sum_exp = sum_exp * torch.exp(row_max - new_max) + block_sum * torch.exp(block_max - new_max)
+        row_max = new_max
+    return row_max, sum_exp
+
+
+def log_normalizers(row_max: torch.Tensor, sum_exp: torch.Tensor, group) -> torch.Tensor:
+    """Each row's log sum_i exp(z_i) over the whole catalog, float64 [B], from every rank's
+    :func:`local_max_sum_exp` (one all-gather of 2B floats)."""
+    stats = gather_row_stats(torch.stack([row_max, sum_exp], dim=1), group)  # [W, B, 2]
+    row_max = stats[..., 0].max(dim=0).values
+    scale = torch.exp(stats[..., 0] - row_max)
+    sum_exp = (stats[..., 1] * torch.where(stats[..., 1] > 0, scale, 0.0)).sum(dim=0)
+    return row_max + torch.log(sum_exp)
+
+
 class _SoftmaxImpl:
     def local_max_sum_exp(self, source) -> tuple[torch.Tensor, torch.Tensor]:
-        """(max_i z_i, sum_i exp(z_i - max)) over this rank's columns, float64 [B] each, block by block (the
-        fused kernels, ``bigrank.losses.fused``, compute the same two numbers without blocks)."""
-        row_max = torch.full((source.batch,), float("-inf"), dtype=torch.float64, device=source.device)
-        sum_exp = torch.zeros(source.batch, dtype=torch.float64, device=source.device)
-        for _, block in source.blocks():
-            if block.shape[1] == 0:
-                continue
-            block_max, block_sum = max_and_sum_exp(block)
-            new_max = torch.maximum(row_max, block_max)
-            # Online log-sum-exp: rescale what was summed under the old max (Milakov & Gimelshein, 2018).
-            sum_exp = sum_exp * torch.exp(row_max - new_max) + block_sum * torch.exp(block_max - new_max)
-            row_max = new_max
-        return row_max, sum_exp
+        """:func:`local_max_sum_exp` (the fused kernels, ``bigrank.losses.fused``, compute the same two numbers
+        without blocks)."""
+        return local_max_sum_exp(source)
 
     def forward(self, source, layout: Layout, group):
-        row_max, sum_exp = self.local_max_sum_exp(source)
-        stats = gather_row_stats(torch.stack([row_max, sum_exp], dim=1), group)  # [W, B, 2]
-        row_max = stats[..., 0].max(dim=0).values
-        scale = torch.exp(stats[..., 0] - row_max)
-        sum_exp = (stats[..., 1] * torch.where(stats[..., 1] > 0, scale, 0.0)).sum(dim=0)
-        log_normalizer = row_max + torch.log(sum_exp)
+        log_normalizer = log_normalizers(*self.local_max_sum_exp(source), group)
         return log_normalizer - layout.positive, dict(log_normalizer=log_normalizer)
 
     def grad_block(self, block, start, state, layout: Layout, grad_rows):
