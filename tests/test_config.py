@@ -159,12 +159,14 @@ def test_cli_reports_the_bad_key_and_exits_2(tmp_path, capsys):
     assert "dataset directory does not exist" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize(
-    "name", ["demo", "ml-latest-small-rankmax", "ml-latest-small-softmax", "ml-latest-small-sparsemax"]
-)
+@pytest.mark.parametrize("name", sorted(path.stem for path in (REPO / "configs").glob("*.yaml")))
 def test_shipped_configs_load(name):
+    """Every config in configs/ loads, and its settings pass the pre-flight of its batching."""
+    from bigrank.train.user_steps import check_user_batching
+
     config = load_config(REPO / "configs" / f"{name}.yaml")
     assert config.workers >= 1 and config.train.batch_size % config.workers == 0
+    check_user_batching(config)
 
 
 @pytest.mark.parametrize("value, expected", [("auto", "auto"), ("4096", 4096), ("null", None)])
