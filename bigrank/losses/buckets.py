@@ -9,7 +9,7 @@ and keeps k (int16, or int32 past 32,767 thresholds a row) for :func:`bucket_gat
 Two implementations compute the same buckets:
 
 * native (CPU; float32 or bfloat16 blocks): ``csrc/buckets.c``, built with the system C compiler at first use
-  (``cc -O3 -march=native``, ~0.2 s, cached by source and compiler in ``$XDG_CACHE_HOME/bigrank``) and loaded
+  (``cc -O3 -march=native``, ~0.2 s, cached by source, compiler and CPU in ``$XDG_CACHE_HOME/bigrank``) and loaded
   with ctypes. A branchless binary search, sixteen scores at a time with AVX-512 gathers. Measured with
   ``python -m benchmarks.bench_shared``: the eager ``torch.searchsorted`` took 50 ns a score on one thread of
   this machine, the native search 6-7 ns.
@@ -48,11 +48,23 @@ def _compiler() -> str:
     return os.environ.get("CC", "cc")
 
 
+def _cpu_flags() -> bytes:
+    """What ``-march=native`` compiles for: the machine and its CPU's flags (a cache shared by machines with other
+    CPUs, e.g. a home directory on NFS, then holds one library per CPU instead of one that faults on the others)."""
+    flags = b""
+    try:
+        with open("/proc/cpuinfo", "rb") as cpuinfo:
+            flags = next((line for line in cpuinfo if line.startswith(b"flags")), b"")
+    except OSError:
+        pass
+    return os.uname().machine.encode() + flags
+
+
 def _build() -> ctypes.CDLL:
     """Compile ``csrc/buckets.c`` (with OpenMP when the compiler has it) into the cache and load it."""
     source = _SOURCE.read_bytes()
     version = subprocess.run([_compiler(), "--version"], capture_output=True, check=True, timeout=60).stdout
-    key = hashlib.sha256(source + version + os.uname().machine.encode()).hexdigest()[:16]
+    key = hashlib.sha256(source + version + _cpu_flags()).hexdigest()[:16]
     target = _cache_dir() / f"buckets-{key}.so"
     if not target.exists():
         target.parent.mkdir(parents=True, exist_ok=True)
