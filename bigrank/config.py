@@ -648,6 +648,16 @@ def apply_overrides(raw: dict, overrides: list[str] | tuple[str, ...]) -> dict:
     return raw
 
 
+def get_key(raw: dict, key: str):
+    """The value at the dotted ``key`` of the nested dict ``raw`` (None when absent): :func:`set_key`'s reader."""
+    node = raw
+    for part in key.split("."):
+        if not isinstance(node, dict) or part not in node:
+            return None
+        node = node[part]
+    return node
+
+
 def set_key(raw: dict, key: str, value) -> dict:
     """Set the dotted ``key`` of the nested dict ``raw`` to ``value``, sections created as needed (in place;
     returns ``raw``). The one way a ``--set`` override or a search-space value reaches a raw config. Raises

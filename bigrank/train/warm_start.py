@@ -30,19 +30,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from bigrank.config import get_key
 from bigrank.errors import ConfigError
 
 __all__ = ["check_init_from", "load_grown"]
 
 # Identity keys (the checkpoint's trainer.json "model") that a grown vocabulary changes; the others must match.
 _VOCABULARY_KEYS = ("dataset users", "dataset items")
-
-
-def _dotted(config_dict: dict, key: str):
-    value: Any = config_dict
-    for part in key.split("."):
-        value = value.get(part) if isinstance(value, dict) else None
-    return value
 
 
 def check_init_from(config, manifest) -> Path:
@@ -64,7 +58,7 @@ def check_init_from(config, manifest) -> Path:
     if checkpoint is None:
         raise ConfigError(f"train.init_from: {source} has no complete checkpoint to start from")
     for key in ("model.kind", "model.dim"):
-        old, new = _dotted(earlier.to_dict(), key), _dotted(config.to_dict(), key)
+        old, new = get_key(earlier.to_dict(), key), get_key(config.to_dict(), key)
         if old != new:
             raise ConfigError(f"train.init_from: {source} was trained with {key}={old!r}, this config has {new!r}")
     meta = read_trainer_state(checkpoint)
@@ -72,7 +66,7 @@ def check_init_from(config, manifest) -> Path:
     for key, old in identity.items():
         if key in _VOCABULARY_KEYS or "." not in key:
             continue
-        new = _dotted(config.to_dict(), key)
+        new = get_key(config.to_dict(), key)
         if new != old:
             raise ConfigError(f"train.init_from: {source} was trained with {key}={old!r}, this config has {new!r}")
 

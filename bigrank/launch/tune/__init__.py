@@ -47,6 +47,7 @@ machine's CPUs; otherwise the cluster at that address (``DIR`` must then be on s
 the data too, as for ``bigrank train --address``).
 """
 
+from bigrank.config import get_key
 from bigrank.launch.tune.commands import register, run_tune
 from bigrank.launch.tune.results import SearchResult, format_table, write_best_config
 from bigrank.launch.tune.search import base_point, param_space, run_search
@@ -55,7 +56,6 @@ from bigrank.launch.tune.space import (
     Domain,
     SearchSpace,
     SpaceError,
-    get_key,
     load_space,
     search_base,
     validate_space,

@@ -13,12 +13,12 @@ from typing import Any
 from bigrank.atomic import write_text_atomic
 from bigrank.config import (
     dump_config,
+    get_key,
 )
 from bigrank.launch.tune.space import (
     _CONTEXT,
     SearchSpace,
     _check_trial_config,
-    get_key,
 )
 
 

@@ -16,6 +16,7 @@ from bigrank.atomic import write_json_atomic, write_text_atomic
 from bigrank.config import (
     Config,
     ConfigError,
+    get_key,
 )
 from bigrank.launch.tune.results import (
     SearchResult,
@@ -28,7 +29,6 @@ from bigrank.launch.tune.space import (
     _CONTEXT,
     SearchSpace,
     _max_epochs,
-    get_key,
     search_base,
     set_space_key,
     validate_space,

@@ -176,16 +176,6 @@ def set_space_key(raw: dict, key: str, value) -> dict:
         raise SpaceError(f"space key {key!r}: {error}") from None
 
 
-def get_key(raw: dict, key: str):
-    """The value at the dotted ``key`` of a raw config (None when absent)."""
-    node = raw
-    for part in key.split("."):
-        if not isinstance(node, dict) or part not in node:
-            return None
-        node = node[part]
-    return node
-
-
 def _check_trial_config(raw: dict) -> Config:
     """The Config of a trial's raw dict, loss parameters checked too (ConfigError naming the key)."""
     from bigrank.losses.build import check_loss_config
