@@ -40,7 +40,22 @@ if TYPE_CHECKING:
     from bigrank.train.checkpoint import Stateful
     from bigrank.train.evaluator import RankingModel
 
-__all__ = ["ExportRows", "ModelKind", "Rows", "StepContext", "StepResult", "Stream", "Training", "TrainingRun"]
+__all__ = [
+    "STOP_BIT",
+    "ExportRows",
+    "ModelKind",
+    "Rows",
+    "StepContext",
+    "StepResult",
+    "Stream",
+    "Training",
+    "TrainingRun",
+]
+
+# A step may carry its rank's stop request (``StepContext.stop_requested``) in the int64 ids it all-gathers anyway:
+# bit 62 set in a rank's ids (item ids and counts are < 2**31, the padding -1) says that rank asked to stop, so
+# every rank reads every rank's request at no extra collective or byte.
+STOP_BIT = 1 << 62
 
 Rows = tuple  # (start, stop, float32[stop - start, d]): rows [start, stop) of a global table, on the CPU
 

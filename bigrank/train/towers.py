@@ -35,7 +35,7 @@ from bigrank.losses.fused.select import resolve_kernel
 from bigrank.losses.scores import replicated_inputs, score_matrix
 from bigrank.records import PLAN_JSON, PLAN_TEXT
 from bigrank.train.item_optim import catalog_optimizer
-from bigrank.train.kind import ExportRows, ModelKind, StepContext, StepResult, TrainingRun
+from bigrank.train.kind import STOP_BIT, ExportRows, ModelKind, StepContext, StepResult, TrainingRun
 from bigrank.train.losses import StepLoss
 from bigrank.train.model import TowersModel, build_towers, history_generator, user_vectors
 from bigrank.train.regularization import user_l2_penalty
@@ -44,11 +44,6 @@ from bigrank.train.state import CatalogState, CatalogWeights, LossState, TowerSt
 from bigrank.train.user_steps import check_user_batching, gather_users, shared_loss_fn, split_bags, train_items
 
 __all__ = ["TOWERS", "TowersKind", "TowersTraining", "towers_identity"]
-
-# The sharded step's stop flag travels in the all-gathered item ids: bit 62 of a rank's ids (an item id is < 2**31,
-# the padding -1) says that this rank has a stop request, so every rank reads every rank's request in the one
-# collective the step makes anyway, at no extra byte.
-_STOP_BIT = 1 << 62
 
 
 def towers_identity(config: Config, model: TowersModel) -> dict[str, Any]:
@@ -88,7 +83,9 @@ class TowersTraining:
             write_text_atomic(run.run_dir / PLAN_TEXT, plan_text + "\n")
         train_cfg = config.train
         self.batching = train_cfg.batching
-        self.local_batch = train_cfg.batch_size // self.world_size
+        # A rank's rows (or users, up to ceil(B / W) as UserBatches slices them) in a step.
+        size, world = train_cfg.batch_size, self.world_size
+        self.local_batch = -(-size // world) if self.batching == "users" else size // world
         if self.batching == "users":
             self.stream = self._user_stream(run)
         else:
@@ -154,7 +151,6 @@ class TowersTraining:
         """``train.batching: users``: the users with a train item, ``train.batch_size`` a global step; this rank
         takes its slice (at most ``local_batch`` users) and reads their train items each step."""
         config = run.config
-        self.local_batch = -(-config.train.batch_size // self.world_size)
         users, self.read_train_items = train_items(run.manifest, self.model.history)
         self.user_loss = shared_loss_fn(config)
         return UserBatches(users, config.train.batch_size, rank=self.rank, world_size=self.world_size, seed=config.seed)
@@ -214,20 +210,12 @@ class TowersTraining:
         config = self.config
         users = batch["user_id"].numpy()
         indptr, items = self.read_train_items(users)
-        dropout, sample = config.model.history_dropout, config.model.history_sample_size
-        rng = history_generator(config.seed, context.step, self.rank) if dropout > 0 or sample is not None else None
         bags = None
         if self.model.history is not None:  # the targets are the items the dropout left out of the bag
+            rng = history_generator(config.seed, context.step, self.rank)
+            dropout, sample = config.model.history_dropout, config.model.history_sample_size
             bags, indptr, items = split_bags(indptr, items, dropout, rng, sample)
-        local_vectors = user_vectors(
-            self.model,
-            torch.from_numpy(users),
-            pad_to=self.local_batch,
-            history_dropout=dropout,
-            rng=rng,
-            history_sample_size=sample,
-            bags=bags,
-        )
+        local_vectors = user_vectors(self.model, torch.from_numpy(users), pad_to=self.local_batch, bags=bags)
         shard, chunk, dtype = self.model.shard, config.train.chunk_size, self.step_loss.score_dtype
         stats = None
         if shard.replicated:  # this rank's users against the whole catalog
@@ -351,14 +339,14 @@ class TowersTraining:
     ) -> tuple[torch.Tensor, torch.Tensor, bool]:
         """The global batch's user vectors float[B', d] and positives int64[B'] in one all-gather (each rank's
         rows padded to the local batch: the last batch of an epoch can be smaller, even empty), and whether any
-        rank's ids carried its stop request (``_STOP_BIT``)."""
+        rank's ids carried its stop request (``STOP_BIT``)."""
         if stop_requested:
-            items = items.to(torch.int64) | _STOP_BIT
+            items = items.to(torch.int64) | STOP_BIT
         vectors, target = all_gather_rows_with_ids(local_vectors, items, self.local_batch, self.group)
         low, high = torch.stack(torch.aminmax(target)).tolist()  # one device-to-host read for both checks
-        stopping = high >= _STOP_BIT
+        stopping = high >= STOP_BIT
         if stopping:
-            target = torch.where(target >= _STOP_BIT, target - _STOP_BIT, target)
+            target = torch.where(target >= STOP_BIT, target - STOP_BIT, target)
         if low >= 0:
             return vectors, target, stopping
         valid = target >= 0

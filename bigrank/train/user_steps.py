@@ -6,7 +6,7 @@ One step on rank r of W (global batch of B users, each rank's slice of ``UserBat
 
     users           = the rank's slice of the step's users                  UserBatches: any worker count, resume
     P_u             = train items of each user                             the split's per-user index (CSR)
-    u_local         = tower(users)           [b, d]                         history bag: the user's whole bag
+    u_local         = tower(users)           [b, d]                         history bag: split_bags (below)
     U, counts       = all_gather_rows_with_ids(u_local, |P_u|)              one all-gather (backward: reduce-scatter)
     items           = all-gather of the ranks' P_u, padded to the longest  int64
     loss            = L_shared(U @ V_r^T, CSR(counts, items); group) / R    R: the step's (user, item) rows
@@ -35,11 +35,19 @@ from bigrank.config import Config
 from bigrank.data.manifest import DatasetManifest
 from bigrank.distributed.collectives import all_gather_equal, all_gather_rows_with_ids
 from bigrank.errors import ConfigError
+from bigrank.train.kind import STOP_BIT
 
-__all__ = ["SHARED_LOSSES", "check_user_batching", "gather_users", "shared_loss_fn", "train_items"]
+__all__ = [
+    "SHARED_LOSSES",
+    "check_user_batching",
+    "csr_rows",
+    "gather_users",
+    "shared_loss_fn",
+    "split_bags",
+    "train_items",
+]
 
 SHARED_LOSSES = ("rankmax", "softmax")
-_STOP_BIT = 1 << 62  # as the row-wise step's: a rank's stop request rides in its gathered counts
 
 
 def check_user_batching(config: Config) -> None:
@@ -107,16 +115,18 @@ def train_items(manifest: DatasetManifest, history=None) -> tuple[np.ndarray, Ca
 
         history = read_user_items(manifest, "train", manifest.num_users)
     indptr, items = history
+    return np.flatnonzero(np.diff(indptr)).astype(np.int64), lambda users: csr_rows(indptr, items, users)
 
-    def read(users: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        starts, stops = indptr[users], indptr[users + 1]
-        out = np.zeros(len(users) + 1, dtype=np.int64)
-        np.cumsum(stops - starts, out=out[1:])
-        parts = [items[a:b] for a, b in zip(starts.tolist(), stops.tolist(), strict=True)]
-        flat = np.concatenate(parts).astype(np.int64) if parts else np.empty(0, np.int64)
-        return out, flat
 
-    return np.flatnonzero(np.diff(indptr)).astype(np.int64), read
+def csr_rows(indptr: np.ndarray, items: np.ndarray, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Rows ``rows`` (any order, repeats allowed) of the CSR ``(indptr, items)``, as a CSR ``(indptr
+    int64[len(rows) + 1], items int64)`` in that order, without a Python loop over the rows."""
+    starts = indptr[rows].astype(np.int64)
+    counts = indptr[np.asarray(rows) + 1].astype(np.int64) - starts
+    out = np.zeros(len(counts) + 1, dtype=np.int64)
+    np.cumsum(counts, out=out[1:])
+    take = np.repeat(starts - out[:-1], counts) + np.arange(out[-1])
+    return out, items[take].astype(np.int64)
 
 
 def _sorted_reader(items_of) -> Callable[[np.ndarray], tuple]:
@@ -125,14 +135,9 @@ def _sorted_reader(items_of) -> Callable[[np.ndarray], tuple]:
     def read(users: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         order = np.argsort(users, kind="stable")
         indptr, items = items_of(users[order])
-        counts = np.diff(indptr)
         back = np.empty_like(order)
         back[order] = np.arange(len(order))
-        starts = indptr[:-1][back]
-        out = np.zeros(len(users) + 1, dtype=np.int64)
-        np.cumsum(counts[back], out=out[1:])
-        take = np.concatenate([np.arange(s, s + c) for s, c in zip(starts, counts[back], strict=True)] or [[]])
-        return out, items[take.astype(np.int64)]
+        return csr_rows(indptr, items, back)
 
     return read
 
@@ -178,10 +183,10 @@ def gather_users(
     device = local_vectors.device
     counts = torch.from_numpy(np.diff(indptr)).to(device=device, dtype=torch.int64)
     if stop_requested:
-        counts = counts | _STOP_BIT
+        counts = counts | STOP_BIT
     vectors, gathered = all_gather_rows_with_ids(local_vectors, counts, pad_to, group)
-    stopping = bool((gathered >= _STOP_BIT).any())
-    gathered = torch.where(gathered >= _STOP_BIT, gathered - _STOP_BIT, gathered)
+    stopping = bool((gathered >= STOP_BIT).any())
+    gathered = torch.where(gathered >= STOP_BIT, gathered - STOP_BIT, gathered)
     valid = gathered >= 0
     per_rank = gathered.clamp_min(0).view(-1, pad_to).sum(dim=1)
     longest = max(int(per_rank.max()), 1)
