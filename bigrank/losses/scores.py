@@ -86,8 +86,10 @@ class DenseScores:
     def blocks(self, rows: torch.Tensor | None = None) -> Iterator[tuple[int, torch.Tensor]]:
         yield 0, self.scores if rows is None else self.scores[rows]
 
-    def gather_columns(self, columns: torch.Tensor) -> torch.Tensor:
-        """``scores[b, columns[b]]`` for every row: [B]."""
+    def gather_columns(self, columns: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """``scores[b, columns[b]]`` for every row: [B]; with ``rows``, ``scores[rows[p], columns[p]]``: [P]."""
+        if rows is not None:
+            return self.scores[rows, columns]
         return self.scores.gather(1, columns.unsqueeze(1)).squeeze(1)
 
     def nonfinite_rows(self) -> torch.Tensor:
@@ -167,13 +169,14 @@ class ChunkedScores:
         for start in range(0, self.num_local, self.chunk_size):
             yield start, users @ self.item_rows[start : start + self.chunk_size].to(self.compute_dtype).T
 
-    def gather_columns(self, columns: torch.Tensor) -> torch.Tensor:
+    def gather_columns(self, columns: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
+        users = self.user_vectors if rows is None else self.user_vectors[rows]
         if self.num_local == 0:
-            return self.user_vectors.new_zeros(self.batch, dtype=self.compute_dtype)
+            return users.new_zeros(users.shape[0], dtype=self.compute_dtype)
         # The dot product of the rounded factors in (at least) float32, rounded like the GEMM's output.
-        users, rows = self.user_vectors.to(self.compute_dtype), self.item_rows[columns].to(self.compute_dtype)
+        users, items = users.to(self.compute_dtype), self.item_rows[columns].to(self.compute_dtype)
         accumulate = torch.promote_types(self.compute_dtype, torch.float32)
-        return (users.to(accumulate) * rows.to(accumulate)).sum(dim=1).to(self.compute_dtype)
+        return (users.to(accumulate) * items.to(accumulate)).sum(dim=1).to(self.compute_dtype)
 
     def nonfinite_rows(self) -> torch.Tensor:
         # Scores are finite when both factors are (barring overflow): check the small factors, not B x n.

@@ -42,7 +42,7 @@ import torch
 from bigrank.distributed.collectives import all_reduce_no_grad, is_distributed
 from bigrank.losses.buckets import bucket_gather, bucket_stats, index_dtype, threshold_table
 from bigrank.losses.kernels import exp_grad
-from bigrank.losses.scores import ChunkedScores, as_score_source, divide_scores
+from bigrank.losses.scores import as_score_source, divide_scores
 from bigrank.losses.softmax import local_max_sum_exp, log_normalizers
 from bigrank.losses.validation import check_temperature
 
@@ -61,11 +61,15 @@ class _Positives:
     local: torch.Tensor
     column: torch.Tensor
 
-    def in_block(self, start: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(positives int64[p], their columns - start)``: the positives (indices into the R) whose items are
-        this rank's columns ``[start, start + width)``."""
-        lo, hi = torch.searchsorted(self.column, torch.tensor([start, start + width], device=self.column.device))
-        return self.local[lo:hi], self.column[lo:hi] - start
+    def add_in_block(self, grad: torch.Tensor, start: int, values: torch.Tensor) -> None:
+        """``grad[row_p, item_p - offset - start] += values[p]`` for the positives p whose items are columns
+        ``[start, start + width)`` of ``grad`` [U, width] (``values``: float64[R], or [1] for all of them)."""
+        bounds = torch.tensor([start, start + grad.shape[1]], device=self.column.device)
+        lo, hi = torch.searchsorted(self.column, bounds).tolist()
+        if hi > lo:
+            held = self.local[lo:hi]
+            values = values.expand(self.score.numel())[held].to(grad.dtype)
+            grad.index_put_((self.row[held], self.column[lo:hi] - start), values, accumulate=True)
 
 
 def _check_positives(indptr: torch.Tensor, items: torch.Tensor, users: int) -> None:
@@ -79,16 +83,6 @@ def _check_positives(indptr: torch.Tensor, items: torch.Tensor, users: int) -> N
         raise ValueError(f"indptr must rise from 0 to len(items) = {items.numel()}")
     if items.numel() and int(items.min()) < 0:
         raise ValueError(f"positive item ids must be >= 0, got {int(items.min())}")
-
-
-def _pair_scores(source, rows: torch.Tensor, columns: torch.Tensor) -> torch.Tensor:
-    """``scores[rows[p], columns[p]]`` of this rank's columns, rounded as the score blocks are."""
-    if isinstance(source, ChunkedScores):
-        dtype = source.compute_dtype
-        users, items = source.user_vectors[rows].to(dtype), source.item_rows[columns].to(dtype)
-        accumulate = torch.promote_types(dtype, torch.float32)
-        return (users.to(accumulate) * items.to(accumulate)).sum(dim=1).to(dtype)
-    return source.scores[rows, columns]
 
 
 def _locate(source, indptr: torch.Tensor, items: torch.Tensor, group, offset: int) -> _Positives:
@@ -106,7 +100,7 @@ def _locate(source, indptr: torch.Tensor, items: torch.Tensor, group, offset: in
     local = local[order]
     score = torch.zeros(items.numel(), dtype=torch.float64, device=device)
     if local.numel():
-        score[local] = _pair_scores(source, row[local], column).to(torch.float64)
+        score[local] = source.gather_columns(column, rows=row[local]).to(torch.float64)
     bad = source.nonfinite_rows().any().to(torch.float64).reshape(1)
     totals = all_reduce_no_grad(torch.cat([score, bad, held.sum().to(torch.float64).reshape(1)]), group)
     if float(totals[-2]) > 0:
@@ -130,7 +124,7 @@ class _RankmaxShared:
     def forward(self, source, positives: _Positives, group):
         users, device = source.batch, source.device
         compare = torch.float64 if source.dtype == torch.float64 else torch.float32
-        thresholds = (positives.score.to(compare) - self.margin).to(compare)  # t_y = z_y - eta, as the scores
+        thresholds = positives.score.to(compare) - self.margin  # t_y = z_y - eta, compared as the scores are
         table, order, m = threshold_table(thresholds, positives.lengths)
         width = 1 << m
         counts = torch.zeros(users, width, dtype=torch.float64, device=device)
@@ -160,9 +154,8 @@ class _RankmaxShared:
         slots, support, m = state["slots"], state["support"], state["m"]
         inverse = torch.where(slots, weight / support, 0.0)  # w / D_y, by sorted threshold
         prefix = torch.zeros(slots.shape[0], 1 << m, dtype=torch.float64, device=slots.device)
-        prefix[:, 1 : slots.shape[1] + 1] = torch.cumsum(
-            inverse, dim=1
-        )  # bucket k: sum of w / D_y over the k thresholds below
+        # Bucket k: the sum of w / D_y over the k thresholds below it.
+        prefix[:, 1 : slots.shape[1] + 1] = torch.cumsum(inverse, dim=1)
         at_positive = torch.zeros_like(positives.score)  # -w c_y / D_y at each positive's own item
         at_positive[state["order"][slots]] = -(inverse * state["above"])[slots]
         buckets, dtype = state["buckets"], source.dtype
@@ -170,10 +163,7 @@ class _RankmaxShared:
 
         def grad_block(start: int, width: int) -> torch.Tensor:
             grad = bucket_gather(buckets[:, start : start + width], gather_prefix, m)
-            held, columns = positives.in_block(start, width)
-            if held.numel():
-                values = at_positive[held].to(grad.dtype)
-                grad.index_put_((positives.row[held], columns), values, accumulate=True)
+            positives.add_in_block(grad, start, at_positive)
             return grad.to(dtype)
 
         return grad_block
@@ -195,10 +185,7 @@ class _SoftmaxShared:
 
         def grad_block(start: int, block: torch.Tensor) -> torch.Tensor:
             grad = exp_grad(block, state["log_normalizer"], scale)
-            held, columns = positives.in_block(start, block.shape[1])
-            if held.numel():
-                values = (-weight).expand(held.numel()).to(grad.dtype)
-                grad.index_put_((positives.row[held], columns), values, accumulate=True)
+            positives.add_in_block(grad, start, -weight.reshape(1))
             return grad
 
         return grad_block
