@@ -6,11 +6,8 @@ swaps is answered, each with the exact top-k of the export that answered it."""
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import signal
-import subprocess
-import sys
 import threading
 import time
 import urllib.request
@@ -24,8 +21,6 @@ from bigrank.export.format import MANIFEST_NAME, export_id
 from bigrank.export.reload import ExportSource, Reloader, first_export, read_candidate, watched_exports
 from tests.helpers import (
     HANG_GUARD_S,
-    REPO,
-    as_from_a_terminal,
     assert_ends,
     kill_group,
     random_tables,
@@ -267,33 +262,25 @@ sys.exit(main())
 """
 
 
-def start_with_a_held_first_load(tmp_path: Path, *args: str) -> tuple[subprocess.Popen, Path, Path]:
-    """``bigrank ARGS`` (as :func:`start_command`) whose first export load waits for ``gate``: (process, log, gate)."""
+def serve_with_a_held_first_load(tmp_path: Path):
+    """``bigrank serve current`` (a link to day1; day2 beside it) whose first load has begun and waits for
+    ``gate`` to exist: ``(old, new, current, proc, log, gate)``."""
+    old, new = make_export(tmp_path / "day1", seed=1), make_export(tmp_path / "day2", seed=2)
+    current = tmp_path / "current"
+    current.symlink_to(old["path"])
     script, gate, log = tmp_path / "slow_first_load.py", tmp_path / "gate", tmp_path / "serve.log"
     script.write_text(SLOW_FIRST_LOAD)
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    with open(log, "w") as out:
-        proc = subprocess.Popen(
-            [sys.executable, str(script), str(gate), *args],
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            env=env,
-            cwd=REPO,
-            start_new_session=True,
-            preexec_fn=as_from_a_terminal,
-        )
-    return proc, log, gate
+    args = (str(gate), "serve", str(current), "--port", "0", "--quiet")
+    proc = start_command(log, *args, runner=(str(script),))
+    wait_until(lambda: Path(f"{gate}.loading").exists(), "the first load did not start", proc, log)
+    return old, new, current, proc, log, gate
 
 
 def test_a_sighup_during_the_first_load_is_kept_and_reloads_once_serving(tmp_path):
     """The link moves while the first export loads, and SIGHUP comes: the process lives on, serves the export the
     link named when the load began (resolved once), then honours the SIGHUP and swaps to the new one."""
-    old, new = make_export(tmp_path / "day1", seed=1), make_export(tmp_path / "day2", seed=2)
-    current = tmp_path / "current"
-    current.symlink_to(old["path"])
-    proc, log, gate = start_with_a_held_first_load(tmp_path, "serve", str(current), "--port", "0", "--quiet")
+    old, new, current, proc, log, gate = serve_with_a_held_first_load(tmp_path)
     try:
-        wait_until(lambda: Path(f"{gate}.loading").exists(), "the first load did not start", proc, log)
         point_and_hangup(proc, current, new["path"])
         time.sleep(0.5)  # the signal has landed: the process must still run
         assert proc.poll() is None, f"SIGHUP during the first load ended the process:\n{log.read_text()}"
@@ -311,12 +298,8 @@ def test_a_sighup_during_the_first_load_is_kept_and_reloads_once_serving(tmp_pat
 def test_the_export_served_is_the_one_the_link_named_when_its_load_began(tmp_path):
     """No SIGHUP: the link moves while the first export loads. The server serves the export whose id it read (the
     link's target then), and names it; a later SIGHUP then swaps to the new target."""
-    old, new = make_export(tmp_path / "day1", seed=1), make_export(tmp_path / "day2", seed=2)
-    current = tmp_path / "current"
-    current.symlink_to(old["path"])
-    proc, log, gate = start_with_a_held_first_load(tmp_path, "serve", str(current), "--port", "0", "--quiet")
+    old, new, current, proc, log, gate = serve_with_a_held_first_load(tmp_path)
     try:
-        wait_until(lambda: Path(f"{gate}.loading").exists(), "the first load did not start", proc, log)
         current.unlink()
         current.symlink_to(new["path"])
         gate.touch()
@@ -379,23 +362,31 @@ def test_a_link_is_resolved_once_a_reload_and_install_gets_the_real_directory(tm
     assert installs.paths == [new["path"].resolve()] and reloader.live.path == new["path"].resolve()
 
 
-@pytest.mark.parametrize(
-    "error", [MemoryError("out of memory"), RuntimeError("Deploying app 'bigrank' timed out"), TimeoutError()]
-)
-def test_a_transient_failure_is_tried_again_after_a_back_off(tmp_path, monkeypatch, error):
-    """Out of memory, a deployment timeout: the newer export is not refused; it is tried again, after a wait that
-    doubles, and served once it loads (watched directory, no new manifest, no SIGHUP)."""
-    monkeypatch.setattr(reload, "RETRY_FIRST_S", 0.2, raising=False)
+def watching_one_export(tmp_path: Path):
+    """``(watched directory, its ExportSource, the Candidate served)``: a directory holding one export, served."""
     watched = tmp_path / "exports"
     watched.mkdir()
     make_export(watched / "a", seed=1)
     source = ExportSource(watch=watched)
     live, _ = first_export(source, lambda path: path)
+    return watched, source, live
+
+
+@pytest.mark.parametrize(
+    "error", [MemoryError("out of memory"), RuntimeError("Deploying app 'bigrank' timed out"), TimeoutError()]
+)
+def test_a_transient_failure_is_tried_again_after_a_back_off(tmp_path, monkeypatch, capsys, error):
+    """Out of memory, a deployment timeout: the newer export is not refused; it is tried again, after a wait that
+    doubles, and served once it loads (watched directory, no new manifest, no SIGHUP)."""
+    monkeypatch.setattr(reload, "RETRY_FIRST_S", 0.2, raising=False)
+    watched, source, live = watching_one_export(tmp_path)
     newer = make_export(watched / "b", seed=2)
     installs = Installs(error, error)
     reloader = Reloader(source, installs, live, interval=0.05)
     assert poll_until(reloader, lambda: reloader.live.export_id == newer["id"]), installs.paths
     assert installs.paths == [newer["path"].resolve()] * 3 and newer["id"] not in reloader.refused
+    log = capsys.readouterr().err
+    assert "taken as transient): trying again in 0.2 s" in log and "trying again in 0.4 s" in log
 
 
 def test_a_transient_failure_of_the_one_export_given_is_retried_without_another_sighup(tmp_path, monkeypatch):
@@ -419,11 +410,7 @@ def test_a_verification_or_format_error_refuses_the_export_for_good(tmp_path, mo
     """A checksum mismatch (ValueError) or a listed file missing (FileNotFoundError): refused, not tried again while
     its manifest stays the same."""
     monkeypatch.setattr(reload, "RETRY_FIRST_S", 0.05, raising=False)
-    watched = tmp_path / "exports"
-    watched.mkdir()
-    make_export(watched / "a", seed=1)
-    source = ExportSource(watch=watched)
-    live, _ = first_export(source, lambda path: path)
+    watched, source, live = watching_one_export(tmp_path)
     for name, error in (("b", ValueError("does not match its sha256")), ("c", FileNotFoundError("missing"))):
         bad = make_export(watched / name, seed=ord(name))
         installs = Installs(error)

@@ -132,8 +132,8 @@ class Reloader:
     the id of the export now served, or raises to refuse it; the old export then keeps serving. ``live`` is the
     candidate served now. Call :meth:`poll` from the serving loop; it starts at most one reload thread at a time
     (a SIGHUP during a reload is kept for the next one). A refusal is for good on ``REFUSED_FOR_GOOD`` errors;
-    after any other the export is tried again, ``retry_first`` seconds later, the wait doubling up to
-    ``retry_max`` (module docstring).
+    after any other the export is tried again, ``retry_first`` seconds later (default ``RETRY_FIRST_S``), the
+    wait doubling up to ``retry_max`` (``RETRY_MAX_S``; module docstring).
     """
 
     def __init__(
@@ -142,14 +142,15 @@ class Reloader:
         install: Callable[[Path], str],
         live: Candidate,
         interval: float = WATCH_INTERVAL_S,
-        retry_first: float = RETRY_FIRST_S,
-        retry_max: float = RETRY_MAX_S,
+        retry_first: float | None = None,
+        retry_max: float | None = None,
     ):
         self.source = source
         self.install = install
         self.live = live
         self.interval = float(interval)
-        self.retry_first, self.retry_max = float(retry_first), float(retry_max)
+        self.retry_first = float(RETRY_FIRST_S if retry_first is None else retry_first)
+        self.retry_max = float(RETRY_MAX_S if retry_max is None else retry_max)
         self.refused: set[str] = set()
         self.backoff: dict[str, tuple[int, float]] = {}  # export id -> (transient failures, when to try again)
         self.reloads = 0  # swaps done: for the serving loop's tests and logs
