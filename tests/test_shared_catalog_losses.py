@@ -279,5 +279,13 @@ def test_a_nan_score_or_threshold_raises_the_same_error_on_both_paths(native, mo
             index = torch.empty(2, 40, dtype=table.index_dtype)
             with pytest.raises(ValueError, match="the scores hold NaN, which has no bucket"):
                 buckets.bucket_stats(block, table, counts, sums, index)
+        # +inf and -inf in one bucket (a row without thresholds) make its sum NaN, but no score is NaN: no error.
+        empty = buckets.threshold_table(torch.tensor([0.5]), torch.tensor([1, 0]))
+        block = torch.zeros(2, 40, dtype=dtype)
+        block[1, 0], block[1, 39] = float("inf"), float("-inf")
+        counts, sums = empty.zeros(), empty.zeros()
+        buckets.bucket_stats(block, empty, counts, sums, torch.empty(2, 40, dtype=empty.index_dtype))
+        row = int(empty.start[1])
+        assert counts[row] == 40 and bool(torch.isnan(sums[row]))
     with pytest.raises(ValueError, match="thresholds hold NaN"):
         buckets.threshold_table(torch.tensor([0.1, float("nan"), 0.3, 0.0]), lengths)

@@ -44,6 +44,16 @@ static inline int32_t search(const float *t, int m, float v) {
     return k;
 }
 
+/* A NaN score is above no threshold: it falls in bucket 0 and makes that bucket's sum NaN. So a row's scores are
+ * looked at again only when its sums[0] is NaN (also when +inf and -inf met in it: not an error). */
+static int row_has_nan(const void *z, int bf16, int64_t base, int64_t cols) {
+    for (int64_t c = 0; c < cols; c++) {
+        float v = load_score(z, bf16, base + c);
+        if (v != v) return 1;
+    }
+    return 0;
+}
+
 static inline void store_index(int16_t *idx16, int32_t *idx32, int64_t at, int32_t k) {
     if (idx16) idx16[at] = (int16_t)k;
     else idx32[at] = k;
@@ -74,9 +84,7 @@ int bucket_stats(const void *z, int bf16, int64_t rows, int64_t cols, int64_t z_
             memset(count, 0, sizeof(int64_t) * 2 * width);
             const int64_t base = r * z_ld, out = r * idx_ld;
             int64_t c = 0;
-            int nan = 0;
 #ifdef __AVX512F__
-            __mmask16 unordered = 0;
             for (; c + 16 <= cols; c += 16) {
                 __m512 v;
                 if (bf16) {
@@ -85,7 +93,6 @@ int bucket_stats(const void *z, int bf16, int64_t rows, int64_t cols, int64_t z_
                 } else {
                     v = _mm512_loadu_ps((const float *)z + base + c);
                 }
-                unordered |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
                 __m512i k = _mm512_setzero_si512();
                 for (int s = m - 1; s >= 0; s--) {
                     __m512i probe = _mm512_add_epi32(k, _mm512_set1_epi32((1 << s) - 1));
@@ -103,17 +110,15 @@ int bucket_stats(const void *z, int bf16, int64_t rows, int64_t cols, int64_t z_
                     row_sums[ks[j]] += vs[j];
                 }
             }
-            nan = unordered != 0;
 #endif
             for (; c < cols; c++) {
                 float v = load_score(z, bf16, base + c);
-                nan |= v != v;
                 int32_t k = search(t, m, v);
                 store_index(idx16, idx32, out + c, k);
-                count[(c & 1) * width + k] += 1;
+                count[k] += 1;
                 row_sums[k] += v;
             }
-            if (nan) failed |= FAILED_NAN;
+            if (row_sums[0] != row_sums[0] && row_has_nan(z, bf16, base, cols)) failed |= FAILED_NAN;
             double *row_counts = counts + start[r];
             for (int64_t j = 0; j < width; j++) row_counts[j] += (double)(count[j] + count[width + j]);
         }
