@@ -8,8 +8,9 @@ Two batches: every user with ``--positives`` thresholds, and the same with one u
 (issue 48: one heavy user made every row of the batch search at its depth). Each batch is run with each row at its
 own depth (what ``threshold_table`` builds) and with every row at the deepest row's depth (one depth a batch: the
 layout before rows had their own, same kernel), native and torch. Scores and thresholds are standard normal
-(float32 and bf16 blocks); ns per score, best of 3; the table's entries (the size of each per-bucket buffer:
-counts, sums, prefix) and the machine's load beside them.
+(float32 and bf16 blocks); ns per score of CPU time (steady on a shared machine) and of wall time, best of 3;
+the table's entries (the size of each per-bucket buffer: counts, sums, prefix) and the machine's load beside
+them.
 """
 
 from __future__ import annotations
@@ -23,26 +24,31 @@ import torch
 from bigrank.losses import buckets
 
 
-def best_seconds(fn, repeats: int = 3) -> float:
+def best_seconds(fn, repeats: int = 3) -> tuple[float, float]:
+    """``(CPU seconds, wall seconds)`` of ``fn()``, each the best of ``repeats`` after one warm-up call. CPU time
+    (``time.process_time``: every thread of this process) holds steady on a machine others load, where wall time
+    does not."""
     fn()
-    times = []
+    cpu, wall = [], []
     for _ in range(repeats):
-        start = time.perf_counter()
+        cpu_start, wall_start = time.process_time(), time.perf_counter()
         fn()
-        times.append(time.perf_counter() - start)
-    return min(times)
+        cpu.append(time.process_time() - cpu_start)
+        wall.append(time.perf_counter() - wall_start)
+    return min(cpu), min(wall)
 
 
-def time_passes(block: torch.Tensor, table: buckets.ThresholdTable, native: str) -> tuple[float, float]:
-    """Seconds of one statistics pass and one gather over ``block`` (``BIGRANK_NATIVE=native``)."""
+def time_passes(block: torch.Tensor, table: buckets.ThresholdTable, native: str) -> tuple[float, float, float]:
+    """CPU and wall seconds of one statistics pass, and CPU seconds of one gather, over ``block``
+    (``BIGRANK_NATIVE=native``)."""
     os.environ["BIGRANK_NATIVE"] = native
     counts, sums = table.zeros(), table.zeros()
     index = torch.empty(block.shape, dtype=table.index_dtype)
     prefix = torch.randn(table.values.numel(), generator=torch.Generator().manual_seed(1))
-    stats = best_seconds(lambda: buckets.bucket_stats(block, table, counts, sums, index))
-    gather = best_seconds(lambda: buckets.bucket_gather(index, table, prefix))
+    stats_cpu, stats_wall = best_seconds(lambda: buckets.bucket_stats(block, table, counts, sums, index))
+    gather_cpu, _ = best_seconds(lambda: buckets.bucket_gather(index, table, prefix))
     os.environ.pop("BIGRANK_NATIVE")
-    return stats, gather
+    return stats_cpu, stats_wall, gather_cpu
 
 
 def main() -> None:
@@ -70,9 +76,9 @@ def main() -> None:
             block = torch.randn(args.users, args.columns, generator=generator).to(dtype)
             for layout, table in (("own depth", own), ("one depth", one)):
                 for path in ("native", "torch") if built else ("torch",):
-                    stats, gather = time_passes(block, table, "1" if path == "native" else "0")
+                    seconds = time_passes(block, table, "1" if path == "native" else "0")
                     name = str(dtype).removeprefix("torch.")
-                    rows.append((batch, name, layout, path, table.values.numel(), stats, gather))
+                    rows.append((batch, name, layout, path, table.values.numel(), *seconds))
     print(
         f"{args.users} users x {args.columns:,} scores, {args.positives} thresholds a user (one heavy: one user "
         f"with {args.heavy:,}), {args.threads} thread(s); native kernel built: {built}"
@@ -81,10 +87,11 @@ def main() -> None:
     print(f"machine load (1/5/15 min): before {' '.join(f'{x:.2f}' for x in load_before)}, "
           f"after {' '.join(f'{x:.2f}' for x in load_after)} on {os.cpu_count()} CPUs")  # fmt: skip
     header = f"{'batch':<11}{'block':<10}{'rows at':<11}{'path':<8}{'table entries':>14}"
-    print(f"{header}{'stats ns/score':>16}{'gather ns/score':>17}")
-    for batch, name, layout, path, entries, stats, gather in rows:
+    print(f"{header}{'stats ns/score: CPU':>21}{'wall':>7}{'gather CPU ns/score':>21}")
+    for batch, name, layout, path, entries, stats_cpu, stats_wall, gather_cpu in rows:
+        per_score = [seconds / scores * 1e9 for seconds in (stats_cpu, stats_wall, gather_cpu)]
         print(f"{batch:<11}{name:<10}{layout:<11}{path:<8}{entries:>14,}"
-              f"{stats / scores * 1e9:>16.2f}{gather / scores * 1e9:>17.2f}")  # fmt: skip
+              f"{per_score[0]:>21.2f}{per_score[1]:>7.1f}{per_score[2]:>21.2f}")  # fmt: skip
 
 
 if __name__ == "__main__":
