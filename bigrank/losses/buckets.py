@@ -174,9 +174,12 @@ def threshold_table(
     if thresholds.numel() and bool(torch.isnan(thresholds).any()):
         raise ValueError("threshold_table: the thresholds hold NaN")
     least = _bit_length(lengths)
-    depth = least if depth is None else depth.to(device=device, dtype=torch.int64)
-    if bool((depth < least).any()):
-        raise ValueError("threshold_table: a row's depth leaves no room for its thresholds (2^depth <= length)")
+    if depth is None:
+        depth = least
+    else:
+        depth = depth.to(device=device, dtype=torch.int64)
+        if bool((depth < least).any()):
+            raise ValueError("threshold_table: a row's depth leaves no room for its thresholds (2^depth <= length)")
     rows = lengths.numel()
     start = torch.empty(rows, dtype=torch.int64, device=device)
     depths, first = [], 0
