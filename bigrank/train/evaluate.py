@@ -1,4 +1,4 @@
-"""Full-catalog evaluation over the item-parallel catalog: Recall@K, AP@K and Accuracy (Rankmax paper, Section 4).
+"""Full-catalog evaluation over the item-parallel catalog: Recall@K, NDCG@K, AP@K and Accuracy (Rankmax paper, §4).
 
 For each evaluated user, every item of the catalog is scored, the user's items of ``exclude_splits`` (the train
 items by default) are left out, each rank finds the exact top ``max(ks)`` of its own rows (``exact_topk``: by
@@ -354,7 +354,7 @@ def evaluate_model(
     certified_bf16: bool = True,
     stats: TopKStats | None = None,
 ) -> dict:
-    """Recall@K, AP@K and Accuracy of ranking the full catalog for the users of ``split``; collective.
+    """Recall@K, NDCG@K, AP@K and Accuracy of ranking the full catalog for the users of ``split``; collective.
 
     Call it on every rank of ``group`` with the same arguments.
 
@@ -364,7 +364,7 @@ def evaluate_model(
         shard: this rank's rows ``[start, stop)`` of the item matrix (``weight [n_local, d]``).
         dataset: the dataset's ``DatasetManifest`` (read once by the caller), or its directory.
         split: held-out split whose items are the relevant ones (``"valid"`` or ``"test"``).
-        ks: cut-offs K of Recall@K and AP@K; the top ``max(ks)`` items are ranked.
+        ks: cut-offs K (any K >= 1) of Recall@K, NDCG@K and AP@K; the top ``max(ks)`` items are ranked.
         group: process group the catalog is split over (None: one process holds all items).
         sample_users: evaluate a deterministic sample (``seed``) of this many users instead of all users with an
             item in ``split``.
@@ -377,7 +377,7 @@ def evaluate_model(
             (``bigrank.devices.use_certified_bf16``; the same lists as fp32, faster); False: fp32 scores.
         stats: a ``TopKStats`` to add the ranking's figures to (rows certified, fallbacks, rescored candidates).
 
-    Returns ``{"accuracy", "recall@K", "ap@K" (for each K), "users", "skipped_users", "split", "num_items",
+    Returns ``{"accuracy", "recall@K", "ndcg@K", "ap@K" (for each K), "users", "skipped_users", "split", "num_items",
     "candidate_users", "sampled"}``, the same on every rank: ``users`` counts the users scored,
     ``candidate_users`` the users with an item in ``split``. The splits of a bigrank dataset hold
     distinct (user, item) pairs, so no relevant item is excluded.
@@ -525,7 +525,8 @@ def _excluded_pairs(indptr, items, first: int, last: int, offset: int, device) -
 
 
 def format_eval_table(results_by_split: Mapping[str, Mapping]) -> str:
-    """A plain-text table: one row per split, one column per metric (``accuracy, recall@K..., ap@K...``) + users."""
+    """A plain-text table: one row per split, one column per metric (``accuracy, recall@K..., ndcg@K..., ap@K...``)
+    + users."""
     splits = list(results_by_split)
     if not splits:
         return "(no evaluation results)"
