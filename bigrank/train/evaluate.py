@@ -1,7 +1,8 @@
 """Full-catalog evaluation over the item-parallel catalog: Recall@K, NDCG@K, AP@K and Accuracy (Rankmax paper, §4).
 
-For each evaluated user, every item of the catalog is scored, the user's items of ``exclude_splits`` (the train
-items by default) are left out, each rank finds the exact top ``max(ks)`` of its own rows (``exact_topk``: by
+For each evaluated user, every item of the catalog is scored, the user's items of ``exclude_splits`` (by default
+the dataset's rule, ``DatasetManifest.excluded_splits``: the train items, and the valid items too when test is
+evaluated on a given split) are left out, each rank finds the exact top ``max(ks)`` of its own rows (``exact_topk``: by
 default scored in bf16 and certified, the same answer as fp32; ``certified_bf16=False`` scores in fp32), the
 ranks' lists are merged (``merge_topk``: only per-row top-K values and ids are exchanged, never the B x n
 scores), and the list is compared with the user's items of the held-out ``split`` (definitions and AP@K
@@ -292,7 +293,7 @@ def evaluation_data(
     *,
     sample_users: int | None = None,
     seed: int = 0,
-    exclude_splits: Sequence[str] = ("train",),
+    exclude_splits: Sequence[str] | None = None,
     group: dist.ProcessGroup | None = None,
     use_index: bool = True,
 ) -> EvaluationData:
@@ -304,11 +305,16 @@ def evaluation_data(
     but its own ``item_range``): each rank reads a share of the row groups and the ranks exchange what they
     found, so each file is read once per group, not once per rank. The result is the same as without ``group``.
 
+    ``exclude_splits``: the splits whose items of a user are never recommended (None: the dataset's rule,
+    ``DatasetManifest.excluded_splits``).
+
     ``use_index``: when every split needed has a user index matching its files (``bigrank.data.user_index``,
     built by ``bigrank evaluate``) on every rank, the items are read as slices of them instead of a decode of
     the splits' files (the same result); a damaged index is reported on stderr and the files are read instead.
     """
     dataset = layout.as_manifest(dataset)
+    if exclude_splits is None:
+        exclude_splits = dataset.excluded_splits(split)
     for name in (split, *exclude_splits):
         dataset.split(name)  # a missing split is named before any file is read
     indexes = _open_indexes(dataset, [split, *exclude_splits], group) if use_index else None
@@ -348,7 +354,7 @@ def evaluate_model(
     sample_users: int | None = None,
     seed: int = 0,
     batch_size: int = 1024,
-    exclude_splits: Sequence[str] = ("train",),
+    exclude_splits: Sequence[str] | None = None,
     max_score_elements: int = MAX_SCORE_ELEMENTS,
     data: EvaluationData | None = None,
     certified_bf16: bool = True,
@@ -370,7 +376,9 @@ def evaluate_model(
             item in ``split``.
         batch_size: users per batch (lowered when ``b x ceil(n / W)`` scores would exceed ``2 x max_score_elements``:
             see :func:`ranked_batches`).
-        exclude_splits: splits whose items of the user are never recommended (its train items by default).
+        exclude_splits: splits whose items of the user are never recommended (None: the dataset's rule,
+            ``DatasetManifest.excluded_splits``: its train items, and on a given split its valid items too
+            when ``split`` is test).
         data: the split's :class:`EvaluationData` built earlier (then ``sample_users``, ``seed`` and
             ``exclude_splits`` are those it was built with, and no dataset file is read).
         certified_bf16: rank with the certified bf16 top-K where the CPU has bf16 units
