@@ -6,12 +6,15 @@ import numpy as np
 import pytest
 
 from benchmarks.baselines import (
+    als_factors,
+    als_scores,
     ease_scores,
     evaluate_scores,
     export_scores,
     paired_difference,
     per_user_metrics,
     split_matrix,
+    tune_als,
 )
 
 
@@ -43,6 +46,54 @@ def test_ease_is_a_ridge_regression_of_each_item_on_the_other_items():
     np.testing.assert_allclose(ease_scores(train, lam), expected, atol=2e-5)
     with pytest.raises(ValueError, match="lambda > 0"):
         ease_scores(train, 0.0)
+
+
+@pytest.mark.parametrize("shape", [(40, 30), (12, 50)], ids=["more users", "more items"])
+def test_ease_from_the_users_side_equals_the_item_inverse(shape):
+    # Fewer users than items: the scores come from Woodbury's identity on the m x m side; they equal the n x n
+    # inverse's (float64 reference), items without train pairs included (their scores stay 0).
+    train, _ = _random_splits(*shape, seed=3)
+    x = train.astype(np.float64)
+    seen = np.flatnonzero(x.sum(axis=0) > 0)
+    for lam in (0.5, 30.0):
+        precision = np.linalg.inv(x[:, seen].T @ x[:, seen] + lam * np.eye(len(seen)))
+        expected = np.zeros_like(x)
+        expected[:, seen] = x[:, seen] - (x[:, seen] @ precision) / np.diag(precision)
+        np.testing.assert_allclose(ease_scores(train, lam), expected, atol=2e-5)
+
+
+def test_als_factors_solve_the_weighted_least_squares_of_hu_koren_volinsky():
+    # Each ALS iteration ends with the items solved given the users; at the fixed point (many iterations of a
+    # small problem) each item's factors are the exact weighted ridge solution, confidence alpha on the item's
+    # train pairs and 1 on the other users, target 1 on train pairs and 0 elsewhere (Hu et al. 2008, eq. 4):
+    # y_i = (Xᵀ C_i X + λ I)⁻¹ Xᵀ C_i p_i, solved here item by item from the fitted user factors.
+    train, _ = _random_splits(30, 25, seed=4)
+    lam, alpha = 0.5, 8.0
+    users, items = (f.astype(np.float64) for f in als_factors(train, 4, lam, alpha, 300, seed=1, threads=1))
+    for item in range(train.shape[1]):
+        liked = train[:, item] > 0
+        confidence = np.where(liked, alpha, 1.0)
+        exact = np.linalg.solve(
+            users.T @ (confidence[:, None] * users) + lam * np.eye(4), users.T @ (confidence * liked)
+        )
+        np.testing.assert_allclose(items[item], exact, atol=1e-3, err_msg=f"item {item}")
+
+
+def test_als_after_n_iterations_equals_a_fit_of_n_iterations():
+    train, _ = _random_splits(seed=5)
+    seen = {}
+    als_scores(train, 8, 0.1, 5.0, 6, seed=2, after={3: lambda s: seen.setdefault(3, s)})
+    np.testing.assert_allclose(seen[3], als_scores(train, 8, 0.1, 5.0, 3, seed=2), rtol=1e-5, atol=1e-6)
+
+
+def test_tune_als_picks_the_grid_point_with_the_best_validation_metric():
+    train, valid = _random_splits(60, 40, seed=6)
+    grid = {"factors": (4, 8), "regularization": (0.1, 10.0), "alpha": (1.0, 10.0), "iterations": (2, 5)}
+    params, by_point = tune_als(train, valid, grid, metric="ndcg@20")
+    assert len(by_point) == 16
+    best = max(by_point, key=lambda key: by_point[key]["ndcg@20"])
+    assert "/".join(f"{v:g}" for v in params.values()) == best
+    assert by_point[best] == evaluate_scores(als_scores(train, **params), train, valid)
 
 
 def _explicit_metrics(scores, train, heldout, k):
