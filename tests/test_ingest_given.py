@@ -257,3 +257,15 @@ def test_a_benchmarks_train_and_test_files_train_and_evaluate_at_20(tmp_path):
     leaky = brute_force_metrics(data, "test", user_table, catalog, [20])  # valid items left in the rankings
     assert leaky["recall@20"] != pytest.approx(expected["recall@20"], abs=1e-6)
     assert evaluated["recall@20"] > 0.4  # it learned: a random list of 20 finds ~20/88 of a user's test items
+
+
+def test_a_carve_that_leaves_valid_empty_and_a_test_without_pairs_are_named(tmp_path, capsys):
+    train, test = write_lines(tmp_path / "train.txt", {1: [2]}), write_lines(tmp_path / "test.txt", {1: [3]})
+    base = ["--split", "given", "--train", train, "--format", "user-lines"]
+    code, _, err = _cli(capsys, *base, "--test", test, "--out", tmp_path / "a")
+    assert code == 2 and "--valid-fraction 0.1 carved no train pair into valid" in err, err
+    code, _, err = _cli(capsys, *base, "--test", train, "--valid-fraction", "0", "--out", tmp_path / "b")
+    assert code == 2 and "the test split has no rows" in err, err  # its one pair is train's too: kept in train
+    for out in (tmp_path / "a", tmp_path / "b"):
+        assert not out.exists() or not any(out.iterdir())
+    assert _cli(capsys, *base, "--test", test, "--valid-fraction", "0", "--out", tmp_path / "c")[0] == 0

@@ -140,11 +140,11 @@ def ingest_prepared(
             try:
                 staged = ingest([p for files in read.values() for p in files], stage, staged_options)
             except CommandError as error:
-                if given is None:
+                if not (carve and str(error).startswith("the valid split has no rows")):
                     raise
-                raise CommandError(
-                    f"the given split's first pass (every input, --split random --fractions {1 - fraction:g},"
-                    f"{fraction:g},0 for the carve): {error}"
+                raise CommandError(  # the pipeline names its own rule: say that it is the carve's
+                    f"--valid-fraction {fraction:g} carved no train pair into valid ({error}); give more pairs, a "
+                    "larger --valid-fraction, or 0 for no valid split"
                 ) from None
             if given is None:
                 manifest = _move_dataset(stage, out, staged, inputs)
