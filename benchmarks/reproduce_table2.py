@@ -374,6 +374,10 @@ def main() -> None:
         edge = lambda_at_grid_edge(result["ease"]["lambda"], args.lambdas)
         if edge:
             print(edge, flush=True)
+        from benchmarks.baselines import als_at_grid_edge
+
+        for warning in als_at_grid_edge(result["als"]["params"]):
+            print(warning, flush=True)
     phases = {"data and baselines": time.perf_counter() - started}
     for loss in args.losses:
         config = ROOT / "configs" / f"{dataset.name}-{loss}.yaml"

@@ -79,6 +79,18 @@ def test_als_factors_solve_the_weighted_least_squares_of_hu_koren_volinsky():
         np.testing.assert_allclose(items[item], exact, atol=1e-3, err_msg=f"item {item}")
 
 
+def test_als_picks_at_the_edge_of_the_grid_are_flagged():
+    from benchmarks.baselines import als_at_grid_edge
+
+    grid = {"factors": (64, 256), "regularization": (3.0, 10.0, 30.0), "alpha": (3.0,), "iterations": (5, 15)}
+    inside = {"factors": 64, "regularization": 10.0, "alpha": 3.0, "iterations": 15}
+    assert als_at_grid_edge(inside, grid) == [
+        "warning: ALS picked factors = 64, the smallest of the grid [64, 256]; widen it"
+    ]
+    assert als_at_grid_edge(dict(inside, factors=128), dict(grid, factors=(64, 128, 256))) == []  # a 1-value alpha
+    assert "regularization = 30, the largest" in als_at_grid_edge(dict(inside, regularization=30.0), grid)[1]
+
+
 def test_als_after_n_iterations_equals_a_fit_of_n_iterations():
     train, _ = _random_splits(seed=5)
     seen = {}
