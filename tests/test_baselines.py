@@ -13,6 +13,7 @@ from benchmarks.baselines import (
     export_scores,
     paired_difference,
     per_user_metrics,
+    popularity_scores,
     split_matrix,
     tune_als,
 )
@@ -275,3 +276,29 @@ def test_reproduce_table2_flags_an_ease_lambda_at_the_edge_of_its_grid():
     assert "the smallest" in lambda_at_grid_edge(100.0, [400.0, 100.0, 200.0])
     assert lambda_at_grid_edge(200.0, [100.0, 200.0, 400.0]) is None
     assert lambda_at_grid_edge(200.0, [200.0]) is None  # one λ (--quick): no grid to widen
+
+
+def test_the_baselines_leave_out_what_the_dataset_says(tmp_path):
+    # On a given split (the manifest's eval_exclude), test's rankings leave out train and valid items, as
+    # `bigrank evaluate` does; elsewhere train items only.
+    import json
+
+    from benchmarks.baselines import baselines, excluded_matrix
+    from bigrank.data import manifest as layout
+    from tests.helpers import write_small_dataset
+
+    write_small_dataset(tmp_path)
+    matrices = {split: split_matrix(tmp_path, split) for split in ("train", "valid", "test")}
+    np.testing.assert_array_equal(excluded_matrix(tmp_path, "test", matrices), matrices["train"])
+    plain = baselines(tmp_path, lambdas=(10.0,), als=False)
+    manifest = json.loads((tmp_path / layout.MANIFEST_NAME).read_text())
+    manifest["eval_exclude"] = {"valid": ["train"], "test": ["train", "valid"]}
+    (tmp_path / layout.MANIFEST_NAME).write_text(json.dumps(manifest))
+    union = np.maximum(matrices["train"], matrices["valid"])
+    np.testing.assert_array_equal(excluded_matrix(tmp_path, "test", matrices), union)
+    np.testing.assert_array_equal(excluded_matrix(tmp_path, "valid", matrices), matrices["train"])
+    given = baselines(tmp_path, lambdas=(10.0,), als=False)
+    popularity = popularity_scores(matrices["train"])
+    assert given["popularity"]["test"] == evaluate_scores(popularity, union, matrices["test"])
+    assert given["popularity"]["test"] != plain["popularity"]["test"]
+    assert given["popularity"]["valid"] == plain["popularity"]["valid"]
