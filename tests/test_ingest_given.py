@@ -247,6 +247,8 @@ def test_a_benchmarks_train_and_test_files_train_and_evaluate_at_20(tmp_path):
     assert {"recall@20", "ndcg@20", "ap@20", "accuracy"} <= set(trained["test"])
     done = bigrank("evaluate", run, "--ks", "10", "20", "--split", "test")
     assert "ndcg@20" in done.stdout.splitlines()[0]
+    refused = bigrank("evaluate", run, "--ks", "0", check=False)
+    assert refused.returncode == 2 and "eval.ks" in refused.stderr, refused.stderr
     evaluated = json.loads((run / "eval.json").read_text())["test"]
     assert evaluated["recall@20"] == pytest.approx(trained["test"]["recall@20"], abs=1e-9)
 
