@@ -302,3 +302,26 @@ def test_the_baselines_leave_out_what_the_dataset_says(tmp_path):
     assert given["popularity"]["test"] == evaluate_scores(popularity, union, matrices["test"])
     assert given["popularity"]["test"] != plain["popularity"]["test"]
     assert given["popularity"]["valid"] == plain["popularity"]["valid"]
+
+
+def test_reproduce_table2_shows_ndcg_and_recall_at_20_and_a_dash_where_a_run_lacks_them():
+    from benchmarks.reproduce_table2 import DATASETS, format_differences, format_table
+
+    full = {"ap@10": 0.1, "ndcg@20": 0.25, "recall@20": 0.3, "accuracy": 0.2, "recall@100": 0.5}
+    old = {key: full[key] for key in ("ap@10", "accuracy", "recall@100")}  # a run evaluated before @20 existed
+    rows = {"EASE": [full, full], "ALS": [full, full], "rankmax": [old, old]}
+    table = format_table(rows, DATASETS["ml-1m"]).splitlines()
+    assert table[0].split() == ["model", "seeds", "AP@10", "NDCG@20", "R@20", "Accuracy", "R@100"]
+    assert table[1].split()[2:] == ["0.100", "±", "0.000", "0.250", "±", "0.000", "0.300", "±", "0.000"] + [
+        "0.200", "±", "0.000", "0.500", "±", "0.000",
+    ]  # fmt: skip
+    assert table[3].split()[2:6] == ["0.100", "±", "0.000", "-"] and table[3].split()[6] == "-"
+    assert table[-1].split() == ["rankmax", "0.210", "-", "-", "0.397", "0.492"]  # the paper reports 3 of them
+    rng = np.random.default_rng(7)
+    per_user = {name: [{key: rng.random(10) for key in full}] for name in ("EASE", "ALS", "rankmax", "softmax")}
+    lines = format_differences(per_user).splitlines()
+    assert lines[0].split() == ["difference", "AP@10", "NDCG@20", "R@20", "Accuracy", "R@100"]
+    assert [line.split()[0:3] for line in lines[1:]] == [
+        ["rankmax", "-", "EASE"], ["softmax", "-", "EASE"], ["rankmax", "-", "ALS"], ["softmax", "-", "ALS"],
+        ["rankmax", "-", "softmax"],
+    ]  # fmt: skip
