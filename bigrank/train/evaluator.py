@@ -22,12 +22,17 @@ class RankingModel(Protocol):
     counts and ``ranking_view()``, ``(user_vectors_fn, catalog)`` — ``user_vectors_fn(user_ids int64[b]) ->
     float[b, d]`` (collective: every rank calls it with the same ``b``; no grad) and the
     :class:`~bigrank.model.catalog.CatalogView` of the item vectors float[stop - start, d] of the rows this rank
-    owns (together the ranks own the catalog once). A user's score of item ``j`` is their dot product."""
+    owns (together the ranks own the catalog once). A user's score of item ``j`` is their dot product.
+    ``known_splits``: the splits whose items the evaluation leaves out of the ranking, i.e. what the evaluated users
+    are known by (``DatasetManifest.excluded_splits``: train, and for a given split's test also valid); a kind
+    whose user vectors are made of the user's items pools them all, the others may ignore it."""
 
     num_users: int
     num_items: int
 
-    def ranking_view(self) -> tuple[Callable[[torch.Tensor], torch.Tensor], CatalogView]: ...
+    def ranking_view(
+        self, known_splits: tuple[str, ...] = ("train",)
+    ) -> tuple[Callable[[torch.Tensor], torch.Tensor], CatalogView]: ...
 
 
 class Evaluator:
@@ -71,7 +76,9 @@ class Evaluator:
     def evaluate(self, split: str, sample_users: int | None | str = "config") -> dict[str, Any]:
         """Recall@K, NDCG@K, AP@K and Accuracy of ``split`` (``eval.sample_users`` unless given)."""
         sample = self.config.eval.sample_users if sample_users == "config" else sample_users
-        vectors_fn, catalog = self.model.ranking_view()  # whatever the layout, each rank ranks the rows it owns
+        # Whatever the layout, each rank ranks the rows it owns. The splits left out of the ranking are what the users
+        # are known by: a model whose user vectors are made of the user's items pools them all.
+        vectors_fn, catalog = self.model.ranking_view(self.manifest.excluded_splits(split))
         return evaluate_model(
             vectors_fn,
             catalog,
