@@ -48,6 +48,11 @@ class Evaluator:
 
     def __init__(self, config: Config, model: RankingModel, group, manifest: DatasetManifest, use_index: bool = True):
         self.config, self.model, self.group = config, model, group
+        # eval.ks, and the cut-off train.early_stopping's metric reads (a config whose eval.ks are changed keeps
+        # stopping on the metric it was tuned with).
+        stopping = config.train.early_stopping
+        extra = [stopping.k] if stopping is not None and stopping.k is not None else []
+        self.ks = sorted(set(config.eval.ks) | set(extra))
         self.manifest = manifest
         self.use_index = use_index
         self._data: dict[tuple[str, int | None], EvaluationData] = {}
@@ -84,7 +89,7 @@ class Evaluator:
             catalog,
             self.manifest,
             split,
-            list(self.config.eval.ks),
+            self.ks,
             group=self.group,
             batch_size=self.config.eval.batch_size,
             data=self.data(split, sample, (catalog.start, catalog.stop)),
