@@ -618,11 +618,16 @@ def parse_override(text: str) -> tuple[list[str], Any]:
 
 
 def load_run_config(run_dir: str | os.PathLike) -> Config:
-    """The resolved config a run saved (``RUN_DIR/config.yaml``); FileNotFoundError when there is none."""
+    """The resolved config a run saved (``RUN_DIR/config.yaml``), with ``run_dir`` the directory named here (made
+    absolute): a copied or moved run reads its own checkpoints and gets its own results (``eval.json``), and the
+    run it was copied from is left alone. The ``run_dir`` the file records is where the run was trained: history,
+    not a destination. FileNotFoundError when there is no config.yaml."""
     path = Path(run_dir) / "config.yaml"
     if not path.is_file():
         raise FileNotFoundError(f"{run_dir} is not a run directory (no config.yaml)")
-    return load_config(path)
+    config = load_config(path)
+    config.run_dir = _absolute(str(run_dir), Path.cwd())
+    return config
 
 
 def add_override_argument(parser) -> None:
