@@ -337,7 +337,7 @@ def test_the_shipped_working_dir_has_the_code_and_configs_but_not_venv_data_or_r
     package = tmp_path / "working_dir.zip"
     create_package(str(project_dir()), package, include_gitignore=True, excludes=WORKING_DIR_EXCLUDES)
     names = set(zipfile.ZipFile(package).namelist())
-    for needed in ("bigrank/data/stream.py", "bigrank/launch/jobs.py", "bigrank/cli.py", "configs/demo.yaml"):
+    for needed in ("bigrank/data/stream.py", "bigrank/launch/jobs.py", "bigrank/cli/__init__.py", "configs/demo.yaml"):
         assert needed in names, needed
     for name in names:
         assert not name.startswith((".venv/", "data/", "runs/", ".git/")) and "__pycache__" not in name, name

@@ -126,7 +126,7 @@ def init_ray(config: Config, address: str | None = None) -> bool:
     """
     import ray
 
-    from bigrank.launch.loopback import init_local_ray
+    from bigrank.ray_runtime import init_local_ray
 
     if address is not None:
         _check_reachable(address)
@@ -224,7 +224,7 @@ def nodes_on_loopback() -> bool:
     the process group can listen on 127.0.0.1 only."""
     import ray
 
-    from bigrank.launch.loopback import LOOPBACK
+    from bigrank.ray_runtime import LOOPBACK
 
     nodes = [node for node in ray.nodes() if node.get("Alive")]
     return bool(nodes) and all(node.get("NodeManagerAddress") == LOOPBACK for node in nodes)

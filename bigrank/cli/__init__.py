@@ -21,13 +21,13 @@ import sys
 from bigrank.errors import CommandError, Terminated
 
 COMMAND_MODULES = [
-    "bigrank.data.commands",
+    "bigrank.cli.data",
     "bigrank.train.plot",
-    "bigrank.train.commands",
-    "bigrank.export.commands",
-    "bigrank.launch.commands",
-    "bigrank.launch.tune",
-    "bigrank.verify",
+    "bigrank.cli.train",
+    "bigrank.cli.export",
+    "bigrank.cli.jobs",
+    "bigrank.cli.tune",
+    "bigrank.cli.verify",
 ]
 
 

@@ -48,10 +48,9 @@ the data too, as for ``bigrank train --address``).
 """
 
 from bigrank.config import get_key
-from bigrank.launch.tune.commands import register, run_tune
-from bigrank.launch.tune.results import SearchResult, format_table, write_best_config
-from bigrank.launch.tune.search import base_point, param_space, run_search
-from bigrank.launch.tune.space import (
+from bigrank.tune.results import SearchResult, format_table, write_best_config
+from bigrank.tune.search import base_point, param_space, run_search
+from bigrank.tune.space import (
     DOMAINS,
     Domain,
     SearchSpace,
@@ -60,7 +59,7 @@ from bigrank.launch.tune.space import (
     search_base,
     validate_space,
 )
-from bigrank.launch.tune.trial import bigrank_trial, completed_evaluations
+from bigrank.tune.trial import bigrank_trial, completed_evaluations
 
 __all__ = [
     "DOMAINS",
@@ -75,9 +74,7 @@ __all__ = [
     "get_key",
     "load_space",
     "param_space",
-    "register",
     "run_search",
-    "run_tune",
     "search_base",
     "validate_space",
     "write_best_config",
