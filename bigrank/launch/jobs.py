@@ -36,6 +36,7 @@ from urllib.parse import urlparse
 
 from bigrank.config import dump_config
 from bigrank.errors import CommandError
+from bigrank.ray_runtime import read_auth_token
 from bigrank.signals import STOP_GRACE_SECONDS, held_stop_signals
 
 __all__ = [
@@ -50,7 +51,6 @@ __all__ = [
     "job_status",
     "normalize_address",
     "project_dir",
-    "read_auth_token",
     "stop_job",
     "submit_training",
     "wait_for_job",
@@ -126,17 +126,6 @@ def check_submission_id(job_id: str) -> str:
             f"job id {job_id!r} must be letters, digits, '.', '_' and '-' (it names the job's log file and URL)"
         )
     return job_id
-
-
-def read_auth_token() -> str | None:
-    """The Ray token: ``RAY_AUTH_TOKEN``, else the file ``RAY_AUTH_TOKEN_PATH``, else ``~/.ray/auth_token``."""
-    token = os.environ.get("RAY_AUTH_TOKEN", "").strip()
-    if token:
-        return token
-    path = Path(os.environ.get("RAY_AUTH_TOKEN_PATH") or Path.home() / ".ray" / "auth_token").expanduser()
-    if path.is_file():
-        return path.read_text().strip() or None
-    return None
 
 
 def _token_help(address: str) -> str:
