@@ -45,6 +45,9 @@ trials ended how (and, when every trial failed, the first trial's error).
 Where Ray runs: no ``--address`` (nor ``ray.address`` / ``RAY_ADDRESS``): an embedded local runtime with the
 machine's CPUs; otherwise the cluster at that address (``DIR`` must then be on storage every node sees, and
 the data too, as for ``bigrank train --address``).
+
+Where it sits: above the run layer (``bigrank.run``), whose pre-flight each trial runs as a command does, and below
+the command (``bigrank.cli.tune``). Ray's start-up is ``bigrank.launch.ray_train.init_ray``'s, as for training.
 """
 
 from bigrank.config import get_key
