@@ -384,8 +384,8 @@ def test_a_sigterm_inside_a_finaliser_still_stops_submit_wait(ray_head, demo_dat
 
     class JobLog(io.StringIO):
         def write(self, text):
-            following = signal.getsignal(signal.SIGTERM) not in (signal.SIG_DFL, signal.SIG_IGN, None)
-            if following and not fired:  # the command's handler is in place: it follows the job's log
+            so_far = self.getvalue()
+            if "submitted job " in so_far and so_far.endswith("\n") and not fired:  # the job's log, being followed
                 fired.append(text)
                 Finaliser()  # dropped at once: its __del__ runs now
             return super().write(text)
