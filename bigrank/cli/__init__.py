@@ -83,7 +83,3 @@ def _ignore_interrupts_while_exiting() -> None:
             return
         except KeyboardInterrupt:
             continue
-
-
-if __name__ == "__main__":
-    sys.exit(main())
