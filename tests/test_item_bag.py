@@ -49,8 +49,7 @@ def _tables(run_dir, step):
 def _reference_step(root, num_items=101, dim=8, seed=3, lr=0.5, l2=4.0, margin=1.0, batch=24):
     """The first step of ``_one_step_config`` in plain torch: P, Q as the run initialises them, the step's users
     as UserBatches orders them, z = s(x) (x P Q^T - x * diag(P Q^T)), the mask-based shared Rankmax, the L2 on
-    the input rows the step reads and on every output row, one SGD update. Returns the mean row loss (what the
-    run logs) and the updated P and Q."""
+    every row, one SGD update. Returns the mean row loss (what the run logs) and the updated P and Q."""
     init = RUN["model"]["params"]["init_std"]
     inputs = CatalogShard(num_items, dim, init_std=init, seed=seed + 2).weight.detach().double().requires_grad_()
     outputs = CatalogShard(num_items, dim, init_std=init, seed=seed + 1).weight.detach().double().requires_grad_()
@@ -60,8 +59,7 @@ def _reference_step(root, num_items=101, dim=8, seed=3, lr=0.5, l2=4.0, margin=1
     scores = x.sum(dim=1, keepdim=True).rsqrt() * ((x @ inputs) @ outputs.T - x * (inputs * outputs).sum(dim=1))
     rows = x > 0
     loss = rankmax_shared_loss(scores, rows, margin, reduction="sum") / rows.sum()
-    touched = rows.any(dim=0)
-    penalty = l2 / history[0][-1] * (inputs[touched].pow(2).sum() + outputs.pow(2).sum())
+    penalty = l2 / history[0][-1] * (inputs.pow(2).sum() + outputs.pow(2).sum())
     (loss + penalty).backward()
     with torch.no_grad():
         return float(loss), inputs - lr * inputs.grad, outputs - lr * outputs.grad

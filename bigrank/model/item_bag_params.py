@@ -23,8 +23,8 @@ class ItemBagParams:
     l2: float = field(
         default=1.0,
         metadata={
-            "doc": "L2 penalty lambda / (train rows) on the input rows a step reads and on every output row, added "
-            "to each step's mean row loss (lambda in EASE's sum-over-the-data units, as the item-item model's l2)"
+            "doc": "L2 penalty lambda / (train rows) on every input and output row, added to each step's mean row "
+            "loss (lambda in EASE's sum-over-the-data units, as the item-item model's l2)"
         },
     )
     bag_dropout: float = field(

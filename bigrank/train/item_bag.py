@@ -32,8 +32,8 @@ W (a global batch of B users, each rank's slice of ``UserBatches``)::
     U               = all_reduce_partials(U_r)               [B, d]          backward: all-reduce of dL/dU
     z_r             = U Q_r^T - s(x) P_i . Q_i at (u, i), i in x on r         PatchedScores(ChunkedScores)
     loss            = L_shared(z_r, targets; group) / R                      R: the step's (user, item) rows
-    backward; the touched input rows and every output row updated (optim.item_optimizer, item_lr), each with the
-    L2 penalty (lambda / N) ||row||^2 (model.params.l2; N the split's train rows)
+    backward; every row of both tables updated (optim.item_optimizer, item_lr) with the L2 penalty
+    (lambda / N) ||row||^2 (model.params.l2; N the split's train rows)
 
 The loss is the mean over the step's rows, as the towers' users step, so an epoch's objective is the row-wise one.
 """
@@ -229,8 +229,9 @@ class ItemBagTraining:
         )
         self.loss = shared_loss_fn(config)
         optim = config.optim
-        # L2 (lambda / N) ||row||^2 as the optimizers' weight decay 2 lambda / N: on the input rows a step reads
-        # (step_rows) and on every output row (step_dense; every item is scored).
+        # L2 (lambda / N) ||row||^2 on every row of both tables, as the optimizers' weight decay 2 lambda / N, and
+        # both updated densely: a row no bag of the step holds still decays (and Adam's moments move it), as in the
+        # one-process model the settings were measured with (EASE's uniform lambda: rare items shrink most).
         decay = 2.0 * params.l2 / self.train_rows
         self.optimizers = {
             name: RowOptimizer(table.weight, optim.item_optimizer, optim.item_lr, weight_decay=decay)
@@ -289,7 +290,8 @@ class ItemBagTraining:
         context.check_finite(value)
         outputs.weight.grad = None
         loss.backward()
-        self.optimizers[INPUTS].step_rows(touched, rows.grad)
+        inputs_grad = torch.zeros_like(inputs.weight).index_copy_(0, touched, rows.grad)
+        self.optimizers[INPUTS].step_dense(inputs_grad)
         self.optimizers[OUTPUTS].step_dense(outputs.weight.grad)
         return StepResult(value, row_count, stopping)
 
