@@ -47,7 +47,7 @@ import numpy as np
 from bigrank.data.ingest.hashing import bucket_of, id_hashes
 from bigrank.data.ingest.options import IngestOptions
 from bigrank.data.ingest.pipeline import BATCH_ROWS, Interrupted
-from bigrank.data.ingest.sources import duckdb_error, quote_literal
+from bigrank.data.ingest.sources import duckdb_error, file_list
 from bigrank.data.ingest.store import Columns, RowStore
 from bigrank.errors import CommandError
 
@@ -202,7 +202,7 @@ class StoreActor:
         missing = [piece for piece in pieces if not os.path.exists(piece)]
         if missing:
             raise CommandError(f"{missing[0]} is not there on Ray node {_node_address()}: {SHARED_STORAGE}")
-        scan = "read_parquet([" + ", ".join(quote_literal(piece) for piece in pieces) + "])"
+        scan = f"read_parquet({file_list(pieces)})"
         return self.store.load_rows(scan, has_time, has_value, min_rating)
 
     def call(self, method: str, *args):

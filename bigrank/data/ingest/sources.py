@@ -25,7 +25,17 @@ from pathlib import Path
 
 from bigrank.errors import CommandError
 
-__all__ = ["FORMATS", "Source", "duckdb_error", "open_source", "quote_identifier", "quote_literal", "resolve_files"]
+__all__ = [
+    "FORMATS",
+    "Source",
+    "duckdb_error",
+    "file_list",
+    "literal_path",
+    "open_source",
+    "quote_identifier",
+    "quote_literal",
+    "resolve_files",
+]
 
 FORMATS = ("parquet", "csv", "json")
 COMPRESSIONS = (".gz", ".zst", ".zstd")
@@ -45,6 +55,8 @@ DEFAULT_DELIMITERS = {".tsv": "\t", ".data": "\t", ".dat": "::"}
 INTEGER_TYPES = ("TINYINT", "SMALLINT", "INTEGER", "BIGINT", "UTINYINT", "USMALLINT", "UINTEGER", "UBIGINT")
 NUMBER_TYPES = (*INTEGER_TYPES, "HUGEINT", "FLOAT", "DOUBLE", "REAL")
 TIME_TYPES = ("DATE", "TIMESTAMP", "TIMESTAMP WITH TIME ZONE", "TIMESTAMP_S", "TIMESTAMP_MS", "TIMESTAMP_NS")
+# DuckDB's readers expand these in every path they are given, a list's items included (DuckDB's globbing).
+GLOB_CHARACTERS = "*?["
 
 
 def quote_literal(text: str) -> str:
@@ -55,6 +67,28 @@ def quote_literal(text: str) -> str:
 def quote_identifier(name: str) -> str:
     """``name`` as a SQL identifier."""
     return '"' + str(name).replace('"', '""') + '"'
+
+
+def literal_path(path) -> str:
+    """``path`` written so that DuckDB's readers open that one file: DuckDB expands ``*``, ``?`` and ``[`` in
+    every path as a glob (``a[1].csv`` would read ``a1.csv``), so each is put in brackets (``a[[]1].csv``), the
+    escape DuckDB's glob documents. CommandError for a path that also holds a backslash: DuckDB's glob has no
+    escape for it, so that file cannot be named."""
+    text = str(path)
+    if not any(character in text for character in GLOB_CHARACTERS):
+        return text
+    if "\\" in text:
+        raise CommandError(
+            f"{text}: DuckDB cannot open a path holding both a backslash and one of {' '.join(GLOB_CHARACTERS)} "
+            "(it reads those as a glob); rename the file or its directory"
+        )
+    return "".join(f"[{c}]" if c in GLOB_CHARACTERS else c for c in text)
+
+
+def file_list(files) -> str:
+    """The SQL list of ``files`` for DuckDB's ``read_parquet`` / ``read_csv`` / ``read_json``, each one read as
+    the file it names (:func:`literal_path`), never as a glob."""
+    return "[" + ", ".join(quote_literal(literal_path(f)) for f in files) + "]"
 
 
 def duckdb_error(error: Exception) -> str:
@@ -74,14 +108,16 @@ def _base_suffix(name: str) -> tuple[str, str]:
 
 
 def resolve_files(paths: list[str | Path]) -> list[Path]:
-    """The input files of ``paths`` (files, directories searched recursively, globs), sorted, each once.
+    """The input files of ``paths`` (files, directories searched recursively, globs), sorted, each once. A path
+    that exists is taken as it is, even when its name holds ``*``, ``?`` or ``[``; only one that does not is a
+    glob.
 
     CommandError naming the path when one matches nothing.
     """
     files: list[Path] = []
     for path in paths:
         text = str(path)
-        if any(ch in text for ch in "*?["):
+        if not Path(text).exists() and any(ch in text for ch in GLOB_CHARACTERS):
             matched = [Path(p) for p in sorted(glob.glob(text, recursive=True)) if Path(p).is_file()]
             if not matched:
                 raise CommandError(f"no file matches {text}")
@@ -136,7 +172,7 @@ class Source:
         """The DuckDB table function scanning ``files`` (default all), with a ``filename`` column and, for
         Parquet, ``file_row_number`` when asked (the error path locates a bad row with them)."""
         files = self.files if files is None else tuple(files)
-        listed = "[" + ", ".join(quote_literal(f) for f in files) + "]"
+        listed = file_list(files)
         extra = ", filename = true" if filename else ""
         if self.format == "parquet":
             numbers = ", file_row_number = true" if row_number else ""
