@@ -60,8 +60,6 @@ def write_parquet_parts(directory: Path, log: list[dict], parts: int = 3) -> Pat
 def reference_ingest(log: list[dict], options: IngestOptions, text_ids: bool = True) -> dict:
     """Every step of an ingest, done the obvious way (see the module docstring)."""
     rows = [r for r in log if r["user"] not in (None, "") and r["item"] not in (None, "")]
-    if options.min_rating is not None:
-        rows = [r for r in rows if r["rating"] >= options.min_rating]
     pairs: dict[tuple, list] = {}
     for r in rows:
         pairs.setdefault((r["user"], r["item"]), []).append((r["ts"], r["rating"]))
@@ -75,6 +73,9 @@ def reference_ingest(log: list[dict], options: IngestOptions, text_ids: bool = T
             merged[key] = (max(t for t, _ in values), sum(v for _, v in values))
         else:
             merged[key] = (max(t for t, _ in values), max(v for _, v in values))
+    num_merged = len(merged)
+    if options.min_rating is not None:  # on the merged rating
+        merged = {key: (t, v) for key, (t, v) in merged.items() if v >= options.min_rating}
     rounds, before = 0, dict(merged)
     while True:
         per_user: dict = {}
@@ -138,7 +139,8 @@ def reference_ingest(log: list[dict], options: IngestOptions, text_ids: bool = T
         "k_core_dropped_rows": len(before) - len(merged),
         "k_core_dropped_users": len({u for u, _ in before}) - len(users),
         "k_core_dropped_items": len({i for _, i in before}) - len(items),
-        "merged_duplicates": len(rows) - len(before),
+        "merged_duplicates": len(rows) - num_merged,
+        "dropped_below_min_rating": num_merged - len(before),
     }
     return {"users": users, "items": items, "splits": splits, "rounds": rounds, "user_counts": counts, "first": first,
             "dropped": dropped}  # fmt: skip

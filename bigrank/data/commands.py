@@ -78,7 +78,12 @@ def register(subparsers) -> None:
         "--no-header", dest="header", action="store_false", help="CSV files have no header: columns by position"
     )
     cleaning = ingest.add_argument_group("cleaning")
-    cleaning.add_argument("--min-rating", type=float, help="keep rows rated at least this (explicit -> implicit)")
+    cleaning.add_argument(
+        "--min-rating",
+        type=float,
+        help="keep the pairs rated at least this (explicit -> implicit), tested on a pair's rating after --dedup "
+        "merged its rows: the latest (last), earliest (first), best (max) or total (sum) rating",
+    )
     cleaning.add_argument(
         "--dedup",
         choices=["last", "first", "sum", "max"],
@@ -310,9 +315,9 @@ def format_ingest(record: dict) -> list[str]:
         row("null or empty user id", counts["dropped_null_user"], "dropped"),
         row("null or empty item id", counts["dropped_null_item"], "dropped"),
     ]
-    if options.get("min_rating") is not None:
-        lines.append(row(f"rating below {options['min_rating']:g}", counts["dropped_below_min_rating"], "dropped"))
     lines.append(row(f"duplicates ({options['dedup']})", counts["merged_duplicates"], "merged"))
+    if options.get("min_rating") is not None:  # pairs, after the merge
+        lines.append(row(f"pairs rated below {options['min_rating']:g}", counts["dropped_below_min_rating"], "dropped"))
     if options["min_user_items"] > 1 or options["min_item_users"] > 1:
         lines.append(
             f"  k-core ({options['min_user_items']} items a user, {options['min_item_users']} users an item): "

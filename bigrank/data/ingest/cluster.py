@@ -197,13 +197,13 @@ class StoreActor:
         """The Ray node this store runs on."""
         return _node_id()
 
-    def load_pieces(self, pieces: list[str], has_time: bool, has_value: bool, min_rating) -> dict:
+    def load_pieces(self, pieces: list[str], has_time: bool, has_value: bool) -> dict:
         """Load the bucket's pieces (``RowStore.load_rows``); CommandError when this node cannot see one."""
         missing = [piece for piece in pieces if not os.path.exists(piece)]
         if missing:
             raise CommandError(f"{missing[0]} is not there on Ray node {_node_address()}: {SHARED_STORAGE}")
         scan = f"read_parquet({file_list(pieces)})"
-        return self.store.load_rows(scan, has_time, has_value, min_rating)
+        return self.store.load_rows(scan, has_time, has_value)
 
     def call(self, method: str, *args):
         """``store.method(*args)``."""
@@ -248,7 +248,7 @@ class RayEngine:
         )
 
     # ------------------------------------------------------------------------------------------------ steps
-    def load(self, source, columns: Columns, min_rating) -> list[dict]:
+    def load(self, source, columns: Columns) -> list[dict]:
         """Read the files in Ray tasks into per-bucket pieces, then load each bucket's pieces into its store."""
         import ray
 
@@ -278,7 +278,7 @@ class RayEngine:
         loaded = self._gather(
             [
                 actor.load_pieces.remote(
-                    [str(piece_path(self.work, t, b)) for t in range(len(groups))], has_time, has_value, min_rating
+                    [str(piece_path(self.work, t, b)) for t in range(len(groups))], has_time, has_value
                 )
                 for b, actor in enumerate(self.actors)
             ],

@@ -81,8 +81,9 @@ class IngestOptions:
 
     Columns (``user``, ``item``, ``time``, ``rating``/``weight``): a name, or a 0-based position for headerless
     text. Cleaning runs in this order, each step counted in the manifest: rows with a null or empty id dropped;
-    ``min_rating`` (explicit -> implicit: rows rated below it dropped); duplicates of a (user, item) pair merged
-    (``dedup``); the k-core (``min_user_items``, ``min_item_users``) iterated to a fixed point. Then the split:
+    duplicates of a (user, item) pair merged (``dedup``); ``min_rating`` (explicit -> implicit: pairs whose merged
+    rating is below it dropped, so that a pair's latest opinion decides under ``last``); the k-core
+    (``min_user_items``, ``min_item_users``) iterated to a fixed point. Then the split:
     ``random`` (``fractions`` of the pairs, exact sizes, by a seeded hash), ``last`` (per user by time: the latest
     ``fractions[2]`` of a user's pairs to test, the ``fractions[1]`` before them to valid; users with fewer than 3
     pairs keep all in train) or ``time`` (a global cut: ``valid_from`` <= time < ``test_from`` is valid, after it

@@ -3,10 +3,10 @@
 Steps (``run``), each counted in the manifest's ``ingest`` entry:
 
 1. **load** — scan the inputs into the stores (``u, i, t, v``); count rows read, null or empty ids, times and
-   values that do not parse (an error naming the file and row), values below ``--min-rating``;
+   values that do not parse (an error naming the file and row);
 2. **encode** — integer codes for the ids; items are coded by the driver from every store's distinct items, in
    the order of their original ids (the ``last`` split breaks ties in time by it, as format 1 did);
-3. **dedup** — one row per (user, item) pair;
+3. **dedup** — one row per (user, item) pair; then ``--min-rating`` on the pair's merged rating;
 4. **k-core** — drop users with fewer than ``--min-user-items`` pairs and items with fewer than
    ``--min-item-users`` users, again until nothing changes (item counts summed over the stores each round);
 5. **vocabularies** — dense ids by ``(xxh64, id)`` (``bigrank.data.ingest.hashing``): a store ranks its users,
@@ -73,9 +73,9 @@ class LocalEngine:
         self.name = "duckdb"
         self.stopped = False
 
-    def load(self, source: Source, columns: Columns, min_rating) -> list[dict]:
+    def load(self, source: Source, columns: Columns) -> list[dict]:
         """Scan every input file into the store."""
-        return self.map_each("load", [(source.scan(), columns, min_rating)])
+        return self.map_each("load", [(source.scan(), columns)])
 
     def map(self, method: str, *args) -> list:
         """``store.method(*args)`` of every store, in store order."""
@@ -374,7 +374,7 @@ def _load(source: Source, columns: Columns, options: IngestOptions, engine, say)
     """Step 1: scan the inputs into the stores; the counts. CommandError for a value that does not parse (the
     first one located) or when no row has both ids."""
     say(f"reading {len(source.files)} {source.format} file(s) ({_size(source.files)}) with {engine.name}")
-    loaded = engine.load(source, columns, options.min_rating)
+    loaded = engine.load(source, columns)
     counts = {name: int(sum(part[name] for part in loaded)) for name in loaded[0]}
     say(f"read {counts['rows_read']:,} rows")
     for what, key in (("time", "bad_time"), ("value", "bad_value")):
@@ -390,22 +390,27 @@ def _load(source: Source, columns: Columns, options: IngestOptions, engine, say)
 
 
 def _encode(source: Source, columns: Columns, options: IngestOptions, engine, counts: dict, say):
-    """Steps 2-3: item codes from every store's items, then codes, --min-rating and dedup in the stores.
-    Returns ``(item originals in code order, integer item ids?, pairs)``."""
+    """Steps 2-3: item codes from every store's items, then codes, dedup and --min-rating (on the merged rating)
+    in the stores. Returns ``(item originals in code order, integer item ids?, pairs)``."""
     distinct = engine.map("distinct_ids", "i")
     integer_items = not columns.item_is_text() or (
         source.format == "csv" and all(_all_integers(d) for d in distinct if len(d))
     )
     item_originals, item_codes = _item_codes(distinct, integer_items)
-    kept = counts["rows_read"] - counts["null_user"] - counts["null_item"] - counts["below_min_rating"]
-    if kept == 0:
-        raise CommandError(f"nothing left after --min-rating {options.min_rating}: every rating is below it")
-    pairs = sum(engine.map("encode", item_codes, options.min_rating, options.dedup))
-    counts["duplicates"] = kept - pairs
-    rated = f" and a rating >= {options.min_rating}" if options.min_rating is not None else ""
-    say(
-        f"{kept:,} rows with both ids{rated}; dedup ({options.dedup}): {counts['duplicates']:,} merged, {pairs:,} pairs"
-    )
+    kept = counts["rows_read"] - counts["null_user"] - counts["null_item"]
+    encoded = engine.map("encode", item_codes, options.min_rating, options.dedup)
+    merged = sum(part["merged"] for part in encoded)
+    counts["duplicates"] = kept - merged
+    counts["below_min_rating"] = sum(part["below_min_rating"] for part in encoded)
+    pairs = merged - counts["below_min_rating"]
+    say(f"{kept:,} rows with both ids; dedup ({options.dedup}): {counts['duplicates']:,} merged, {merged:,} pairs")
+    if options.min_rating is not None:
+        say(f"--min-rating {options.min_rating:g}: {counts['below_min_rating']:,} pairs rated below it dropped")
+        if pairs == 0:
+            raise CommandError(
+                f"nothing left after --min-rating {options.min_rating:g}: every pair's rating (after --dedup "
+                f"{options.dedup}) is below it"
+            )
     return item_originals, integer_items, pairs
 
 

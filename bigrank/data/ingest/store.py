@@ -9,8 +9,9 @@ order, give the same rows whatever the number of stores.
 Tables, in the order the steps create them (each replaces the one before, so one copy of the rows is kept):
 
     raw     u, i (ids as scanned), t (epoch ms), v (rating or weight), bad (bit 1: time, bit 2: value)
-    pairs   uc, ic (integer codes of the ids), t, v     one row per pair (dedup) of the rows with both ids and
-                                                        no value below --min-rating; then the k-core
+    pairs   uc, ic (integer codes of the ids), t, v     one row per pair (dedup) of the rows with both ids, then
+                                                        the pairs whose merged value is below --min-rating
+                                                        dropped; then the k-core
     final   user_id, item_id, ic, t, v[, label]         dense ids; the split label (0/1/2) is a column for the
                                                         per-user split, else an expression (``label_sql``)
 
@@ -132,46 +133,44 @@ class RowStore:
         return self.con.sql(sql).to_arrow_table()
 
     # ------------------------------------------------------------------------------------------------ load
-    def load(self, scan: str, columns: Columns, min_rating: float | None) -> dict:
+    def load(self, scan: str, columns: Columns) -> dict:
         """Scan the rows (``scan``: a DuckDB table function or a table name) into ``raw``; returns the counts
-        ``rows_read, null_user, null_item, bad_time, bad_value, below_min_rating``."""
+        ``rows_read, null_user, null_item, bad_time, bad_value``."""
         self.has_time, self.has_value = columns.time is not None, columns.value is not None
         self._run(f"CREATE OR REPLACE TABLE raw AS {columns.rows_sql(scan)}")
-        return self._raw_counts(min_rating)
+        return self._raw_counts()
 
-    def load_rows(self, scan: str, has_time: bool, has_value: bool, min_rating: float | None) -> dict:
+    def load_rows(self, scan: str, has_time: bool, has_value: bool) -> dict:
         """Load rows already in ``raw``'s columns (``scan``: a DuckDB table function over the Parquet pieces that
         the cluster engine's read tasks wrote from :meth:`Columns.rows_sql`); returns the counts of :meth:`load`."""
         self.has_time, self.has_value = bool(has_time), bool(has_value)
         self._run(f"CREATE OR REPLACE TABLE raw AS SELECT * FROM {scan}")
-        return self._raw_counts(min_rating)
+        return self._raw_counts()
 
-    def _raw_counts(self, min_rating: float | None) -> dict:
+    def _raw_counts(self) -> dict:
         both = "u IS NOT NULL AND i IS NOT NULL"
-        below = (
-            f"count(*) FILTER (WHERE {both} AND bad = 0 AND v < {float(min_rating)!r})"
-            if min_rating is not None
-            else "0"
-        )
         (row,) = self._run(
             f"SELECT count(*), count(*) FILTER (WHERE u IS NULL), count(*) FILTER (WHERE u IS NOT NULL AND i IS NULL), "
             f"count(*) FILTER (WHERE {both} AND bad & {BAD_TIME} > 0), "
-            f"count(*) FILTER (WHERE {both} AND bad & {BAD_VALUE} > 0), {below} FROM raw"
+            f"count(*) FILTER (WHERE {both} AND bad & {BAD_VALUE} > 0) FROM raw"
         )
-        names = ("rows_read", "null_user", "null_item", "bad_time", "bad_value", "below_min_rating")
+        names = ("rows_read", "null_user", "null_item", "bad_time", "bad_value")
         return dict(zip(names, (int(x) for x in row), strict=True))
 
     def distinct_ids(self, column: str):
         """The distinct non-null ids of ``column`` ("u" or "i") among rows with both ids (a pyarrow array)."""
         return self._arrow(f"SELECT DISTINCT {column} AS id FROM raw WHERE u IS NOT NULL AND i IS NOT NULL").column(0)
 
-    def encode(self, item_codes, min_rating: float | None, dedup: str) -> int:
+    def encode(self, item_codes, min_rating: float | None, dedup: str) -> dict:
         """Replace the ids by integer codes (users: by this store, in id order; items: ``item_codes``, a pyarrow
-        table ``(id, ic)`` from the driver), keep the rows with both ids and no value below ``min_rating``, and merge
-        the rows of each (user, item) pair into one (``dedup``): ``raw`` becomes ``pairs``. Returns the pairs.
+        table ``(id, ic)`` from the driver), merge the rows of each (user, item) pair with both ids into one
+        (``dedup``), then drop the pairs whose merged value is below ``min_rating``: ``raw`` becomes ``pairs``.
+        Returns ``{"merged": pairs after the merge, "below_min_rating": pairs dropped by min_rating}``.
 
         ``last``/``first``: the row with the latest/earliest time (ties: the larger/smaller value); ``sum``/``max``:
         the sum/max of the values, at the latest time. Without a time or value column the pair is kept once.
+        ``min_rating`` tests the value the pair keeps, so that the latest opinion (``last``) decides, not an older
+        row that passed the filter on its own.
         """
         self._run(
             "CREATE OR REPLACE TABLE user_codes AS SELECT id, (row_number() OVER (ORDER BY id) - 1)::INTEGER AS uc "
@@ -191,7 +190,7 @@ class RowStore:
             if self.has_value:
                 keep.append(f"{'sum' if dedup == 'sum' else 'max'}(v) AS v")
                 values.append("v")
-        where = "bad = 0" + (f" AND v >= {float(min_rating)!r}" if min_rating is not None else "")
+        where = "bad = 0"
         # One pass from the scanned rows to the pairs (the coded rows are never stored on their own), grouped by the
         # pair packed into one BIGINT: one 8-byte key hashes and compares faster than two columns (62 s against
         # 71 s for 100M rows of which 97M pairs, 4 GB limit, 2 threads).
@@ -204,7 +203,10 @@ class RowStore:
             f"WHERE {where}) GROUP BY k)"
         )  # CREATE TABLE … AS answers the rows it wrote
         self._run("DROP TABLE raw")
-        return int(pairs)
+        below = 0
+        if min_rating is not None:  # DELETE answers the rows it deleted
+            below = self._scalar(f"DELETE FROM pairs WHERE v < {float(min_rating)!r}")
+        return {"merged": int(pairs), "below_min_rating": int(below)}
 
     # ---------------------------------------------------------------------------------------------- k-core
     def kcore_counts(self, num_codes: int, min_items: int) -> tuple[np.ndarray, int, int]:
