@@ -332,6 +332,9 @@ def format_ingest(record: dict) -> list[str]:
             f", seed {options['seed']}" * (split["mode"] == "random")
         )
     lines.append(f"split        {split['mode']} ({how})")
+    if split.get("kept_from_parent"):
+        kept = ", ".join(f"{n:,} {name}" for name, n in split["kept_from_parent"].items())
+        lines.append(f"  pairs keeping the parent's split: {kept}")
     return lines
 
 

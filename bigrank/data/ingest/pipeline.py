@@ -12,8 +12,9 @@ Steps (``run``), each counted in the manifest's ``ingest`` entry:
 5. **vocabularies** — dense ids by ``(xxh64, id)`` (``bigrank.data.ingest.hashing``): a store ranks its users,
    the driver offsets them by the stores before it (stores hold contiguous ranges of user hashes) and ranks the
    items;
-6. **split** — random (exact sizes: the cut points are found from the stores' histograms of their rows' keys),
-   per user by time, or at a global time;
+6. **split** — random (exact sizes: the cut points are found from the stores' histograms of their rows' keys;
+   with ``--vocab-from``, a pair the parent holds keeps the parent's split and the new pairs are cut among
+   themselves), per user by time, or at a global time;
 7. **write** — each store writes its rows of each split sorted by ``(user_id, item_id)``; the driver names the
    parts in order, writes ``users.parquet`` / ``items.parquet`` (with the items file's attributes), and the
    manifest, which builds the per-user indexes first (``bigrank.data.manifest.write_manifest``).
@@ -443,11 +444,22 @@ def _kcore(options: IngestOptions, engine, num_codes: int, pairs: int, counts: d
     return pairs
 
 
-def _split(options: IngestOptions, engine, pairs: int, say) -> list[int]:
-    """Step 6: label the rows (the per-user split was labelled with the dense ids); rows per split. CommandError
-    for a split that should have rows and has none."""
+def _split(options: IngestOptions, engine, pairs: int, say, parent: ParentVocabulary | None = None):
+    """Step 6: label the rows (the per-user split was labelled with the dense ids); ``(rows per split, rows per
+    split kept from the parent or None)``. CommandError for a split that should have rows and has none.
+
+    The random split of a child of ``parent`` (``--vocab-from``): a pair the parent holds keeps the parent's
+    split, exactly (a model warm-started from the parent's run never sees one of its training pairs held out);
+    the pairs new here are split among themselves with exact sizes (``round(f * new pairs)`` train and valid), so
+    a split holds the parent's pairs of it that are still there plus its share of the new ones."""
+    kept = None
     if options.split == "random":
-        engine.map("label_random", options.seed, _random_cuts(engine, options.seed, pairs, options.fractions))
+        if parent is not None:
+            kept = np.sum(engine.map("inherit_labels", parent.split_files()), axis=0).tolist()
+            held = ", ".join(f"{n:,} {name}" for name, n in zip(layout.SPLITS, kept, strict=True))
+            say(f"pairs of the parent keep its split: {held}")
+        new = pairs - (sum(kept) if kept else 0)
+        engine.map("label_random", options.seed, _random_cuts(engine, options.seed, new, options.fractions))
     elif options.split == "time":
         valid, test = parse_time(options.valid_from, "--valid-from"), parse_time(options.test_from, "--test-from")
         engine.map("label_time", valid, test)
@@ -457,7 +469,7 @@ def _split(options: IngestOptions, engine, pairs: int, say) -> list[int]:
         if expected and split_rows[label] == 0:
             raise CommandError(f"the {name} split has no rows ({_split_rule(options, name)}); {pairs:,} pairs in all")
     say("split " + ", ".join(f"{name} {rows:,}" for name, rows in zip(layout.SPLITS, split_rows, strict=True)))
-    return split_rows
+    return split_rows, kept
 
 
 def _write_splits(out: Path, options: IngestOptions, engine, stores: int) -> dict[str, list[str]]:
@@ -532,7 +544,7 @@ def run(source: Source, out: Path, options: IngestOptions, engine, say) -> tuple
     kept = f" ({users.num_rows:,} and {len(present):,} with rows)" if parent is not None else ""
     say(f"vocabularies: {num_users:,} users, {num_items:,} items{kept}")
 
-    split_rows = _split(options, engine, pairs, say)
+    split_rows, kept_from_parent = _split(options, engine, pairs, say, parent)
     split_files = _write_splits(out, options, engine, len(user_tables))
     _write_vocabulary(out / "users.parquet", user_vocabulary)
     attributes = item_attributes(item_vocabulary, options, integer_items, say) if options.items_file else None
@@ -583,6 +595,8 @@ def run(source: Source, out: Path, options: IngestOptions, engine, say) -> tuple
     }
     if options.split == "time":
         record["split"].update(valid_from=options.valid_from, test_from=options.test_from)
+    if kept_from_parent is not None:
+        record["split"]["kept_from_parent"] = dict(zip(layout.SPLITS, kept_from_parent, strict=True))
     if parent is not None:
         # Top-level manifest keys (the ingest moves them there); reserved ids have no rating.
         record["stable_ids"] = dict(

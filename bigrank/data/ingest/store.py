@@ -13,7 +13,9 @@ Tables, in the order the steps create them (each replaces the one before, so one
                                                         the pairs whose merged value is below --min-rating
                                                         dropped; then the k-core
     final   user_id, item_id, ic, t, v[, label]         dense ids; the split label (0/1/2) is a column for the
-                                                        per-user split, else an expression (``label_sql``)
+            [, parent_label]                            per-user split, else an expression (``label_sql``);
+                                                        the parent dataset's label of a pair it holds
+                                                        (``--vocab-from`` with the random split)
 
 The database is in memory, and DuckDB spills what does not fit its memory limit (tables included) to files in the
 store's directory, so a store's memory is bounded by the limit, not by its rows. (A database file would instead
@@ -27,7 +29,7 @@ from pathlib import Path
 import numpy as np
 
 from bigrank.data.ingest.hashing import rank_ids
-from bigrank.data.ingest.sources import INTEGER_TYPES, NUMBER_TYPES, TIME_TYPES, Source, quote_identifier
+from bigrank.data.ingest.sources import INTEGER_TYPES, NUMBER_TYPES, TIME_TYPES, Source, file_list, quote_identifier
 
 __all__ = ["Columns", "RowStore", "KEY_BINS_SHIFT"]
 
@@ -113,6 +115,7 @@ class RowStore:
         self._run("SET enable_progress_bar = false")
         self.has_time = self.has_value = False
         self.label_sql = "0"  # the split label of a row of final: a column or an expression (the split step's)
+        self.from_parent = False  # final has parent_label (inherit_labels)
 
     def close(self) -> None:
         """Close the database (its files stay for the caller to delete)."""
@@ -338,10 +341,39 @@ class RowStore:
     def _key(self, seed: int) -> str:
         return f"hash(user_id, item_id, {int(seed)}::BIGINT)"
 
+    def inherit_labels(self, parent_files: list[list[str]]) -> list[int]:
+        """Give every pair of ``final`` that the parent dataset holds the parent's split label (``parent_files``:
+        the parent's part files of train, valid and test; its dense ids are ours, ``--vocab-from``), as
+        ``parent_label`` (NULL for a pair new here); the random split then labels only the new pairs. Returns the
+        pairs kept from the parent per label."""
+        parents = " UNION ALL ".join(
+            f"SELECT user_id, item_id, {label}::UTINYINT AS parent_label FROM read_parquet({file_list(files)})"
+            for label, files in enumerate(parent_files)
+            if files
+        )
+        if not parents:
+            return [0, 0, 0]
+        self._run(
+            "CREATE OR REPLACE TABLE final AS SELECT final.*, parent.parent_label FROM final "
+            f"LEFT JOIN ({parents}) AS parent USING (user_id, item_id)"
+        )
+        self.from_parent = True
+        counts = [0, 0, 0]
+        for label, count in self._run(
+            "SELECT parent_label, count(*) FROM final WHERE parent_label IS NOT NULL GROUP BY ALL"
+        ):
+            counts[int(label)] = int(count)
+        return counts
+
+    def _unlabelled(self) -> str:
+        """The rows of final the random split labels: all, or the pairs new here (:meth:`inherit_labels`)."""
+        return "(SELECT * FROM final WHERE parent_label IS NULL)" if self.from_parent else "final"
+
     def key_histogram(self, seed: int) -> np.ndarray:
         """Rows per bin of their random-split key (its top 16 bits): int64[65536]."""
         table = self._arrow(
-            f"SELECT ({self._key(seed)} >> {KEY_BINS_SHIFT})::INTEGER AS b, count(*) AS c FROM final GROUP BY b"
+            f"SELECT ({self._key(seed)} >> {KEY_BINS_SHIFT})::INTEGER AS b, count(*) AS c FROM {self._unlabelled()} "
+            "GROUP BY b"
         )
         counts = np.zeros(1 << (64 - KEY_BINS_SHIFT), dtype=np.int64)
         counts[table.column("b").to_numpy()] = table.column("c").to_numpy()
@@ -350,14 +382,15 @@ class RowStore:
     def keys_in_bin(self, seed: int, bin_: int):
         """``(key, user_id, item_id)`` of the rows whose key falls in ``bin_``, sorted (a pyarrow table)."""
         return self._arrow(
-            f"SELECT * FROM (SELECT {self._key(seed)} AS key, user_id, item_id FROM final) "
+            f"SELECT * FROM (SELECT {self._key(seed)} AS key, user_id, item_id FROM {self._unlabelled()}) "
             f"WHERE key >> {KEY_BINS_SHIFT} = {int(bin_)} ORDER BY key, user_id, item_id"
         )
 
     def label_random(self, seed: int, cuts: list[tuple[int, int, int] | None]) -> None:
         """Label each row by where its ``(key, user_id, item_id)`` falls among the cut points (train below the
-        first, valid below the second, test above; None: past every row). The label stays an expression,
-        evaluated where the rows are counted and written."""
+        first, valid below the second, test above; None: past every row); a pair the parent dataset holds keeps
+        its label there (:meth:`inherit_labels`). The label stays an expression, evaluated where the rows are
+        counted and written."""
         row = f"({self._key(seed)}, user_id, item_id)"
         cases = []
         for label, cut in enumerate(cuts):
@@ -367,6 +400,8 @@ class RowStore:
                 key, user, item = cut
                 cases.append(f"WHEN {row} < ({int(key)}::UBIGINT, {int(user)}, {int(item)}) THEN {label}")
         self.label_sql = f"(CASE {' '.join(cases)} ELSE {len(cuts)} END)"
+        if self.from_parent:
+            self.label_sql = f"coalesce(parent_label, {self.label_sql})"
 
     def label_time(self, valid_from_ms: int, test_from_ms: int) -> None:
         """A global cut: time < ``valid_from_ms`` is train, < ``test_from_ms`` valid, the rest test."""

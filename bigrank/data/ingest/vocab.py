@@ -105,6 +105,13 @@ class ParentVocabulary:
             firsts["items"],
         )
 
+    def split_files(self) -> list[list[str]]:
+        """The paths of the parent's part files of each split (train, valid, test)."""
+        from bigrank.data.manifest import SPLITS
+
+        splits = self.manifest.get("splits", {})
+        return [[str(self.root / name) for name in splits.get(split, {}).get("files", [])] for split in SPLITS]
+
     def check_types(self, integer_users: bool, integer_items: bool) -> None:
         """CommandError when the new data's id types (int64 or string) differ from the parent's."""
         import pyarrow as pa
