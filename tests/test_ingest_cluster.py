@@ -343,7 +343,7 @@ def test_a_read_puts_every_user_in_the_bucket_of_its_hash(tmp_path):
     in bucket ``bucket_of(xxh64(id), B)``, the null user's in bucket 0; a bucket without rows still gets a piece."""
     log = write_log(tmp_path / "log", "parquet", parts=2)
     source = open_source([str(log)])
-    columns = Columns(source, "user", "item", "ts", "rating", 1000)
+    columns = Columns(source, "user", "item", "ts", "rating", "s")
     buckets = 40  # more buckets than some pieces have users: empty pieces
     done = read_into_buckets(columns, list(source.files), buckets, str(tmp_path / "work"), 0, 1 << 28)
     assert done["rows"] == pq.read_table(log).num_rows and done["node"] is None

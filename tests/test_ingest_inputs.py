@@ -7,7 +7,9 @@ checks the dataset's rows, or the one error line a user gets.
 
 from __future__ import annotations
 
+import pyarrow as pa
 import pyarrow.parquet as pq
+import pytest
 
 from bigrank.data import manifest as layout
 from bigrank.data.ingest import IngestOptions, ingest
@@ -63,7 +65,7 @@ def test_the_cluster_read_tasks_and_stores_read_glob_named_files_as_named(tmp_pa
     whose name holds brackets."""
     pairs = _glob_named_files(tmp_path / "in")
     source = open_source([tmp_path / "in"])
-    columns = Columns(source, "user", "item", None, None, 1000)
+    columns = Columns(source, "user", "item", None, None, "s")
     work = tmp_path / "out[x]" / ".ingest"
     done = read_into_buckets(columns, list(source.files), 2, str(work), 0, 1 << 28)
     assert done["rows"] == sum(len(p) for p in pairs.values())
@@ -71,7 +73,7 @@ def test_the_cluster_read_tasks_and_stores_read_glob_named_files_as_named(tmp_pa
     users = set()
     for bucket in range(2):
         store = StoreActor(str(work / f"store-{bucket}"), options, 2, 1, str(tmp_path))
-        counts = store.load_pieces([str(piece_path(work, 0, bucket))], False, False, None)
+        counts = store.load_pieces([str(piece_path(work, 0, bucket))], False, False)
         users |= {u for (u,) in store.store.con.execute("SELECT u FROM raw").fetchall()}
         store.close()
         assert counts["rows_read"] == pq.read_table(piece_path(work, 0, bucket)).num_rows
@@ -89,3 +91,55 @@ def test_a_glob_matches_files_and_a_path_duckdb_cannot_name_is_one_error(tmp_pat
     code, err = _ingest_cli(capsys, odd, "--user", "user", "--item", "item", "--out", tmp_path / "out")
     assert code == 2 and "backslash" in _one_error(err) and "rename" in err
     assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())
+
+
+# ----------------------------------------------------------------------------------- times in any unit (item 5)
+SECONDS = [1_700_000_000, 1_700_000_100, 1_700_086_400, 1_700_172_800]
+
+
+@pytest.mark.parametrize(("unit", "scale"), [("s", 1), ("ms", 10**3), ("us", 10**6), ("ns", 10**9)])
+def test_numeric_times_in_any_epoch_unit_are_read_as_that_unit(tmp_path, unit, scale):
+    """Parquet int64 times and CSV text times, by size (auto) and named (--time-unit): the dataset's timestamps
+    and first_seen are the same epoch seconds whatever the unit (µs read as ms once gave first_seen 1.7e12)."""
+    users, items = ["a", "a", "b", "c"], ["x", "y", "x", "y"]
+    times = [s * scale + (scale - 1 if scale > 1 else 0) for s in SECONDS]  # sub-second digits: floored
+    pq.write_table(pa.table({"user": users, "item": items, "ts": times}), tmp_path / "log.parquet")
+    lines = "".join(f"{u},{i},{t}\n" for u, i, t in zip(users, items, times, strict=True))
+    (tmp_path / "log.csv").write_text("user,item,ts\n" + lines)
+    for log in ("log.parquet", "log.csv"):
+        for given in ("auto", unit):
+            out = tmp_path / f"{log}-{given}"
+            options = IngestOptions(
+                user="user", item="item", time="ts", time_unit=given, fractions=(1.0, 0.0, 0.0), progress=False
+            )
+            manifest = ingest([tmp_path / log], out, options)
+            assert manifest["ingest"]["time_unit"] == unit, (log, given)
+            got = read_dataset(out)
+            assert sorted(row[2] for row in got["splits"]["train"]) == SECONDS, (log, given)
+            first = dict(
+                zip(
+                    got["users"].column("original_id").to_pylist(),
+                    got["users"].column("first_seen").to_pylist(),
+                    strict=True,
+                )
+            )
+            assert first == {"a": SECONDS[0], "b": SECONDS[2], "c": SECONDS[3]}, (log, given)
+
+
+def test_a_column_whose_numbers_change_unit_after_the_first_rows_is_one_error(tmp_path, capsys):
+    """Auto reads the unit from the first rows; a column of seconds that holds microseconds further on is
+    refused, naming --time-unit, instead of being read as dates thousands of years away."""
+    rows = [f"u{k % 50},i{k % 30},{1_700_000_000 + k}\n" for k in range(12_000)]
+    rows += [f"late{k},i{k},{1_700_000_000_000_000 + k}\n" for k in range(5)]
+    log = tmp_path / "log.csv"
+    log.write_text("user,item,ts\n" + "".join(rows))
+    code, err = _ingest_cli(capsys, log, "--user", "user", "--item", "item", "--time", "ts", "--out", tmp_path / "o")
+    line = _one_error(err)
+    assert code == 2 and "epoch microseconds" in line and "--time-unit" in line, line
+    assert not (tmp_path / "o" / layout.MANIFEST_NAME).exists()
+    # a unit named for numbers too large for it (dates after the year 5138) is refused too
+    code, err = _ingest_cli(
+        capsys, log, "--user", "user", "--item", "item", "--time", "ts", "--time-unit", "ms", "--out", tmp_path / "o"
+    )
+    line = _one_error(err)
+    assert code == 2 and "epoch microseconds" in line and "--time-unit ms" in line, line

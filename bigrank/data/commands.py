@@ -60,7 +60,11 @@ def register(subparsers) -> None:
     value.add_argument("--rating", metavar="COL", help="explicit rating column (a number)")
     value.add_argument("--weight", metavar="COL", help="implicit weight column (a number: plays, quantity, …)")
     columns.add_argument(
-        "--time-unit", choices=["auto", "s", "ms"], default="auto", help="unit of numeric times (auto: by size)"
+        "--time-unit",
+        choices=["auto", "s", "ms", "us", "ns"],
+        default="auto",
+        help="epoch unit of numeric times (auto: by the size of the first rows' numbers, checked against the "
+        "whole column)",
     )
     reading = ingest.add_argument_group("reading")
     reading.add_argument(

@@ -9,11 +9,23 @@ from dataclasses import asdict, dataclass, field
 
 from bigrank.errors import CommandError
 
-__all__ = ["DEDUP_MODES", "SPLIT_MODES", "TIME_UNITS", "IngestOptions", "parse_fractions", "parse_time"]
+__all__ = [
+    "DEDUP_MODES",
+    "SPLIT_MODES",
+    "TIME_UNITS",
+    "IngestOptions",
+    "epoch_unit_of",
+    "parse_fractions",
+    "parse_time",
+]
 
 DEDUP_MODES = ("last", "first", "sum", "max")
 SPLIT_MODES = ("random", "last", "time")
-TIME_UNITS = ("auto", "s", "ms")
+TIME_UNITS = ("auto", "s", "ms", "us", "ns")
+# Epoch numbers of each unit stay below the next bound until the year 5138 (1e11 s): what --time-unit auto reads a
+# column's largest number by. Today: 1.7e9 s, 1.7e12 ms, 1.7e15 us, 1.7e18 ns.
+EPOCH_UNIT_BOUNDS = (("s", 1e11), ("ms", 1e14), ("us", 1e17), ("ns", float("inf")))
+EPOCH_UNIT_NAMES = {"s": "seconds", "ms": "milliseconds", "us": "microseconds", "ns": "nanoseconds"}
 DEFAULT_FRACTIONS = (0.8, 0.1, 0.1)
 # Share of the machine's memory DuckDB may hold before it spills to disk (`--memory-limit`): the rest is for the
 # Parquet writer, the vocabularies and whatever else runs.
@@ -52,6 +64,12 @@ def parse_time(text: str, option: str) -> int:
     if moment.tzinfo is None:
         moment = moment.replace(tzinfo=UTC)
     return int(round(moment.timestamp() * 1000))
+
+
+def epoch_unit_of(largest: float) -> str:
+    """The epoch unit (``s``, ``ms``, ``us``, ``ns``) whose numbers today are of the size of ``largest`` (the
+    largest absolute time of a column): ``EPOCH_UNIT_BOUNDS``."""
+    return next(unit for unit, bound in EPOCH_UNIT_BOUNDS if abs(largest) < bound)
 
 
 def _memory_bytes() -> int:

@@ -37,7 +37,7 @@ import numpy as np
 
 from bigrank.data import manifest as layout
 from bigrank.data.ingest.hashing import rank_ids
-from bigrank.data.ingest.options import IngestOptions, parse_time
+from bigrank.data.ingest.options import EPOCH_UNIT_NAMES, IngestOptions, epoch_unit_of, parse_time
 from bigrank.data.ingest.sources import Source, duckdb_error, open_source, quote_identifier
 from bigrank.data.ingest.store import Columns, RowStore
 from bigrank.data.ingest.vocab import ParentVocabulary, extend_ids, merged_firsts
@@ -157,17 +157,37 @@ def _columns(source: Source, options: IngestOptions, say) -> Columns:
     time_column = source.column(options.time, "--time") if options.time else None
     value_option = "--rating" if options.rating else "--weight"
     value = source.column(options.value, value_option) if options.value else None
-    factor = 1000
-    if time_column is not None:
-        unit = options.time_unit
-        if unit == "auto":
-            sample = _time_sample_max(source, time_column)
-            unit = "ms" if sample is not None and sample > 1e11 else "s"  # 1e11 s is the year 5138
-            if sample is not None:
-                name = "milliseconds" if unit == "ms" else "seconds"
-                say(f"times are numbers up to {sample:.0f} in the first rows: epoch {name} (--time-unit)")
-        factor = 1 if unit == "ms" else 1000
-    return Columns(source, user, item, time_column, value, factor)
+    unit = options.time_unit
+    if time_column is not None and unit == "auto":
+        sample = _time_sample_max(source, time_column)
+        unit = "s" if sample is None else epoch_unit_of(sample)
+        if sample is not None:
+            say(f"times are numbers up to {sample:.0f} in the first rows: epoch {EPOCH_UNIT_NAMES[unit]} (--time-unit)")
+    return Columns(source, user, item, time_column, value, "s" if unit == "auto" else unit)
+
+
+UNIT_MS = {"s": 1e-3, "ms": 1.0, "us": 1e3, "ns": 1e6}  # an epoch number of each unit per millisecond
+
+
+def _check_time_unit(columns: Columns, options: IngestOptions, largest_ms: int) -> None:
+    """CommandError when the column's largest time (``largest_ms``, epoch ms as read) is a number too large for
+    the unit it was read in (a date after the year 5138): with ``--time-unit auto``, a column whose first rows are
+    seconds and later rows microseconds; with a unit given, one too coarse for the numbers. Either would give dates
+    thousands of years away without an error."""
+    if columns.time is None or columns.time_is_timestamp():
+        return
+    largest = largest_ms * UNIT_MS[columns.time_unit]  # the largest number, in the unit it was read in
+    unit = epoch_unit_of(largest)
+    if list(UNIT_MS).index(unit) > list(UNIT_MS).index(columns.time_unit):
+        read_as = (
+            f"its first rows read as epoch {EPOCH_UNIT_NAMES[columns.time_unit]}; one column holds one unit"
+            if options.time_unit == "auto"
+            else f"--time-unit {columns.time_unit} reads them as dates after the year 5138"
+        )
+        raise CommandError(
+            f"the time column {columns.time!r} holds numbers up to {largest:.0f}, epoch {EPOCH_UNIT_NAMES[unit]} by "
+            f"their size, but {read_as}: pass --time-unit s|ms|us|ns"
+        )
 
 
 def _time_sample_max(source: Source, column: str) -> float | None:
@@ -212,9 +232,8 @@ def locate_bad_row(source: Source, columns: Columns, what: str) -> str:
                     row = seen + int(hits[0])
                     raw = batch.column(0)[int(hits[0])].as_py()
                     line = f" (line {row + 1 + int(source.header)})" if source.format == "csv" else ""
-                    kind = (
-                        "a time (epoch seconds or milliseconds, or ISO-8601)" if what == "time" else "a finite number"
-                    )
+                    unit = f"epoch {EPOCH_UNIT_NAMES[columns.time_unit]} (--time-unit)"
+                    kind = f"a time ({unit}, or ISO-8601)" if what == "time" else "a finite number"
                     return f"{file} row {row + 1}{line}: column {name!r} holds {raw!r}, which is not {kind}"
                 seen += batch.num_rows
     finally:
@@ -382,6 +401,7 @@ def _load(source: Source, columns: Columns, options: IngestOptions, engine, say)
         if counts[key]:
             where = locate_bad_row(source, columns, what)
             raise CommandError(f"{counts[key]:,} row(s) hold a {what} that does not parse; the first: {where}")
+    _check_time_unit(columns, options, max(part["largest_time"] for part in loaded))
     if counts["rows_read"] == counts["null_user"] + counts["null_item"]:
         raise CommandError(
             f"nothing left: all {counts['rows_read']:,} rows have a null or empty user or item id "
@@ -573,7 +593,7 @@ def run(source: Source, out: Path, options: IngestOptions, engine, say) -> tuple
         },  # fmt: skip
         "id_types": {"user": "int64" if integer_users else "string", "item": "int64" if integer_items else "string"},
         "options": options.record(),
-        "time_unit": "ms" if columns.time_factor == 1 else "s",
+        "time_unit": columns.time_unit,
         "counts": {
             "rows_read": counts["rows_read"],
             "dropped_null_user": counts["null_user"],

@@ -40,13 +40,13 @@ BAD_TIME, BAD_VALUE = 1, 2
 class Columns:
     """The mapped columns of a source and the SQL that turns them into ``u, i, t, v``.
 
-    ``time_factor`` is 1000 for epoch seconds and 1 for epoch milliseconds (numbers); times given as timestamps or
-    ISO-8601 text need none.
+    ``time_unit`` is the epoch unit of numeric times (``s``, ``ms``, ``us`` or ``ns``); times given as timestamps
+    or ISO-8601 text need none. Times are kept as epoch milliseconds: sub-millisecond digits are dropped (floor).
     """
 
-    def __init__(self, source: Source, user: str, item: str, time: str | None, value: str | None, time_factor: int):
+    def __init__(self, source: Source, user: str, item: str, time: str | None, value: str | None, time_unit: str):
         self.source, self.user, self.item, self.time, self.value = source, user, item, time, value
-        self.time_factor = time_factor
+        self.time_unit = time_unit
 
     def id_sql(self, name: str) -> str:
         kind = self.source.columns[name]
@@ -58,12 +58,26 @@ class Columns:
     def time_sql(self) -> str:
         kind = self.source.columns[self.time]
         column = quote_identifier(self.time)
-        number = f"CAST(round(TRY_CAST({column} AS DOUBLE) * {self.time_factor}) AS BIGINT)"
-        if kind in TIME_TYPES or kind.startswith("TIMESTAMP"):
+        # A number too large for its unit gives NULL (a time that does not parse: counted, located, refused).
+        if self.time_unit in ("s", "ms"):  # fractions of a second or of a millisecond are rounded
+            scale = 1000 if self.time_unit == "s" else 1
+            number = f"TRY_CAST(round(TRY_CAST({column} AS DOUBLE) * {scale}) AS BIGINT)"
+        else:  # integers divided exactly (19-digit nanoseconds are beyond a double's 53 bits), else as a double
+            divisor = 1000 if self.time_unit == "us" else 1_000_000
+            number = (
+                f"COALESCE(TRY_CAST({column} AS BIGINT) // {divisor}, "
+                f"TRY_CAST(floor(TRY_CAST({column} AS DOUBLE) / {divisor}) AS BIGINT))"
+            )
+        if self.time_is_timestamp():
             return f"epoch_ms(CAST({column} AS TIMESTAMPTZ))"
         if kind in NUMBER_TYPES:
             return number
         return f"COALESCE({number}, epoch_ms(TRY_CAST(CAST({column} AS VARCHAR) AS TIMESTAMPTZ)))"
+
+    def time_is_timestamp(self) -> bool:
+        """Whether the time column is a date or timestamp (not numbers or text)."""
+        kind = self.source.columns[self.time]
+        return kind in TIME_TYPES or kind.startswith("TIMESTAMP")
 
     def value_sql(self) -> str:
         return f"TRY_CAST({quote_identifier(self.value)} AS DOUBLE)"
@@ -151,13 +165,15 @@ class RowStore:
         return self._raw_counts()
 
     def _raw_counts(self) -> dict:
+        """The counts of :meth:`load`, and ``largest_time``: the largest absolute time (epoch ms; 0 without)."""
         both = "u IS NOT NULL AND i IS NOT NULL"
+        largest = "coalesce(max(abs(t)), 0)" if self.has_time else "0"
         (row,) = self._run(
             f"SELECT count(*), count(*) FILTER (WHERE u IS NULL), count(*) FILTER (WHERE u IS NOT NULL AND i IS NULL), "
             f"count(*) FILTER (WHERE {both} AND bad & {BAD_TIME} > 0), "
-            f"count(*) FILTER (WHERE {both} AND bad & {BAD_VALUE} > 0) FROM raw"
+            f"count(*) FILTER (WHERE {both} AND bad & {BAD_VALUE} > 0), {largest} FROM raw"
         )
-        names = ("rows_read", "null_user", "null_item", "bad_time", "bad_value")
+        names = ("rows_read", "null_user", "null_item", "bad_time", "bad_value", "largest_time")
         return dict(zip(names, (int(x) for x in row), strict=True))
 
     def distinct_ids(self, column: str):
