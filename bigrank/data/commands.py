@@ -55,7 +55,7 @@ def register(subparsers) -> None:
     columns = ingest.add_argument_group("columns (a name, or a 0-based position for headerless text)")
     columns.add_argument("--user", metavar="COL", help="user id column (integers or strings)")
     columns.add_argument("--item", metavar="COL", help="item id column (integers or strings)")
-    columns.add_argument("--time", metavar="COL", help="time column: epoch seconds/milliseconds or ISO-8601")
+    columns.add_argument("--time", metavar="COL", help="time column: epoch numbers (s, ms, us, ns) or ISO-8601")
     value = columns.add_mutually_exclusive_group()
     value.add_argument("--rating", metavar="COL", help="explicit rating column (a number)")
     value.add_argument("--weight", metavar="COL", help="implicit weight column (a number: plays, quantity, …)")
