@@ -7,6 +7,8 @@ checks the dataset's rows, or the one error line a user gets.
 
 from __future__ import annotations
 
+import json
+
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
@@ -143,3 +145,54 @@ def test_a_column_whose_numbers_change_unit_after_the_first_rows_is_one_error(tm
     )
     line = _one_error(err)
     assert code == 2 and "epoch microseconds" in line and "--time-unit ms" in line, line
+
+
+# --------------------------------------------------------------------------- unsigned 64-bit ids (item 7)
+def _hashed_ids(count: int, seed: int) -> list[int]:
+    """``count`` distinct unsigned 64-bit ids, most of them from 2^63 on (as hashed ids are), a few small."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    ids = {int(x) for x in rng.integers(0, 2**64 - 1, size=count, dtype=np.uint64, endpoint=True)}
+    ids |= {2**63, 2**64 - 1, 7}
+    return sorted(ids)[:count]
+
+
+def test_unsigned_64_bit_ids_are_kept_to_recommend(tmp_path, capsys):
+    """A uint64 id column with ids from 2^63 on (exit 2 before: Arrow could not parse them as int64): the ids are
+    kept as their decimal text, the same from Parquet and from CSV, the items file's uint64 key finds its items,
+    and an export of the dataset answers ``bigrank recommend --user 9223372036854775808``."""
+    from bigrank.cli import main
+    from bigrank.export.recommend import Recommender
+    from tests.id_datasets import export_random
+
+    users, items = _hashed_ids(40, 1), _hashed_ids(25, 2)
+    rows = [(users[k % 40], items[(k * 7) % 25]) for k in range(600)]
+    table = pa.table(
+        {"user": pa.array([u for u, _ in rows], pa.uint64()), "item": pa.array([i for _, i in rows], pa.uint64())}
+    )
+    pq.write_table(table, tmp_path / "log.parquet")
+    (tmp_path / "log.csv").write_text("user,item\n" + "".join(f"{u},{i}\n" for u, i in rows))
+    titles = pa.table({"id": pa.array(items, pa.uint64()), "title": [f"title {i}" for i in items]})
+    pq.write_table(titles, tmp_path / "items.parquet")
+    options = IngestOptions(user="user", item="item", items_file=str(tmp_path / "items.parquet"), item_key="id")
+    options = IngestOptions(**{**options.__dict__, "progress": False})
+    parquet = ingest([tmp_path / "log.parquet"], tmp_path / "from-parquet", options)
+    ingest([tmp_path / "log.csv"], tmp_path / "from-csv", options)
+
+    assert parquet["ingest"]["id_types"] == {"user": "string", "item": "string"}
+    got = read_dataset(tmp_path / "from-parquet")
+    assert sorted(got["users"].column("original_id").to_pylist()) == sorted(str(u) for u in users)
+    assert got["items"].column("title").to_pylist() == [
+        f"title {i}" for i in got["items"].column("original_id").to_pylist()
+    ]
+    assert _original_pairs(tmp_path / "from-parquet") == {(str(u), str(i)) for u, i in rows}
+    for name in ("users.parquet", "items.parquet"):
+        assert pq.read_table(tmp_path / "from-csv" / name).equals(pq.read_table(tmp_path / "from-parquet" / name))
+
+    export_random(tmp_path / "export", tmp_path / "from-parquet", parquet["num_users"], parquet["num_items"])
+    dense = Recommender(tmp_path / "export").user_from_original(str(2**63))
+    assert got["users"].column("original_id")[dense].as_py() == str(2**63)
+    assert main(["recommend", str(tmp_path / "export"), "--user", str(2**63), "-k", "3", "--json"]) == 0
+    answer = json.loads(capsys.readouterr().out)
+    assert len(answer) == 3 and all(int(row["original_id"]) in items for row in answer)

@@ -415,7 +415,7 @@ def _encode(source: Source, columns: Columns, options: IngestOptions, engine, co
     in the stores. Returns ``(item originals in code order, integer item ids?, pairs)``."""
     distinct = engine.map("distinct_ids", "i")
     integer_items = not columns.item_is_text() or (
-        source.format == "csv" and all(_all_integers(d) for d in distinct if len(d))
+        columns.text_may_be_integer(columns.item) and all(_all_integers(d) for d in distinct if len(d))
     )
     item_originals, item_codes = _item_codes(distinct, integer_items)
     kept = counts["rows_read"] - counts["null_user"] - counts["null_item"]
@@ -528,7 +528,9 @@ def run(source: Source, out: Path, options: IngestOptions, engine, say) -> tuple
     present = np.flatnonzero(item_count > 0)
     order = rank_ids(item_originals.take(pa.array(present)))
     items = item_originals.take(pa.array(present[order]))
-    integer_users = not columns.user_is_text() or (source.format == "csv" and all(engine.map("users_are_integers")))
+    integer_users = not columns.user_is_text() or (
+        columns.text_may_be_integer(columns.user) and all(engine.map("users_are_integers"))
+    )
     if parent is not None:
         parent.check_types(integer_users, integer_items)
     user_tables = engine.map("user_vocabulary", integer_users)

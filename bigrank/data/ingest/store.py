@@ -34,6 +34,10 @@ from bigrank.data.ingest.sources import INTEGER_TYPES, NUMBER_TYPES, TIME_TYPES,
 __all__ = ["Columns", "RowStore", "KEY_BINS_SHIFT"]
 
 KEY_BINS_SHIFT = 48  # the random split's histogram bins are the top 16 bits of a row's 64-bit key
+# Integer id columns every value of which is an int64; wider ones (UBIGINT: hashed 64-bit ids; HUGEINT) are read as
+# their decimal text, and become int64 ids only when every one fits (``Columns.text_may_be_integer``).
+INT64_TYPES = ("TINYINT", "SMALLINT", "INTEGER", "BIGINT", "UTINYINT", "USMALLINT", "UINTEGER")
+WIDE_INTEGER_TYPES = ("UBIGINT", "HUGEINT", "UHUGEINT")
 BAD_TIME, BAD_VALUE = 1, 2
 
 
@@ -51,7 +55,7 @@ class Columns:
     def id_sql(self, name: str) -> str:
         kind = self.source.columns[name]
         column = quote_identifier(name)
-        if kind in ("TINYINT", "SMALLINT", "INTEGER", "BIGINT", "UTINYINT", "USMALLINT", "UINTEGER"):
+        if kind in INT64_TYPES:
             return f"CAST({column} AS BIGINT)"
         return f"NULLIF(CAST({column} AS VARCHAR), '')"
 
@@ -101,10 +105,18 @@ class Columns:
         return f"SELECT *, {bad} AS bad FROM (SELECT {selected} FROM {scan})"
 
     def user_is_text(self) -> bool:
-        return self.source.columns[self.user] not in INTEGER_TYPES
+        """Whether the user ids are scanned as text (:meth:`id_sql`)."""
+        return self.source.columns[self.user] not in INT64_TYPES
 
     def item_is_text(self) -> bool:
-        return self.source.columns[self.item] not in INTEGER_TYPES
+        """Whether the item ids are scanned as text (:meth:`id_sql`)."""
+        return self.source.columns[self.item] not in INT64_TYPES
+
+    def text_may_be_integer(self, name: str) -> bool:
+        """Whether the ids of column ``name``, scanned as text, are int64 ids when every one is an int64 written
+        canonically: text of a CSV (every column is text there) or an integer type wider than int64 (an unsigned
+        64-bit column of hashed ids: ids from 2^63 on stay text, their decimal digits; the hash is the same)."""
+        return self.source.format == "csv" or self.source.columns[name] in WIDE_INTEGER_TYPES
 
 
 class RowStore:
