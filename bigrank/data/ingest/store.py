@@ -29,7 +29,7 @@ from pathlib import Path
 import numpy as np
 
 from bigrank.data.ingest.hashing import rank_ids
-from bigrank.data.ingest.sources import INTEGER_TYPES, NUMBER_TYPES, TIME_TYPES, Source, file_list, quote_identifier
+from bigrank.data.ingest.sources import NUMBER_TYPES, TIME_TYPES, Source, file_list, quote_identifier
 
 __all__ = ["Columns", "RowStore", "KEY_BINS_SHIFT"]
 
