@@ -8,6 +8,7 @@ checks the dataset's rows, or the one error line a user gets.
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -196,3 +197,52 @@ def test_unsigned_64_bit_ids_are_kept_to_recommend(tmp_path, capsys):
     assert main(["recommend", str(tmp_path / "export"), "--user", str(2**63), "-k", "3", "--json"]) == 0
     answer = json.loads(capsys.readouterr().out)
     assert len(answer) == 3 and all(int(row["original_id"]) in items for row in answer)
+
+
+# ------------------------------------------------------------------ items files and logs in any delimiter (item 10)
+LASTFM = Path(__file__).resolve().parents[1].parent / "shared" / "datasets" / "lastfm-2k"
+
+
+def test_tab_separated_dat_files_and_an_items_file_are_read_as_the_log_is(tmp_path, capsys):
+    """A tab-separated ``.dat`` log and items file (Last.fm's layout; ``.dat`` suggests ``::``): the delimiter is
+    found in the file; a ``;`` items file with ``--items-delimiter``; the log's columns and every item's
+    attributes arrive."""
+    (tmp_path / "plays.dat").write_text(
+        "userID\tartistID\tweight\r\n" + "".join(f"{u}\t{a}\t{u * a}\r\n" for u in range(2, 12) for a in range(1, 9))
+    )
+    (tmp_path / "artists.dat").write_text(
+        "id\tname\turl\n" + "".join(f"{a}\tBand, {a}\thttp://x/{a}\n" for a in range(1, 9))
+    )
+    common = ["--user", "userID", "--item", "artistID", "--weight", "weight", "--item-key", "id", "--no-progress"]
+    from bigrank.cli import main
+
+    assert main(["ingest", str(tmp_path / "plays.dat"), "--items-file", str(tmp_path / "artists.dat"),
+                 "--out", str(tmp_path / "tabs"), *common]) == 0  # fmt: skip
+    got = read_dataset(tmp_path / "tabs")
+    names = dict(
+        zip(got["items"].column("original_id").to_pylist(), got["items"].column("name").to_pylist(), strict=True)
+    )
+    assert names == {a: f"Band, {a}" for a in range(1, 9)}
+    assert sum(len(rows) for rows in got["splits"].values()) == 80
+
+    (tmp_path / "artists.txt").write_text("id;name\n" + "".join(f"{a};Band {a}\n" for a in range(1, 9)))
+    assert main(["ingest", str(tmp_path / "plays.dat"), "--items-file", str(tmp_path / "artists.txt"),
+                 "--items-delimiter", ";", "--out", str(tmp_path / "semicolons"), *common]) == 0  # fmt: skip
+    got = read_dataset(tmp_path / "semicolons")
+    assert got["items"].column("name").to_pylist() == [
+        f"Band {a}" for a in got["items"].column("original_id").to_pylist()
+    ]
+    capsys.readouterr()
+
+
+@pytest.mark.skipif(not LASTFM.is_dir(), reason="../shared/datasets/lastfm-2k is absent")
+def test_lastfm_ingests_with_its_artists_file(tmp_path):
+    manifest = ingest(
+        [LASTFM / "user_artists.dat"],
+        tmp_path / "lastfm",
+        IngestOptions(user="userID", item="artistID", weight="weight", items_file=str(LASTFM / "artists.dat"),
+                      item_key="id", progress=False),
+    )  # fmt: skip
+    assert manifest["num_ratings"] == 92_834 and manifest["num_users"] == 1_892 and manifest["num_items"] == 17_632
+    items = pq.read_table(tmp_path / "lastfm" / "items.parquet")
+    assert items.column("name").null_count == 0 and "url" in items.column_names

@@ -73,7 +73,11 @@ def register(subparsers) -> None:
         choices=["auto", "parquet", "csv", "tsv", "jsonl"],
         help="input format (auto: from the file names)",
     )
-    reading.add_argument("--delimiter", help="CSV delimiter (default , and tab for .tsv)")
+    reading.add_argument(
+        "--delimiter",
+        help="CSV delimiter (default: , and tab for .tsv, :: for .dat; or the one found in the first file when "
+        "that reads one column)",
+    )
     header = reading.add_mutually_exclusive_group()
     header.add_argument(
         "--header", dest="header", action="store_true", default=None, help="CSV files have a header line (default)"
@@ -128,6 +132,17 @@ def register(subparsers) -> None:
         "--items-file", metavar="PATH", help="a file of item attributes (titles, categories, …) carried to the export"
     )
     items.add_argument("--item-key", metavar="COL", help="its column holding the item id")
+    items.add_argument(
+        "--items-format",
+        default="auto",
+        choices=["auto", "parquet", "csv", "tsv", "jsonl"],
+        help="the items file's format (auto: from its name, as the log's)",
+    )
+    items.add_argument(
+        "--items-delimiter",
+        metavar="C",
+        help="the items file's delimiter (default: its name's, or the one found in it when that reads one column)",
+    )
     ingest.add_argument(
         "--vocab-from",
         metavar="OLD_DATASET",
@@ -281,6 +296,8 @@ def run_ingest(args: argparse.Namespace) -> int:
         seed=args.seed,
         items_file=args.items_file,
         item_key=args.item_key,
+        items_format=args.items_format,
+        items_delimiter=args.items_delimiter,
         memory_limit=args.memory_limit,
         threads=args.threads,
         temp_dir=args.temp_dir,

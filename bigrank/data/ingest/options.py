@@ -130,6 +130,7 @@ class IngestOptions:
     items_file: str | None = None
     item_key: str | None = None
     items_format: str = "auto"
+    items_delimiter: str | None = None  # read as the log is: by the name, else sniffed
     memory_limit: str | None = None
     threads: int | None = None
     temp_dir: str | None = None
@@ -176,6 +177,8 @@ class IngestOptions:
             raise CommandError("--valid-from/--test-from go with --split time")
         if bool(self.items_file) != bool(self.item_key):
             raise CommandError("--items-file PATH and --item-key COL go together")
+        if (self.items_delimiter or self.items_format != "auto") and not self.items_file:
+            raise CommandError("--items-format and --items-delimiter go with --items-file")
         if self.threads is not None and int(self.threads) < 1:
             raise CommandError(f"--threads must be at least 1, got {self.threads}")
         if self.buckets is not None and int(self.buckets) < 1:

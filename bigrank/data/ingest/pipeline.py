@@ -344,7 +344,7 @@ def item_attributes(items, options: IngestOptions, integer_ids: bool, say):
     source = open_source(
         [options.items_file],
         spec.get("format", options.items_format),
-        spec.get("delimiter"),
+        spec.get("delimiter", options.items_delimiter),
         spec.get("header"),
         spec.get("encoding", "utf-8"),
         typed_text=True,
@@ -393,7 +393,8 @@ def item_attributes(items, options: IngestOptions, integer_ids: bool, say):
 def _load(source: Source, columns: Columns, options: IngestOptions, engine, say) -> dict[str, int]:
     """Step 1: scan the inputs into the stores; the counts. CommandError for a value that does not parse (the
     first one located) or when no row has both ids."""
-    say(f"reading {len(source.files)} {source.format} file(s) ({_size(source.files)}) with {engine.name}")
+    delimiter = f", delimiter {source.delimiter!r}" if source.format == "csv" else ""
+    say(f"reading {len(source.files)} {source.format} file(s) ({_size(source.files)}{delimiter}) with {engine.name}")
     loaded = engine.load(source, columns)
     counts = {name: int(sum(part[name] for part in loaded)) for name in loaded[0]}
     say(f"read {counts['rows_read']:,} rows")

@@ -57,6 +57,9 @@ NUMBER_TYPES = (*INTEGER_TYPES, "HUGEINT", "FLOAT", "DOUBLE", "REAL")
 TIME_TYPES = ("DATE", "TIMESTAMP", "TIMESTAMP WITH TIME ZONE", "TIMESTAMP_S", "TIMESTAMP_MS", "TIMESTAMP_NS")
 # DuckDB's readers expand these in every path they are given, a list's items included (DuckDB's globbing).
 GLOB_CHARACTERS = "*?["
+# Delimiters a text file is sniffed for when the one its name suggests reads a single column (Last.fm's tab-
+# separated .dat files, a ;-separated .csv).
+SNIFFED_DELIMITERS = (",", "\t", ";", "|")
 
 
 def quote_literal(text: str) -> str:
@@ -243,6 +246,25 @@ def _describe(con, scan: str, file) -> dict[str, str]:
     return {name: str(kind) for name, kind, *_ in rows}
 
 
+def _delimiter_of(con, probe: Source) -> str:
+    """The delimiter of the text file ``probe`` names: ``probe.delimiter`` (its name's) unless that reads a single
+    column and DuckDB's sniffer finds another of ``SNIFFED_DELIMITERS`` that reads more."""
+    file = probe.files[0]
+    if len(_describe(con, probe.scan(), file)) > 1:
+        return probe.delimiter
+    try:
+        (sniffed,) = con.execute(
+            f"SELECT Delimiter FROM sniff_csv({quote_literal(literal_path(file))}, "
+            f"encoding = {quote_literal(probe.encoding)}, header = {str(probe.header).lower()})"
+        ).fetchall()[0]
+    except Exception:  # noqa: BLE001 - no delimiter found: the name's stays, and the columns are reported as read
+        return probe.delimiter
+    if sniffed in SNIFFED_DELIMITERS and sniffed != probe.delimiter:
+        if len(_describe(con, replace(probe, delimiter=sniffed).scan(), file)) > 1:
+            return sniffed
+    return probe.delimiter
+
+
 def open_source(
     paths,
     fmt: str = "auto",
@@ -255,19 +277,23 @@ def open_source(
 
     Text files: every file's columns come from its header (``header``: default True) or, without one, are
     ``column0, column1, …`` by position; ``delimiter`` defaults to the format's (``,``; tab for .tsv and u.data;
-    ``::`` for .dat). CommandError naming the file when one cannot be read or its columns differ from the first's.
+    ``::`` for .dat), or, when that reads the first file as one column, to the one DuckDB's sniffer finds in it
+    (:func:`_delimiter_of`). CommandError naming the file when one cannot be read or its columns differ from the
+    first's.
     """
     import duckdb
 
     files = resolve_files(paths if isinstance(paths, list | tuple) else [paths])
     kind, default_delimiter = _format_of(files, fmt)
     if kind == "csv":
-        delimiter = delimiter or default_delimiter or ","
         header = True if header is None else header
     elif delimiter is not None or header is not None:
         raise CommandError(f"--delimiter and --header/--no-header apply to CSV/TSV input, not {kind}")
     schemas = []
     with duckdb.connect() as con:
+        if kind == "csv" and delimiter is None:
+            probe = Source((str(files[0]),), kind, {}, default_delimiter or ",", header, encoding, typed_text)
+            delimiter = _delimiter_of(con, probe)
         for file in files:
             probe = Source((str(file),), kind, {}, delimiter or ",", bool(header), encoding, typed_text)
             columns = _describe(con, probe.scan(), file)
