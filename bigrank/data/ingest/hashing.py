@@ -11,13 +11,23 @@ contiguous ranges of hash values, so bucket ``b``'s users, ranked by ``(h, id)``
 ``< b``, get exactly the ids one machine gives them (``bucket_of``).
 
 Ids are hashed with the ``xxhash`` package, each distinct value of an array once (dictionary encoding first).
+
+The random split's key of a pair (:func:`split_keys`) is XXH64's final avalanche (its specified shifts and primes)
+of the pair's dense ids and the seed: a fixed function, so "the same input and options, the same dataset" holds
+on any install (DuckDB's ``hash()``, used before, is not specified across DuckDB versions).
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["bucket_of", "id_hashes", "rank_ids"]
+__all__ = ["PRIME64_1", "PRIME64_2", "PRIME64_3", "bucket_of", "id_hashes", "rank_ids", "split_keys"]
+
+# XXH64's primes (the XXH64 specification, https://github.com/Cyan4973/xxHash/blob/dev/doc/xxhash_spec.md).
+PRIME64_1 = 0x9E3779B185EBCA87
+PRIME64_2 = 0xC2B2AE3D27D4EB4F
+PRIME64_3 = 0x165667B19E3779F9
+MASK64 = (1 << 64) - 1
 
 
 def _xxh64_texts(values) -> np.ndarray:
@@ -54,6 +64,28 @@ def rank_ids(ids) -> np.ndarray:
     hashes = id_hashes(ids)
     table = pa.table({"h": pa.array(hashes, type=pa.uint64()), "id": ids})
     return pc.sort_indices(table, sort_keys=[("h", "ascending"), ("id", "ascending")]).to_numpy()
+
+
+def split_seed_term(seed: int) -> int:
+    """The seed's part of a split key: ``seed * PRIME64_1 mod 2^64``."""
+    return (int(seed) * PRIME64_1) & MASK64
+
+
+def split_keys(user_ids, item_ids, seed: int) -> np.ndarray:
+    """The random split's key of each pair (``user_ids``, ``item_ids``: dense ids, int[n] each): uint64[n].
+
+    ``x = (user_id << 32 | item_id) XOR (seed * PRIME64_1 mod 2^64)``, then XXH64's avalanche ``x ^= x >> 33;
+    x *= PRIME64_2; x ^= x >> 29; x *= PRIME64_3; x ^= x >> 32`` (mod 2^64). Every step is invertible, so no two
+    pairs of one seed share a key. The stores compute the same in SQL (``store.with_split_key``)."""
+    x = (np.asarray(user_ids).astype(np.uint64) << np.uint64(32)) | np.asarray(item_ids).astype(np.uint64)
+    x ^= np.uint64(split_seed_term(seed))
+    with np.errstate(over="ignore"):
+        x ^= x >> np.uint64(33)
+        x *= np.uint64(PRIME64_2)
+        x ^= x >> np.uint64(29)
+        x *= np.uint64(PRIME64_3)
+        x ^= x >> np.uint64(32)
+    return x
 
 
 def bucket_of(hashes: np.ndarray, buckets: int) -> np.ndarray:

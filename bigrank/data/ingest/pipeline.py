@@ -268,13 +268,13 @@ def _all_integers(ids) -> bool:
     return pc.all(pc.equal(pc.cast(numbers, pa.string()), ids.cast(pa.string()))).as_py() is not False
 
 
-def _random_cuts(engine, seed: int, total: int, fractions) -> list:
+def _random_cuts(engine, total: int, fractions) -> list:
     """The ``(key, user_id, item_id)`` cut points that give the random split its exact sizes
     (``round(f * total)`` train and valid rows), from the stores' key histograms and the rows of the bins a cut
     falls in. Rows are ranked by key (a seeded hash of the pair), ties by the pair."""
     import pyarrow as pa
 
-    histogram = np.sum(engine.map("key_histogram", seed), axis=0)
+    histogram = np.sum(engine.map("key_histogram"), axis=0)
     before = np.concatenate([[0], np.cumsum(histogram)])
     sizes = [int(round(fractions[0] * total)), int(round(fractions[1] * total))]
     cuts = []
@@ -283,7 +283,7 @@ def _random_cuts(engine, seed: int, total: int, fractions) -> list:
             cuts.append(None)
             continue
         bin_ = int(np.searchsorted(before, rank, side="right") - 1)
-        rows = pa.concat_tables(engine.map("keys_in_bin", seed, bin_)).sort_by(
+        rows = pa.concat_tables(engine.map("keys_in_bin", bin_)).sort_by(
             [("key", "ascending"), ("user_id", "ascending"), ("item_id", "ascending")]
         )
         row = rows.slice(rank - int(before[bin_]), 1).to_pylist()[0]
@@ -480,7 +480,7 @@ def _split(options: IngestOptions, engine, pairs: int, say, parent: ParentVocabu
             held = ", ".join(f"{n:,} {name}" for name, n in zip(layout.SPLITS, kept, strict=True))
             say(f"pairs of the parent keep its split: {held}")
         new = pairs - (sum(kept) if kept else 0)
-        engine.map("label_random", options.seed, _random_cuts(engine, options.seed, new, options.fractions))
+        engine.map("label_random", _random_cuts(engine, new, options.fractions))
     elif options.split == "time":
         valid, test = parse_time(options.valid_from, "--valid-from"), parse_time(options.test_from, "--test-from")
         engine.map("label_time", valid, test)
@@ -562,7 +562,10 @@ def run(source: Source, out: Path, options: IngestOptions, engine, say) -> tuple
     item_ids = np.empty(len(present), dtype=np.int32)
     item_ids[order] = item_dense
     item_table = pa.table({"ic": pa.array(present, type=pa.int32()), "item_id": item_ids})  # one object: sent once
-    engine.map_each("finalize", [(offset, item_table, rest, ranks) for offset, rest, ranks in finalize_args])
+    key_seed = options.seed if options.split == "random" else None  # the split key, computed once a pair
+    engine.map_each(
+        "finalize", [(offset, item_table, rest, ranks, key_seed) for offset, rest, ranks in finalize_args]
+    )
     num_users, num_items = user_vocabulary.num_rows, len(item_vocabulary)
     kept = f" ({users.num_rows:,} and {len(present):,} with rows)" if parent is not None else ""
     say(f"vocabularies: {num_users:,} users, {num_items:,} items{kept}")

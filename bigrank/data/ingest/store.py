@@ -12,10 +12,11 @@ Tables, in the order the steps create them (each replaces the one before, so one
     pairs   uc, ic (integer codes of the ids), t, v     one row per pair (dedup) of the rows with both ids, then
                                                         the pairs whose merged value is below --min-rating
                                                         dropped; then the k-core
-    final   user_id, item_id, ic, t, v[, label]         dense ids; the split label (0/1/2) is a column for the
+    final   user_id, item_id, ic, t, v[, label][, key]  dense ids; the split label (0/1/2) is a column for the
             [, parent_label]                            per-user split, else an expression (``label_sql``);
                                                         the parent dataset's label of a pair it holds
-                                                        (``--vocab-from`` with the random split)
+                                                        (``--vocab-from`` with the random split); the random
+                                                        split's key (:func:`with_split_key`), computed once
 
 The database is in memory, and DuckDB spills what does not fit its memory limit (tables included) to files in the
 store's directory, so a store's memory is bounded by the limit, not by its rows. (A database file would instead
@@ -28,7 +29,7 @@ from pathlib import Path
 
 import numpy as np
 
-from bigrank.data.ingest.hashing import rank_ids
+from bigrank.data.ingest.hashing import MASK64, PRIME64_2, PRIME64_3, rank_ids, split_seed_term
 from bigrank.data.ingest.sources import NUMBER_TYPES, TIME_TYPES, Source, file_list, quote_identifier
 
 __all__ = ["Columns", "RowStore", "KEY_BINS_SHIFT"]
@@ -39,6 +40,24 @@ KEY_BINS_SHIFT = 48  # the random split's histogram bins are the top 16 bits of 
 INT64_TYPES = ("TINYINT", "SMALLINT", "INTEGER", "BIGINT", "UTINYINT", "USMALLINT", "UINTEGER")
 WIDE_INTEGER_TYPES = ("UBIGINT", "HUGEINT", "UHUGEINT")
 BAD_TIME, BAD_VALUE = 1, 2
+
+
+def with_split_key(query: str, seed: int) -> str:
+    """The rows of ``query`` (with ``user_id``, ``item_id``) and their random split's key as column ``key``: the
+    one definition of the key in SQL, ``bigrank.data.ingest.hashing.split_keys`` (XXH64's avalanche; products
+    taken mod 2^64 in 128-bit integers, as DuckDB refuses a 64-bit overflow). One subquery a step, so that each
+    step is computed once a row."""
+
+    def times(column: str, shift: int, prime: int) -> str:
+        return f"((xor({column}, {column} >> {shift})::UHUGEINT * {prime}::UHUGEINT) & {MASK64}::UHUGEINT)::UBIGINT"
+
+    return (
+        "SELECT * EXCLUDE (k0, k1, k2), xor(k2, k2 >> 32) AS key FROM ("
+        f"SELECT *, {times('k1', 29, PRIME64_3)} AS k2 FROM ("
+        f"SELECT *, {times('k0', 33, PRIME64_2)} AS k1 FROM ("
+        f"SELECT *, xor((user_id::UBIGINT << 32) | item_id::UBIGINT, {split_seed_term(seed)}::UBIGINT) AS k0 "
+        f"FROM ({query}))))"
+    )
 
 
 class Columns:
@@ -312,11 +331,14 @@ class RowStore:
             )
         )
 
-    def finalize(self, user_offset: int, item_ids, last: tuple[float, float] | None = None, user_ids=None) -> None:
+    def finalize(
+        self, user_offset: int, item_ids, last: tuple[float, float] | None = None, user_ids=None, key_seed=None
+    ) -> None:
         """Give the pairs their dense ids: user ``offset + rank`` (:meth:`user_vocabulary`), or ``user_ids`` (a
         pyarrow table ``rank, user_id``: ids kept from a parent dataset) when given; item from ``item_ids`` (a
         pyarrow table ``ic, item_id`` from the driver); ``pairs`` becomes ``final``. With ``last`` =
-        ``(valid, test)`` fractions, label the per-user split by time in the same pass (:meth:`_last_label`)."""
+        ``(valid, test)`` fractions, label the per-user split by time in the same pass (:meth:`_last_label`); with
+        ``key_seed`` (the random split), add each pair's split key (:func:`with_split_key`)."""
         self.con.register("item_ids_given", item_ids)
         columns = ["t"] * self.has_time + ["v"] * self.has_value
         rest = "".join(f", pairs.{c}" for c in columns)
@@ -334,7 +356,8 @@ class RowStore:
             "JOIN item_ids_given ON pairs.ic = item_ids_given.ic"
         )
         if last is None:
-            self._run(f"CREATE OR REPLACE TABLE final AS {joined}")
+            keyed = joined if key_seed is None else with_split_key(joined, key_seed)
+            self._run(f"CREATE OR REPLACE TABLE final AS {keyed}")
             self.label_sql = "0"
         else:
             self._run(
@@ -366,9 +389,6 @@ class RowStore:
         )
 
     # ----------------------------------------------------------------------------------------------- split
-    def _key(self, seed: int) -> str:
-        return f"hash(user_id, item_id, {int(seed)}::BIGINT)"
-
     def inherit_labels(self, parent_files: list[list[str]]) -> list[int]:
         """Give every pair of ``final`` that the parent dataset holds the parent's split label (``parent_files``:
         the parent's part files of train, valid and test; its dense ids are ours, ``--vocab-from``), as
@@ -397,29 +417,28 @@ class RowStore:
         """The rows of final the random split labels: all, or the pairs new here (:meth:`inherit_labels`)."""
         return "(SELECT * FROM final WHERE parent_label IS NULL)" if self.from_parent else "final"
 
-    def key_histogram(self, seed: int) -> np.ndarray:
+    def key_histogram(self) -> np.ndarray:
         """Rows per bin of their random-split key (its top 16 bits): int64[65536]."""
         table = self._arrow(
-            f"SELECT ({self._key(seed)} >> {KEY_BINS_SHIFT})::INTEGER AS b, count(*) AS c FROM {self._unlabelled()} "
-            "GROUP BY b"
+            f"SELECT (key >> {KEY_BINS_SHIFT})::INTEGER AS b, count(*) AS c FROM {self._unlabelled()} GROUP BY b"
         )
         counts = np.zeros(1 << (64 - KEY_BINS_SHIFT), dtype=np.int64)
         counts[table.column("b").to_numpy()] = table.column("c").to_numpy()
         return counts
 
-    def keys_in_bin(self, seed: int, bin_: int):
+    def keys_in_bin(self, bin_: int):
         """``(key, user_id, item_id)`` of the rows whose key falls in ``bin_``, sorted (a pyarrow table)."""
         return self._arrow(
-            f"SELECT * FROM (SELECT {self._key(seed)} AS key, user_id, item_id FROM {self._unlabelled()}) "
+            f"SELECT * FROM (SELECT key, user_id, item_id FROM {self._unlabelled()}) "
             f"WHERE key >> {KEY_BINS_SHIFT} = {int(bin_)} ORDER BY key, user_id, item_id"
         )
 
-    def label_random(self, seed: int, cuts: list[tuple[int, int, int] | None]) -> None:
+    def label_random(self, cuts: list[tuple[int, int, int] | None]) -> None:
         """Label each row by where its ``(key, user_id, item_id)`` falls among the cut points (train below the
         first, valid below the second, test above; None: past every row); a pair the parent dataset holds keeps
         its label there (:meth:`inherit_labels`). The label stays an expression, evaluated where the rows are
         counted and written."""
-        row = f"({self._key(seed)}, user_id, item_id)"
+        row = "(key, user_id, item_id)"
         cases = []
         for label, cut in enumerate(cuts):
             if cut is None:
