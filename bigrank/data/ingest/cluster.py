@@ -27,7 +27,7 @@ the parts the stores write) must be at the same path on every node: NFS or anoth
 cannot see them fails with an error saying so.
 
 Stops and errors. ``interrupt()`` (called from the main thread's signal handler while the driver's steps run in
-another thread, ``bigrank.data.ingest._interruptible``) cancels the read tasks and kills the actors, so the
+another thread, ``bigrank.data.ingest._Steps``) cancels the read tasks and kills the actors, so the
 driver's wait ends at once; ``close()`` waits until they are gone, then the ingest deletes what was written. A
 task's error reaches the user as the one line the local engine gives (a CommandError naming the file), not a
 Ray traceback; a lost node or killed worker is an error saying to run the command again.
@@ -46,7 +46,7 @@ import numpy as np
 
 from bigrank.data.ingest.hashing import bucket_of, id_hashes
 from bigrank.data.ingest.options import IngestOptions
-from bigrank.data.ingest.pipeline import BATCH_ROWS, Interrupted
+from bigrank.data.ingest.pipeline import BATCH_ROWS, Interrupted, SideConnections
 from bigrank.data.ingest.sources import duckdb_error, file_list
 from bigrank.data.ingest.store import Columns, RowStore
 from bigrank.errors import CommandError
@@ -227,6 +227,7 @@ class RayEngine:
         self.say = say or (lambda line: None)
         self.name = "ray"
         self.stopped = False
+        self.side = SideConnections()  # the driver's own DuckDB connections (an items file, a row to locate)
         self.actors: list = []
         self.tasks: list = []
         self._lock = threading.RLock()
@@ -399,6 +400,7 @@ class RayEngine:
         import ray
 
         self.stopped = True
+        self.side.interrupt()
         with self._lock:
             tasks, actors = list(self.tasks), list(self.actors)
         for ref in tasks:

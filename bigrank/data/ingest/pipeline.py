@@ -27,9 +27,11 @@ dataset.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -43,7 +45,7 @@ from bigrank.data.ingest.store import Columns, RowStore
 from bigrank.data.ingest.vocab import ParentVocabulary, extend_ids, merged_firsts
 from bigrank.errors import CommandError
 
-__all__ = ["Interrupted", "LocalEngine", "Progress", "clear", "prepare_out", "run"]
+__all__ = ["Interrupted", "LocalEngine", "Progress", "SideConnections", "clear", "prepare_out", "run"]
 
 WORK_DIR = ".ingest"  # under --out: the stores' spill files (default); its presence marks an unfinished ingest
 BATCH_ROWS = 1 << 17
@@ -66,6 +68,49 @@ class Interrupted(CommandError):
     """The engine was asked to stop (a signal reached the command): the ingest's work ends with this."""
 
 
+class SideConnections:
+    """The DuckDB connections an ingest opens beside its stores (the time unit's sample, the search for a row that
+    does not parse, the items file): :meth:`interrupt` stops every query running on them, as the engine's
+    interrupt stops the stores', and no connection opens after it."""
+
+    def __init__(self):
+        self._open: set = set()
+        self._lock = threading.Lock()
+        self.stopped = False
+
+    @contextlib.contextmanager
+    def connect(self, config: dict | None = None):
+        """A new in-memory DuckDB connection (``config``: its settings), closed when the block ends; Interrupted
+        once :meth:`interrupt` was called."""
+        import duckdb
+
+        with self._lock:
+            if self.stopped:
+                raise Interrupted("stopped")
+            con = duckdb.connect(config=config or {})
+            self._open.add(con)
+        try:
+            yield con
+        finally:
+            with self._lock:
+                self._open.discard(con)
+            con.close()
+
+    def interrupt(self) -> None:
+        """Stop the query running on every open connection (from another thread: it raises in the thread that
+        runs it)."""
+        with self._lock:
+            self.stopped = True
+            for con in self._open:
+                con.interrupt()
+
+    def check(self) -> None:
+        """Interrupted once :meth:`interrupt` was called: between the batches of a streamed result, which DuckDB's
+        interrupt does not reach."""
+        if self.stopped:
+            raise Interrupted("stopped")
+
+
 class LocalEngine:
     """One :class:`RowStore` in this process holding every row (DuckDB spills what does not fit to disk)."""
 
@@ -73,6 +118,7 @@ class LocalEngine:
         self.stores = [RowStore(work / "store-00000", options.memory_bytes(), options.thread_count())]
         self.name = "duckdb"
         self.stopped = False
+        self.side = SideConnections()
 
     def load(self, source: Source, columns: Columns) -> list[dict]:
         """Scan every input file into the store."""
@@ -99,8 +145,10 @@ class LocalEngine:
         return results
 
     def interrupt(self) -> None:
-        """Stop: the running query raises, and no other starts (from another thread, e.g. a signal handler's)."""
+        """Stop: the running query raises, and no other starts (from another thread, e.g. a signal handler's), on
+        the stores and on the side connections."""
         self.stopped = True
+        self.side.interrupt()
         for store in self.stores:
             store.interrupt()
 
@@ -151,7 +199,7 @@ def clear(out: Path) -> None:
 
 
 # ------------------------------------------------------------------------------------------------- the steps
-def _columns(source: Source, options: IngestOptions, say) -> Columns:
+def _columns(source: Source, options: IngestOptions, say, side: SideConnections) -> Columns:
     user = source.column(options.user, "--user")
     item = source.column(options.item, "--item")
     time_column = source.column(options.time, "--time") if options.time else None
@@ -159,7 +207,7 @@ def _columns(source: Source, options: IngestOptions, say) -> Columns:
     value = source.column(options.value, value_option) if options.value else None
     unit = options.time_unit
     if time_column is not None and unit == "auto":
-        sample = _time_sample_max(source, time_column)
+        sample = _time_sample_max(source, time_column, side)
         unit = "s" if sample is None else epoch_unit_of(sample)
         if sample is not None:
             say(f"times are numbers up to {sample:.0f} in the first rows: epoch {EPOCH_UNIT_NAMES[unit]} (--time-unit)")
@@ -190,35 +238,33 @@ def _check_time_unit(columns: Columns, options: IngestOptions, largest_ms: int) 
         )
 
 
-def _time_sample_max(source: Source, column: str) -> float | None:
+def _time_sample_max(source: Source, column: str, side: SideConnections) -> float | None:
     import duckdb
 
-    con = duckdb.connect()
-    try:
-        value = con.sql(
-            f"SELECT max(abs(TRY_CAST({quote_identifier(column)} AS DOUBLE))) FROM "
-            f"(SELECT {quote_identifier(column)} FROM {source.scan(source.files[:1])} LIMIT 10000)"
-        ).fetchall()[0][0]
-    except Exception:  # a timestamp column: TRY_CAST gives NULL
-        value = None
-    finally:
-        con.close()
+    with side.connect() as con:
+        try:
+            value = con.sql(
+                f"SELECT max(abs(TRY_CAST({quote_identifier(column)} AS DOUBLE))) FROM "
+                f"(SELECT {quote_identifier(column)} FROM {source.scan(source.files[:1])} LIMIT 10000)"
+            ).fetchall()[0][0]
+        except duckdb.InterruptException:
+            raise
+        except Exception:  # noqa: BLE001 - a column of timestamps, or text: no number to size
+            value = None
     return None if value is None else float(value)
 
 
-def locate_bad_row(source: Source, columns: Columns, what: str) -> str:
+def locate_bad_row(source: Source, columns: Columns, what: str, side: SideConnections) -> str:
     """Where the first value of ``what`` ("time" or "value") that does not parse is: ``FILE row N: …``.
 
-    Reads the files in order, one at a time, in their row order (the error path only)."""
-    import duckdb
-
+    Reads the files in order, one at a time, in their row order (the error path only), on a connection of
+    ``side`` (a stop interrupts it)."""
     name = columns.time if what == "time" else columns.value
     parsed = columns.time_sql() if what == "time" else columns.value_sql()
     bad = "parsed IS NULL" if what == "time" else "parsed IS NULL OR NOT isfinite(parsed)"
     ids = f"{columns.id_sql(columns.user)} IS NOT NULL AND {columns.id_sql(columns.item)} IS NOT NULL"
-    con = duckdb.connect(config={"preserve_insertion_order": True, "threads": 1})
-    con.execute("SET TimeZone = 'UTC'").fetchall()
-    try:
+    with side.connect({"preserve_insertion_order": True, "threads": 1}) as con:
+        con.execute("SET TimeZone = 'UTC'").fetchall()
         for file in source.files:
             reader = con.sql(
                 f"SELECT CAST({quote_identifier(name)} AS VARCHAR) AS raw, ({bad}) AND {ids} AS bad FROM "
@@ -226,6 +272,7 @@ def locate_bad_row(source: Source, columns: Columns, what: str) -> str:
             ).to_arrow_reader(BATCH_ROWS)
             seen = 0
             for batch in reader:
+                side.check()
                 flags = batch.column(1).to_numpy(zero_copy_only=False)
                 hits = np.flatnonzero(flags == True)  # noqa: E712 - nulls (a null id) are not hits
                 if len(hits):
@@ -236,8 +283,6 @@ def locate_bad_row(source: Source, columns: Columns, what: str) -> str:
                     kind = f"a time ({unit}, or ISO-8601)" if what == "time" else "a finite number"
                     return f"{file} row {row + 1}{line}: column {name!r} holds {raw!r}, which is not {kind}"
                 seen += batch.num_rows
-    finally:
-        con.close()
     return f"a {what} value that does not parse (column {name!r}; not located)"
 
 
@@ -333,10 +378,10 @@ def _write_vocabulary(path: Path, table) -> None:
     )
 
 
-def item_attributes(items, options: IngestOptions, integer_ids: bool, say):
+def item_attributes(items, options: IngestOptions, integer_ids: bool, say, side: SideConnections):
     """The attribute columns of the items file for ``items`` (original ids in dense order): ``{name: array}``,
     null for items the file does not list. CommandError for a missing key column, a key that is not unique,
-    or an attribute named like a vocabulary column."""
+    or an attribute named like a vocabulary column. Read on a connection of ``side`` (a stop interrupts it)."""
     import duckdb
     import pyarrow as pa
 
@@ -356,36 +401,36 @@ def item_attributes(items, options: IngestOptions, integer_ids: bool, say):
         raise CommandError(
             f"--items-file {options.items_file}: the columns {clash} clash with the vocabulary's; rename them"
         )
-    con = duckdb.connect()
-    try:
-        key_type = "BIGINT" if integer_ids else "VARCHAR"
-        selected = ", ".join(f"{quote_identifier(src)} AS {quote_identifier(dst)}" for src, dst in renames.items())
-        con.execute(
-            f"CREATE TABLE attributes AS SELECT TRY_CAST({quote_identifier(key)} AS {key_type}) AS item_key"
-            f"{', ' + selected if selected else ''} FROM {source.scan()}"
-        ).fetchall()
-        duplicate = con.sql(
-            "SELECT item_key, count(*) FROM attributes WHERE item_key IS NOT NULL GROUP BY item_key "
-            "HAVING count(*) > 1 ORDER BY item_key LIMIT 1"
-        ).fetchall()
-        if duplicate:
-            duplicate = duplicate[0]
-            raise CommandError(
-                f"--items-file {options.items_file}: the key {duplicate[0]!r} of column {key!r} appears {duplicate[1]} "
-                "times; each item must appear once"
+    with side.connect() as con:
+        try:
+            key_type = "BIGINT" if integer_ids else "VARCHAR"
+            selected = ", ".join(f"{quote_identifier(src)} AS {quote_identifier(dst)}" for src, dst in renames.items())
+            con.execute(
+                f"CREATE TABLE attributes AS SELECT TRY_CAST({quote_identifier(key)} AS {key_type}) AS item_key"
+                f"{', ' + selected if selected else ''} FROM {source.scan()}"
+            ).fetchall()
+            duplicate = con.sql(
+                "SELECT item_key, count(*) FROM attributes WHERE item_key IS NOT NULL GROUP BY item_key "
+                "HAVING count(*) > 1 ORDER BY item_key LIMIT 1"
+            ).fetchall()
+            if duplicate:
+                duplicate = duplicate[0]
+                raise CommandError(
+                    f"--items-file {options.items_file}: the key {duplicate[0]!r} of column {key!r} appears "
+                    f"{duplicate[1]} times; each item must appear once"
+                )
+            con.register("vocabulary", pa.table({"item_key": items, "position": np.arange(len(items))}))
+            joined = con.sql(
+                "SELECT attributes.* EXCLUDE (item_key) FROM vocabulary LEFT JOIN attributes USING (item_key) "
+                "ORDER BY position"
+            ).to_arrow_table()
+            listed = int(
+                con.sql("SELECT count(*) FROM vocabulary SEMI JOIN attributes USING (item_key)").fetchall()[0][0]
             )
-        con.register("vocabulary", pa.table({"item_key": items, "position": np.arange(len(items))}))
-        joined = con.sql(
-            "SELECT attributes.* EXCLUDE (item_key) FROM vocabulary LEFT JOIN attributes USING (item_key) "
-            "ORDER BY position"
-        ).to_arrow_table()
-        listed = int(con.sql("SELECT count(*) FROM vocabulary SEMI JOIN attributes USING (item_key)").fetchall()[0][0])
-    except CommandError:
-        raise
-    except Exception as error:  # DuckDB's IO/conversion errors name the file
-        raise CommandError(f"cannot read --items-file {options.items_file}: {duckdb_error(error)}") from None
-    finally:
-        con.close()
+        except (CommandError, duckdb.InterruptException):
+            raise
+        except Exception as error:  # DuckDB's IO/conversion errors name the file
+            raise CommandError(f"cannot read --items-file {options.items_file}: {duckdb_error(error)}") from None
     say(f"items file: {listed:,} of {len(items):,} items have attributes ({', '.join(joined.column_names)})")
     return {name: joined.column(name) for name in joined.column_names}
 
@@ -400,7 +445,7 @@ def _load(source: Source, columns: Columns, options: IngestOptions, engine, say)
     say(f"read {counts['rows_read']:,} rows")
     for what, key in (("time", "bad_time"), ("value", "bad_value")):
         if counts[key]:
-            where = locate_bad_row(source, columns, what)
+            where = locate_bad_row(source, columns, what, engine.side)
             raise CommandError(f"{counts[key]:,} row(s) hold a {what} that does not parse; the first: {where}")
     _check_time_unit(columns, options, max(part["largest_time"] for part in loaded))
     if counts["rows_read"] == counts["null_user"] + counts["null_item"]:
@@ -517,7 +562,7 @@ def run(source: Source, out: Path, options: IngestOptions, engine, say) -> tuple
 
     started = time.monotonic()
     parent = ParentVocabulary.load(options.vocab_from) if options.vocab_from else None  # its errors come first
-    columns = _columns(source, options, say)
+    columns = _columns(source, options, say, engine.side)
     counts = _load(source, columns, options, engine, say)
     item_originals, integer_items, pairs = _encode(source, columns, options, engine, counts, say)
     num_codes = len(item_originals)
@@ -563,9 +608,7 @@ def run(source: Source, out: Path, options: IngestOptions, engine, say) -> tuple
     item_ids[order] = item_dense
     item_table = pa.table({"ic": pa.array(present, type=pa.int32()), "item_id": item_ids})  # one object: sent once
     key_seed = options.seed if options.split == "random" else None  # the split key, computed once a pair
-    engine.map_each(
-        "finalize", [(offset, item_table, rest, ranks, key_seed) for offset, rest, ranks in finalize_args]
-    )
+    engine.map_each("finalize", [(offset, item_table, rest, ranks, key_seed) for offset, rest, ranks in finalize_args])
     num_users, num_items = user_vocabulary.num_rows, len(item_vocabulary)
     kept = f" ({users.num_rows:,} and {len(present):,} with rows)" if parent is not None else ""
     say(f"vocabularies: {num_users:,} users, {num_items:,} items{kept}")
@@ -573,7 +616,9 @@ def run(source: Source, out: Path, options: IngestOptions, engine, say) -> tuple
     split_rows, kept_from_parent = _split(options, engine, pairs, say, parent)
     split_files = _write_splits(out, options, engine, len(user_tables))
     _write_vocabulary(out / "users.parquet", user_vocabulary)
-    attributes = item_attributes(item_vocabulary, options, integer_items, say) if options.items_file else None
+    attributes = (
+        item_attributes(item_vocabulary, options, integer_items, say, engine.side) if options.items_file else None
+    )
     if parent is None:
         item_counts, item_seen = item_count[present][order], _seconds(item_firsts)
     else:
