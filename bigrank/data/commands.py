@@ -152,14 +152,14 @@ def register(subparsers) -> None:
     engine = ingest.add_argument_group("engine")
     engine.add_argument(
         "--memory-limit",
-        help="DuckDB memory before it spills to disk: 8GB, or a fraction of memory (default 0.5); with --address: "
-        "per node, shared by its stores",
+        help="DuckDB memory before it spills to disk: 8GB, or a fraction of memory (default 0.5): of the machine's, "
+        "or of a container's cgroup limit when lower; with --address: per node, shared by its stores",
     )
     engine.add_argument(
         "--threads",
         type=int,
-        help="DuckDB threads (default: the CPUs available); with --address: per store (default: the node's CPUs "
-        "over its stores)",
+        help="DuckDB threads (default: the CPUs available, fewer under a container's CPU quota); with --address: "
+        "per store (default: the node's CPUs over its stores)",
     )
     engine.add_argument(
         "--address",

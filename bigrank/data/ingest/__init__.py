@@ -110,6 +110,7 @@ def _where(files) -> str:
 
 def _engine(work: Path, options: IngestOptions, say):
     if options.address is None:
+        say(f"DuckDB on this machine: {options.plan()}")
         return LocalEngine(work, options)
     from bigrank.data.ingest.cluster import RayEngine
 

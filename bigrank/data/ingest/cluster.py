@@ -108,7 +108,7 @@ def read_into_buckets(columns: Columns, files: list[str], buckets: int, work: st
 
     started = time.monotonic()
     con = duckdb.connect(
-        config={"threads": 1, "memory_limit": f"{max(memory_bytes >> 20, 256)}MB", "preserve_insertion_order": False}
+        config={"threads": 1, "memory_limit": f"{max(memory_bytes >> 20, 256)}MiB", "preserve_insertion_order": False}
     )
     # The store's setting: ISO-8601 times without an offset are UTC whatever the node's zone.
     con.execute("SET TimeZone = 'UTC'").fetchall()
@@ -191,11 +191,20 @@ class StoreActor:
 
     def __init__(self, directory: str, options: IngestOptions, stores_on_node: int, threads: int, cwd: str):
         os.chdir(cwd)
-        self.store = RowStore(directory, options.memory_bytes() // max(1, stores_on_node), threads)
+        memory = options.memory_plan()  # this node's: its memory, or its pod's cgroup limit
+        self.plan = (
+            f"{memory.amount / max(1, stores_on_node) / 2**30:.1f} GB a store ({memory.source}, over "
+            f"{stores_on_node} store(s)), {threads} thread(s)"
+        )
+        self.store = RowStore(directory, int(memory.amount) // max(1, stores_on_node), threads)
 
     def node(self) -> str:
         """The Ray node this store runs on."""
         return _node_id()
+
+    def limits(self) -> str:
+        """This store's memory limit and threads, and where the limit comes from."""
+        return self.plan
 
     def load_pieces(self, pieces: list[str], has_time: bool, has_value: bool) -> dict:
         """Load the bucket's pieces (``RowStore.load_rows``); CommandError when this node cannot see one."""
@@ -275,6 +284,9 @@ class RayEngine:
         )
         nodes = self._gather(placed, "start")
         self.say(f"{len(self.actors)} store(s) on {len(set(nodes))} node(s)")
+        limits = self._gather([actor.limits.remote() for actor in self.actors], "start")
+        for plan in sorted(set(limits)):
+            self.say(f"  {limits.count(plan)} store(s): {plan}")
         has_time, has_value = columns.time is not None, columns.value is not None
         loaded = self._gather(
             [

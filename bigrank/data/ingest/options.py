@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import math
-import os
 import re
 from dataclasses import asdict, dataclass, field
 
+from bigrank.data.ingest.resources import Resource, available_cpus, available_memory
 from bigrank.errors import CommandError
 
 __all__ = [
@@ -72,15 +72,9 @@ def epoch_unit_of(largest: float) -> str:
     return next(unit for unit, bound in EPOCH_UNIT_BOUNDS if abs(largest) < bound)
 
 
-def _memory_bytes() -> int:
-    try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError):
-        return 8 << 30
-
-
 def parse_size(text: str) -> int:
-    """``"8GB"``, ``"512MB"``, ``"0.5"`` (a fraction of the machine's memory) -> bytes."""
+    """``"8GB"``, ``"512MB"``, ``"0.5"`` (a fraction of the memory this process may use: the machine's, or its
+    cgroup's limit, ``bigrank.data.ingest.resources``) -> bytes."""
     text = str(text).strip().upper().replace("IB", "B")
     match = re.fullmatch(r"(\d+(?:\.\d+)?)\s*([KMGT]?B)?", text)
     if not match:
@@ -89,7 +83,7 @@ def parse_size(text: str) -> int:
     if unit is None:
         if not 0 < number <= 1:
             raise CommandError(f"--memory-limit without a unit is a fraction of memory in (0, 1], got {text!r}")
-        return int(number * _memory_bytes())
+        return int(number * available_memory().amount)
     return int(number * {"B": 1, "KB": 1 << 10, "MB": 1 << 20, "GB": 1 << 30, "TB": 1 << 40}[unit])
 
 
@@ -202,19 +196,40 @@ class IngestOptions:
         return "rating" if self.rating else "weight" if self.weight else None
 
     def memory_bytes(self) -> int:
-        """DuckDB's memory limit in bytes (default a fraction of the machine's memory)."""
-        if self.memory_limit is None:
-            return int(DEFAULT_MEMORY_FRACTION * _memory_bytes())
-        return parse_size(self.memory_limit)
+        """DuckDB's memory limit in bytes (:meth:`memory_plan`)."""
+        return int(self.memory_plan().amount)
+
+    def memory_plan(self) -> Resource:
+        """DuckDB's memory limit (bytes) and where it comes from: ``--memory-limit``, else half the memory this
+        process may use (the machine's, or less under a cgroup limit: ``bigrank.data.ingest.resources``)."""
+        if self.memory_limit is not None:
+            fraction = re.fullmatch(r"\s*\d+(\.\d+)?\s*", str(self.memory_limit)) is not None
+            of = f" of {available_memory().source}" if fraction else ""
+            return Resource(parse_size(self.memory_limit), f"--memory-limit {self.memory_limit}{of}")
+        available = available_memory()
+        return Resource(
+            int(DEFAULT_MEMORY_FRACTION * available.amount),
+            f"{DEFAULT_MEMORY_FRACTION:g} of {available.amount / 2**30:.1f} GB, {available.source}",
+        )
 
     def thread_count(self) -> int:
-        """DuckDB's threads (default the CPUs this process may run on)."""
+        """DuckDB's threads (:meth:`threads_plan`)."""
+        return int(self.threads_plan().amount)
+
+    def threads_plan(self) -> Resource:
+        """DuckDB's threads and where they come from: ``--threads``, else the CPUs this process may use (fewer
+        under a cgroup's CPU quota)."""
         if self.threads is not None:
-            return int(self.threads)
-        try:
-            return len(os.sched_getaffinity(0))
-        except AttributeError:
-            return os.cpu_count() or 1
+            return Resource(int(self.threads), "--threads")
+        return available_cpus()
+
+    def plan(self) -> str:
+        """The engine's limits and their sources, for the progress line."""
+        memory, threads = self.memory_plan(), self.threads_plan()
+        return (
+            f"memory limit {memory.amount / 2**30:.1f} GB ({memory.source}), "
+            f"{int(threads.amount)} thread(s) ({threads.source})"
+        )
 
     def record(self) -> dict:
         """The options as the manifest records them (no machine settings)."""

@@ -150,7 +150,7 @@ class RowStore:
         self.directory = Path(directory)
         self.directory.mkdir(parents=True, exist_ok=True)
         config = {
-            "memory_limit": f"{max(int(memory_bytes) >> 20, 64)}MB",
+            "memory_limit": f"{max(int(memory_bytes) >> 20, 64)}MiB",  # MB would be 10^6 bytes to DuckDB
             "threads": int(threads),
             "temp_directory": str(self.directory / "spill"),
             "preserve_insertion_order": False,

@@ -1,0 +1,96 @@
+"""``bigrank ingest`` at the scale it is for (issue 48): the limits of a container, the Ray driver's memory, the
+hashing of ids, the cluster's reads of large files.
+
+cgroup trees are real files in a temporary directory laid out as the kernel's (``/proc/self/cgroup`` and the
+``/sys/fs/cgroup`` mounts of v1 and v2), read by the real code with its two paths pointed there.
+"""
+
+from __future__ import annotations
+
+import os
+
+from bigrank.data.ingest import resources
+from bigrank.data.ingest.options import IngestOptions
+from bigrank.data.ingest.pipeline import LocalEngine
+
+GIB = 1 << 30
+
+
+def _machine_cpus() -> int:
+    return len(os.sched_getaffinity(0))
+
+
+def _cgroups(monkeypatch, tmp_path, proc: str, files: dict[str, str]) -> None:
+    """A cgroup tree under ``tmp_path/cgroup`` holding ``files`` (path -> text) and this process's cgroup file
+    ``proc``; the reader is pointed at them."""
+    root = tmp_path / "cgroup"
+    for relative, text in files.items():
+        path = root / relative
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text + "\n")
+    root.mkdir(exist_ok=True)
+    (tmp_path / "proc-self-cgroup").write_text(proc)
+    monkeypatch.setattr(resources, "CGROUP_ROOT", root)
+    monkeypatch.setattr(resources, "PROC_CGROUP", tmp_path / "proc-self-cgroup")
+
+
+def test_a_cgroup_v2_pods_limits_set_the_defaults(monkeypatch, tmp_path):
+    """A Kubernetes pod (cgroup v2): 2 GiB on the pod, none on the container, 0.5 CPU on the container. The
+    ingest's DuckDB gets half of 2 GiB and one thread, and the plan line names the files."""
+    _cgroups(
+        monkeypatch,
+        tmp_path,
+        "0::/kubepods/pod-1/container-1\n",
+        {
+            "kubepods/pod-1/memory.max": str(2 * GIB),
+            "kubepods/pod-1/container-1/memory.max": "max",
+            "kubepods/pod-1/container-1/cpu.max": "50000 100000",
+            "kubepods/pod-1/cpu.max": "max 100000",
+        },
+    )
+    options = IngestOptions(user="u", item="i")
+    assert options.memory_bytes() == GIB and options.thread_count() == 1
+    plan = options.plan()
+    assert "0.5 of 2.0 GB, cgroup v2" in plan and "kubepods/pod-1/memory.max" in plan, plan
+    assert "container-1/cpu.max" in plan, plan
+    engine = LocalEngine(tmp_path / "work", options)  # the store's DuckDB takes them
+    con = engine.stores[0].con
+    assert con.execute("SELECT current_setting('memory_limit'), current_setting('threads')").fetchall() == [
+        ("1.0 GiB", 1)
+    ]
+    engine.close()
+    # a fraction is of the pod's memory too; explicit settings win
+    assert IngestOptions(memory_limit="0.25").memory_bytes() == GIB // 2
+    assert IngestOptions(memory_limit="3GB", threads=4).plan().startswith("memory limit 3.0 GB (--memory-limit 3GB)")
+
+
+def test_cgroup_v1_limits_and_a_namespaced_path(monkeypatch, tmp_path):
+    _cgroups(
+        monkeypatch,
+        tmp_path,
+        "5:memory:/docker/abc\n4:cpu,cpuacct:/docker/abc\n1:name=systemd:/\n",
+        {
+            "memory/docker/abc/memory.limit_in_bytes": str(3 * GIB),
+            "memory/memory.limit_in_bytes": "9223372036854771712",  # v1's "no limit"
+            "cpu,cpuacct/docker/abc/cpu.cfs_quota_us": "150000",
+            "cpu,cpuacct/docker/abc/cpu.cfs_period_us": "100000",
+        },
+    )
+    options = IngestOptions()
+    assert options.memory_bytes() == 3 * GIB // 2
+    assert options.thread_count() == min(1, _machine_cpus())  # 1.5 CPUs: 1 thread
+    assert "cgroup v1" in options.plan() and "docker/abc/memory.limit_in_bytes" in options.plan()
+
+    # A cgroup namespace: /proc/self/cgroup names a path the mount does not hold; the mount's root is the cgroup.
+    _cgroups(monkeypatch, tmp_path / "ns", "0::/host/path/of/the/pod\n", {"memory.max": str(GIB)})
+    assert IngestOptions().memory_bytes() == GIB // 2
+
+
+def test_no_cgroup_limit_leaves_the_machines_figures(monkeypatch, tmp_path):
+    _cgroups(
+        monkeypatch, tmp_path, "0::/user.slice\n", {"user.slice/memory.max": "max", "user.slice/cpu.max": "max 100000"}
+    )
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    options = IngestOptions()
+    assert options.memory_bytes() == memory // 2 and options.thread_count() == _machine_cpus()
+    assert "the machine's memory" in options.plan()
