@@ -94,3 +94,43 @@ def test_no_cgroup_limit_leaves_the_machines_figures(monkeypatch, tmp_path):
     options = IngestOptions()
     assert options.memory_bytes() == memory // 2 and options.thread_count() == _machine_cpus()
     assert "the machine's memory" in options.plan()
+
+
+# ---------------------------------------------------------------------------------- the driver's memory (item 12)
+def test_the_kcore_reduction_holds_one_catalog_array_whatever_the_number_of_stores(tmp_path):
+    """16 stores (as 16 buckets of the cluster engine) over a catalog of 4M item codes: the driver sums the
+    stores' sparse counts as they come, so the k-core's peak memory is a few catalog-sized arrays (32 MB each),
+    not one per store (16 x 32 MB, then stacked again: over 1 GB before)."""
+    import tracemalloc
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from bigrank.data.ingest.pipeline import _kcore
+    from bigrank.data.ingest.sources import open_source
+    from bigrank.data.ingest.store import Columns, RowStore
+
+    num_codes, stores = 4_000_000, 16
+    items = pa.table({"id": [f"i{k}" for k in range(50)], "ic": pa.array(range(50), pa.int32())})
+    engine = LocalEngine(tmp_path / "work", IngestOptions(user="u", item="i", memory_limit="256MB", threads=1))
+    engine.stores = []
+    pairs = 0
+    for store in range(stores):
+        log = tmp_path / f"part-{store}.parquet"
+        rows = [(f"u{store}-{k % 40}", f"i{(k * 7 + store) % 50}") for k in range(400)]
+        pq.write_table(pa.table({"u": [u for u, _ in rows], "i": [i for _, i in rows]}), log)
+        columns = Columns(open_source([log]), "u", "i", None, None, "s")
+        engine.stores.append(RowStore(tmp_path / f"store-{store}", 256 << 20, 1))
+        engine.stores[-1].load(columns.source.scan(), columns)
+        pairs += engine.stores[-1].encode(items, None, "first")["merged"]
+    counts: dict = {}
+    options = IngestOptions(user="u", item="i", min_user_items=3, min_item_users=3)
+    tracemalloc.start()
+    try:
+        left = _kcore(options, engine, num_codes, pairs, counts, lambda line: None)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+        engine.close()
+    assert 0 < left <= pairs and counts["k_core_items_start"] == 50
+    assert peak < 4 * num_codes * 8, f"{peak / 2**20:.0f} MB"

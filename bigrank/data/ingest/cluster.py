@@ -13,7 +13,7 @@ Buckets. Bucket ``b`` is an actor (:class:`StoreActor`, no CPU reserved: it runs
 (``RowStore.load_rows``) and then answers the driver's ``map``/``map_each`` calls. Buckets are contiguous ranges
 of user hashes, so bucket ``b``'s users, ranked inside it and offset by the users of the buckets before it, get
 the ids one machine gives them; the reductions across buckets (item codes and counts, the random split's cut
-points) are the driver's, and what it hands back to every store (the item vocabulary, ~1M rows) goes into Ray's
+points) are the driver's, each bucket's sparse answer folded in as it arrives (``RayEngine.fold``), and what it hands back to every store (the item vocabulary, ~1M rows) goes into Ray's
 object store once, as Arrow. Same input and options: the same dataset as one machine, ids, splits and rows.
 
 Placement. The buckets are dealt to the nodes in proportion to their CPUs (hard node affinity); a node's stores share
@@ -325,6 +325,17 @@ class RayEngine:
         ]
         return self._gather(calls, method)
 
+    def fold(self, method: str, add, *args) -> None:
+        """``add(store.method(*args))`` for every store, as each result arrives (in any order): the driver holds
+        one store's result at a time, not every store's (per-item counts of 512 buckets x 10M items would be 41
+        GB)."""
+        import ray
+
+        if self.stopped:
+            raise Interrupted("stopped")
+        shared = [ray.put(a) if _is_bulk(a) else a for a in args]
+        self._gather([actor.call.remote(method, *shared) for actor in self.actors], method, each=add)
+
     # ------------------------------------------------------------------------------------------- the actors
     def _start_stores(self) -> list:
         """Start one actor per bucket on its node (:func:`place`); returns the refs of their nodes, once started."""
@@ -356,23 +367,31 @@ class RayEngine:
         if self.stopped:  # a signal came while they were being started
             self.interrupt()
 
-    def _gather(self, refs: list, what: str) -> list:
-        """The results of ``refs`` in order, waiting in short slices so that a stop ends the wait at once; the first
-        failure (in the order they happen) is raised as :meth:`_failure` says."""
+    def _gather(self, refs: list, what: str, each=None) -> list:
+        """The results of ``refs`` in order (or, with ``each``, ``each(result)`` as each arrives, and nothing kept),
+        waiting in short slices so that a stop ends the wait at once; the first failure (in the order they happen)
+        is raised as :meth:`_failure` says."""
         import ray
 
         results = {}
         waiting = list(refs)
+        if each is not None:
+            refs.clear()  # the caller's list too: a result's ref goes once it is folded, and Ray frees the object
         while waiting:
             if self.stopped:
                 raise Interrupted("stopped")
             ready, waiting = ray.wait(waiting, num_returns=len(waiting), timeout=POLL_SECONDS)
             for ref in ready:
                 try:
-                    results[ref] = ray.get(ref)
+                    result = ray.get(ref)
                 except Exception as error:  # noqa: BLE001 - sorted by _failure
                     self._failure(error, what)
-        return [results[ref] for ref in refs]
+                if each is None:
+                    results[ref] = result
+                else:
+                    each(result)
+            ready = ref = result = None  # no reference kept to a folded result
+        return [results[ref] for ref in refs] if each is None else []
 
     def _failure(self, error: Exception, what: str):
         """Raise what the user sees of a failed task or actor call: Interrupted after a stop; a CommandError's own

@@ -41,7 +41,7 @@ from bigrank.data import manifest as layout
 from bigrank.data.ingest.hashing import rank_ids
 from bigrank.data.ingest.options import EPOCH_UNIT_NAMES, IngestOptions, epoch_unit_of, parse_time
 from bigrank.data.ingest.sources import Source, duckdb_error, open_source, quote_identifier
-from bigrank.data.ingest.store import Columns, RowStore
+from bigrank.data.ingest.store import KEY_BINS_SHIFT, Columns, RowStore
 from bigrank.data.ingest.vocab import ParentVocabulary, extend_ids, merged_firsts
 from bigrank.errors import CommandError
 
@@ -127,6 +127,12 @@ class LocalEngine:
     def map(self, method: str, *args) -> list:
         """``store.method(*args)`` of every store, in store order."""
         return self.map_each(method, [args] * len(self.stores))
+
+    def fold(self, method: str, add, *args) -> None:
+        """``add(store.method(*args))`` for every store, as each result comes (``add`` must not depend on their
+        order)."""
+        for result in self.map(method, *args):
+            add(result)
 
     def map_each(self, method: str, args: list[tuple]) -> list:
         """``store_k.method(*args[k])`` of every store k, in store order."""
@@ -286,14 +292,51 @@ def locate_bad_row(source: Source, columns: Columns, what: str, side: SideConnec
     return f"a {what} value that does not parse (column {name!r}; not located)"
 
 
-def _item_codes(distinct: list, integer_ids: bool):
-    """Every store's distinct items -> ``(ids, codes table)``: ids in the order of their original values (numeric
-    when ``integer_ids``), coded 0, 1, … in that order."""
+class _Distinct:
+    """The union of the stores' distinct ids (pyarrow arrays), kept distinct as each store's arrive, so that the
+    driver holds about two copies of the catalog at once, not one per store."""
+
+    def __init__(self):
+        self.ids = None
+
+    def add(self, ids) -> None:
+        import pyarrow as pa
+        import pyarrow.compute as pc
+
+        ids = ids.combine_chunks() if isinstance(ids, pa.ChunkedArray) else ids
+        if self.ids is None:
+            self.ids = ids
+        elif len(ids):
+            both = pa.chunked_array([self.ids, ids.cast(self.ids.type)])
+            unique = pc.unique(both)
+            self.ids = unique.combine_chunks() if isinstance(unique, pa.ChunkedArray) else unique
+
+
+class _Sums:
+    """Per-code sums (and minima) of the stores' sparse ``(codes, values…)`` results, added as each arrives:
+    int64[size] arrays, whatever the number of stores."""
+
+    def __init__(self, size: int, minimum: bool = False):
+        self.sums = np.zeros(size, dtype=np.int64)
+        self.minima = np.full(size, np.iinfo(np.int64).max, dtype=np.int64) if minimum else None
+        self.rest: list = []  # the results' other fields, summed
+
+    def add(self, result) -> None:
+        """Add ``(codes, values[, minima], scalars…)`` of one store."""
+        codes, values, *rest = result
+        self.sums[codes] += values  # a store lists each code once
+        if self.minima is not None:
+            self.minima[codes] = np.minimum(self.minima[codes], rest.pop(0))
+        self.rest = [a + b for a, b in zip(self.rest, rest, strict=True)] if self.rest else list(rest)
+
+
+def _item_codes(distinct, integer_ids: bool):
+    """The stores' distinct items (one pyarrow array) -> ``(ids, codes table)``: ids in the order of their
+    original values (numeric when ``integer_ids``), coded 0, 1, … in that order."""
     import pyarrow as pa
     import pyarrow.compute as pc
 
-    ids = pc.unique(pa.chunked_array([d for d in distinct if len(d)] or [pa.array([], type=distinct[0].type)]))
-    ids = ids.combine_chunks() if isinstance(ids, pa.ChunkedArray) else ids
+    ids = distinct
     ordered = ids.cast(pa.int64()) if integer_ids and not pa.types.is_integer(ids.type) else ids
     order = pc.sort_indices(ordered)
     return ordered.take(order), pa.table({"id": ids.take(order), "ic": pa.array(np.arange(len(ids)), type=pa.int32())})
@@ -319,7 +362,9 @@ def _random_cuts(engine, total: int, fractions) -> list:
     falls in. Rows are ranked by key (a seeded hash of the pair), ties by the pair."""
     import pyarrow as pa
 
-    histogram = np.sum(engine.map("key_histogram"), axis=0)
+    histogram = _Sums(1 << (64 - KEY_BINS_SHIFT))
+    engine.fold("key_histogram", histogram.add)
+    histogram = histogram.sums
     before = np.concatenate([[0], np.cumsum(histogram)])
     sizes = [int(round(fractions[0] * total)), int(round(fractions[1] * total))]
     cuts = []
@@ -459,9 +504,11 @@ def _load(source: Source, columns: Columns, options: IngestOptions, engine, say)
 def _encode(source: Source, columns: Columns, options: IngestOptions, engine, counts: dict, say):
     """Steps 2-3: item codes from every store's items, then codes, dedup and --min-rating (on the merged rating)
     in the stores. Returns ``(item originals in code order, integer item ids?, pairs)``."""
-    distinct = engine.map("distinct_ids", "i")
+    union = _Distinct()
+    engine.fold("distinct_ids", union.add, "i")
+    distinct = union.ids
     integer_items = not columns.item_is_text() or (
-        columns.text_may_be_integer(columns.item) and all(_all_integers(d) for d in distinct if len(d))
+        columns.text_may_be_integer(columns.item) and (len(distinct) == 0 or _all_integers(distinct))
     )
     item_originals, item_codes = _item_codes(distinct, integer_items)
     kept = counts["rows_read"] - counts["null_user"] - counts["null_item"]
@@ -486,12 +533,12 @@ def _kcore(options: IngestOptions, engine, num_codes: int, pairs: int, counts: d
     and returns the pairs left. CommandError when it leaves none."""
     rounds, before, users_start, items_start = 0, pairs, 0, 0
     while options.min_user_items > 1 or options.min_item_users > 1:
-        results = engine.map("kcore_counts", num_codes, options.min_user_items)
-        item_counts = np.sum([r[0] for r in results], axis=0)
+        reduced = _Sums(num_codes)
+        engine.fold("kcore_counts", reduced.add, options.min_user_items)
+        item_counts, (users_below, users) = reduced.sums, reduced.rest
         if rounds == 0:
-            items_start, users_start = int(np.count_nonzero(item_counts)), sum(r[2] for r in results)
+            items_start, users_start = int(np.count_nonzero(item_counts)), users
         dropped_items = np.flatnonzero((item_counts > 0) & (item_counts < options.min_item_users)).astype(np.int32)
-        users_below = sum(r[1] for r in results)
         if len(dropped_items) == 0 and users_below == 0:
             break
         rounds += 1
@@ -570,7 +617,9 @@ def run(source: Source, out: Path, options: IngestOptions, engine, say) -> tuple
 
     # Step 5, the vocabularies: items ranked here from every store's counts; users ranked by each store, offset by
     # the users of the stores before it (stores hold contiguous ranges of user hashes).
-    item_count, item_first = _reduce_item_stats(engine.map("item_stats", num_codes))
+    stats = _Sums(num_codes, minimum=columns.time is not None)
+    engine.fold("item_stats", stats.add)
+    item_count, item_first = stats.sums, stats.minima
     present = np.flatnonzero(item_count > 0)
     order = rank_ids(item_originals.take(pa.array(present)))
     items = item_originals.take(pa.array(present[order]))
@@ -689,13 +738,6 @@ def _split_rule(options: IngestOptions, name: str) -> str:
             f"--split last: users need 3 pairs to hold any out; fraction {options.fractions[layout.SPLITS.index(name)]}"
         )
     return f"--split random, fraction {options.fractions[layout.SPLITS.index(name)]}"
-
-
-def _reduce_item_stats(parts):
-    counts = np.sum([p[0] for p in parts], axis=0)
-    if parts[0][1] is None:
-        return counts, None
-    return counts, np.min([p[1] for p in parts], axis=0)
 
 
 def _duckdb_version() -> str:

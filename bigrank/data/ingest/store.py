@@ -138,6 +138,11 @@ class Columns:
         return self.source.format == "csv" or self.source.columns[name] in WIDE_INTEGER_TYPES
 
 
+def _column(table, name: str, dtype) -> np.ndarray:
+    """Column ``name`` of the pyarrow ``table`` as a numpy array of ``dtype`` (no nulls)."""
+    return table.column(name).to_numpy().astype(dtype, copy=False)
+
+
 class RowStore:
     """A DuckDB database holding one set of rows through the steps (see the module docstring).
 
@@ -259,15 +264,14 @@ class RowStore:
         return {"merged": int(pairs), "below_min_rating": int(below)}
 
     # ---------------------------------------------------------------------------------------------- k-core
-    def kcore_counts(self, num_codes: int, min_items: int) -> tuple[np.ndarray, int, int]:
-        """``(pairs per item code int64[num_codes], users with fewer than min_items pairs, users)`` of ``pairs``;
-        the users' counts are kept for :meth:`drop`."""
+    def kcore_counts(self, min_items: int) -> tuple[np.ndarray, np.ndarray, int, int]:
+        """``(item codes int32[k], their pairs int64[k], users with fewer than min_items pairs, users)`` of
+        ``pairs``, for the k items this store holds (sparse: a cluster's driver sums the buckets' counts as they
+        arrive, never a bucket x catalog array); the users' counts are kept for :meth:`drop`."""
         users = self._scalar("CREATE OR REPLACE TABLE user_counts AS SELECT uc, count(*) AS c FROM pairs GROUP BY uc")
         below = int(self._scalar(f"SELECT count(*) FROM user_counts WHERE c < {int(min_items)}"))
         table = self._arrow("SELECT ic, count(*) AS c FROM pairs GROUP BY ic")
-        counts = np.zeros(num_codes, dtype=np.int64)
-        counts[table.column("ic").to_numpy()] = table.column("c").to_numpy()
-        return counts, below, int(users)
+        return _column(table, "ic", np.int32), _column(table, "c", np.int64), below, int(users)
 
     def drop(self, min_items: int, dropped_items: np.ndarray) -> int:
         """One k-core pass: drop the pairs of users with fewer than ``min_items`` pairs (as :meth:`kcore_counts`
@@ -286,19 +290,13 @@ class RowStore:
         return int(pairs)
 
     # ------------------------------------------------------------------------------------------ vocabulary
-    def item_stats(self, num_codes: int) -> tuple[np.ndarray, np.ndarray | None]:
-        """``(pairs, first time in ms or None)`` per item code, int64[num_codes] each (first: INT64 max where
-        the item has no pair)."""
+    def item_stats(self) -> tuple[np.ndarray, ...]:
+        """``(item codes int32[k], their pairs int64[k][, their first time in ms int64[k]])`` for the k items this
+        store holds (sparse, as :meth:`kcore_counts`; the times when the rows have them)."""
         first = ", min(t) AS f" if self.has_time else ""
         table = self._arrow(f"SELECT ic, count(*) AS c{first} FROM pairs GROUP BY ic")
-        codes = table.column("ic").to_numpy()
-        counts = np.zeros(num_codes, dtype=np.int64)
-        counts[codes] = table.column("c").to_numpy()
-        if not self.has_time:
-            return counts, None
-        firsts = np.full(num_codes, np.iinfo(np.int64).max, dtype=np.int64)
-        firsts[codes] = table.column("f").to_numpy()
-        return counts, firsts
+        stats = (_column(table, "ic", np.int32), _column(table, "c", np.int64))
+        return (*stats, _column(table, "f", np.int64)) if self.has_time else stats
 
     def user_vocabulary(self, integer_ids: bool):
         """This store's users in dense-id order (by ``(xxh64, id)``, ``bigrank.data.ingest.hashing``) as a pyarrow
@@ -417,14 +415,13 @@ class RowStore:
         """The rows of final the random split labels: all, or the pairs new here (:meth:`inherit_labels`)."""
         return "(SELECT * FROM final WHERE parent_label IS NULL)" if self.from_parent else "final"
 
-    def key_histogram(self) -> np.ndarray:
-        """Rows per bin of their random-split key (its top 16 bits): int64[65536]."""
+    def key_histogram(self) -> tuple[np.ndarray, np.ndarray]:
+        """``(bins int32[k], rows int64[k])``: rows per bin of their random-split key (its top 16 bits, of
+        ``2**16`` bins), for the bins with rows (sparse, as :meth:`kcore_counts`)."""
         table = self._arrow(
             f"SELECT (key >> {KEY_BINS_SHIFT})::INTEGER AS b, count(*) AS c FROM {self._unlabelled()} GROUP BY b"
         )
-        counts = np.zeros(1 << (64 - KEY_BINS_SHIFT), dtype=np.int64)
-        counts[table.column("b").to_numpy()] = table.column("c").to_numpy()
-        return counts
+        return _column(table, "b", np.int32), _column(table, "c", np.int64)
 
     def keys_in_bin(self, bin_: int):
         """``(key, user_id, item_id)`` of the rows whose key falls in ``bin_``, sorted (a pyarrow table)."""
