@@ -13,14 +13,16 @@ Buckets. Bucket ``b`` is an actor (:class:`StoreActor`, no CPU reserved: it runs
 (``RowStore.load_rows``) and then answers the driver's ``map``/``map_each`` calls. Buckets are contiguous ranges
 of user hashes, so bucket ``b``'s users, ranked inside it and offset by the users of the buckets before it, get
 the ids one machine gives them; the reductions across buckets (item codes and counts, the random split's cut
-points) are the driver's, each bucket's sparse answer folded in as it arrives (``RayEngine.fold``), and what it hands back to every store (the item vocabulary, ~1M rows) goes into Ray's
-object store once, as Arrow. Same input and options: the same dataset as one machine, ids, splits and rows.
+points) are the driver's, each bucket's sparse answer folded in as it arrives (``RayEngine.fold``), and what it
+hands back to every store (the item vocabulary, ~1M rows) goes into Ray's object store once, as Arrow. Same
+input and options: the same dataset as one machine, ids, splits and rows.
 
 Placement. The buckets are dealt to the nodes in proportion to their CPUs (hard node affinity); a node's stores share
-its ``--memory-limit`` (default half of the node's memory) and its CPUs (``--threads``: DuckDB threads per store,
-default the node's CPUs over its stores). ``--buckets`` defaults to the cluster's CPUs: the stores' own Python
-work (xxh64 of every id, the ranks) runs one thread per store, so one store per CPU keeps every core busy, while
-more would only add processes, per-store overhead and pieces (tasks x buckets files).
+its ``--memory-limit`` (default half of the node's memory, or of its pod's cgroup limit) and its CPUs
+(``--threads``: DuckDB threads per store, default the node's CPUs over its stores). ``--buckets`` defaults to the
+cluster's CPUs: the stores' own Python work (xxh64 of every id, the ranks) runs one thread per store, so one store
+per CPU keeps every core busy, while more would only add processes, per-store overhead and pieces (tasks x buckets
+files).
 
 Storage. The inputs and ``--out`` (so the pieces, the stores' databases and spill files under ``OUT/.ingest``, and
 the parts the stores write) must be at the same path on every node: NFS or another shared volume. A node that
