@@ -337,6 +337,24 @@ def test_a_file_a_read_task_cannot_read_is_one_line_naming_it(cluster, tmp_path)
     assert not (tmp_path / "out" / "manifest.json").exists()
 
 
+@pytest.mark.slow
+def test_one_large_parquet_file_is_read_by_both_nodes_with_the_same_result(cluster, tmp_path, capsys):
+    """A single Parquet file of many row groups (one task read it all before, on one core): cut into ranges of
+    row groups, read by a task on each node, and the dataset is the one one machine writes."""
+    log = write_log(tmp_path / "parts", "parquet", chain=3)
+    table = pa.concat_tables([pq.read_table(part) for part in sorted(log.glob("*.parquet"))])
+    (tmp_path / "one").mkdir()
+    pq.write_table(table, tmp_path / "one" / "log.parquet", row_group_size=300)
+    args = [str(tmp_path / "one" / "log.parquet"), *COLUMNS, "--min-user-items", "2", "--split", "random"]
+    assert main(["ingest", *args, "--out", str(tmp_path / "local"), "--no-progress"]) == 0
+    capsys.readouterr()
+    done = _ray_ingest(cluster, [*args, "--out", str(tmp_path / "ray")])
+    assert done.returncode == 0, done.stderr[-4000:]
+    assert re.search(r"from 1 file\(s\) \(large Parquet files cut into 2 ranges of row groups\) in 2 task\(s\) on 2 node",
+                     done.stderr), done.stderr  # fmt: skip
+    assert_same_dataset(tmp_path / "local", tmp_path / "ray")
+
+
 # ------------------------------------------------------------------------------------------------ no Ray
 def test_a_read_puts_every_user_in_the_bucket_of_its_hash(tmp_path):
     """read_into_buckets (the read tasks' body, run here): every row lands in exactly one piece, a user's rows all

@@ -185,3 +185,51 @@ def test_hashing_ids_holds_no_python_object_per_id():
         tracemalloc.stop()
     assert len(set(hashes[:100_000].tolist())) == 100_000
     assert peak < 64 << 20, f"{peak / 2**20:.0f} MB"
+
+
+# ------------------------------------------------------------------------ one large file, many read tasks (item 14)
+def test_a_large_parquet_file_is_read_by_every_cpu_in_ranges_of_row_groups(tmp_path):
+    """One Parquet file of 8 row groups on a cluster of 4 CPUs: 4 read tasks each read a range of whole row groups
+    (the read tasks' body, run here without Ray), and together they read every row once; a CSV file of the same
+    size stays one unit (a text file is read whole)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from bigrank.data.ingest.cluster import file_groups, piece_path, read_into_buckets, read_units
+    from bigrank.data.ingest.sources import open_source
+    from bigrank.data.ingest.store import Columns
+
+    rows = 80_000
+    table = pa.table(
+        {"user": [f"u{(k * 7919) % 5000}" for k in range(rows)], "item": [f"i{k % 300}" for k in range(rows)]}
+    )
+    small = tmp_path / "small.parquet"
+    pq.write_table(table.slice(0, 500), small)
+    large = tmp_path / "large.parquet"
+    pq.write_table(table, large, row_group_size=rows // 8)
+    units, sizes = read_units([str(large), str(small)], "parquet", 4)
+    ranges = [unit for unit in units if isinstance(unit, tuple)]
+    assert len(ranges) >= 4 and str(small) in units
+    assert [(first, end) for _, first, end in ranges] == [
+        (first, end)
+        for first, end in zip([0] + [end for _, _, end in ranges[:-1]], [end for *_, end in ranges], strict=True)
+    ]  # back to back
+    assert ranges[-1][2] == rows and all(first % (rows // 8) == 0 for _, first, _ in ranges)
+    groups = file_groups(units, sizes, 4)
+    assert len(groups) == 4
+
+    source = open_source([large, small])
+    columns = Columns(source, "user", "item", None, None, "s")
+    work = tmp_path / "work"
+    read = [read_into_buckets(columns, group, 3, str(work), task, 1 << 28)["rows"] for task, group in enumerate(groups)]
+    assert sum(read) == rows + 500 and min(read) > 0
+    pieces = pa.concat_tables(
+        [pq.read_table(piece_path(work, task, bucket)) for task in range(len(groups)) for bucket in range(3)]
+    )
+    got = sorted(zip(pieces.column("u").to_pylist(), pieces.column("i").to_pylist(), strict=True))
+    whole = pa.concat_tables([table, table.slice(0, 500)])
+    assert got == sorted(zip(whole.column("user").to_pylist(), whole.column("item").to_pylist(), strict=True))
+
+    csv = tmp_path / "large.csv"
+    csv.write_text("user,item\n" + "".join(f"u{k},i{k}\n" for k in range(rows)))
+    assert read_units([str(csv)], "csv", 4) == ([str(csv)], [csv.stat().st_size])

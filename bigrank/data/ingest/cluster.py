@@ -1,9 +1,12 @@
 """The cluster engine of ``bigrank ingest --address ADDR [--buckets B]``: Ray tasks read, Ray actors each run one
 DuckDB over a bucket of users; the driver (``bigrank.data.ingest.pipeline``) runs the same steps as on one machine.
 
-Read. The input files are cut into one group per cluster CPU (at most one group per file; groups balanced by
-bytes) and each group is read by a Ray task (1 CPU, spread over the nodes): DuckDB scans its files one at a time
-(``Source.subset``, ``Columns.rows_sql``: the rows as ``u, i, t, v, bad``, exactly as one machine loads them),
+Read. The input is cut into one group per cluster CPU, balanced by bytes, and each group is read by a Ray task
+(1 CPU, spread over the nodes). A Parquet file larger than a CPU's share of the input is cut at row-group bounds
+into ranges of about that share (:func:`read_units`), so one 1B-row file is read by every CPU, not by one; a text
+file (CSV, JSON Lines: a compressed one cannot be cut) is read whole by one task. DuckDB scans a task's files and
+ranges one at a time (``Source.subset``, ``Columns.rows_sql``, a range by ``file_row_number``, whose filter DuckDB
+answers from the row groups it needs only: the rows as ``u, i, t, v, bad``, exactly as one machine loads them),
 each row goes to bucket ``bucket_of(xxh64(user id), B)`` (``bigrank.data.ingest.hashing``; a null user to
 bucket 0, where it is only counted and dropped), and the task writes one Parquet piece per bucket under the
 ingest's work directory (``OUT/.ingest/pieces/task-T/bucket-B.parquet``).
@@ -53,7 +56,16 @@ from bigrank.data.ingest.sources import duckdb_error, file_list
 from bigrank.data.ingest.store import Columns, RowStore
 from bigrank.errors import CommandError
 
-__all__ = ["RayEngine", "StoreActor", "default_buckets", "file_groups", "piece_path", "place", "read_into_buckets"]
+__all__ = [
+    "RayEngine",
+    "StoreActor",
+    "default_buckets",
+    "file_groups",
+    "piece_path",
+    "place",
+    "read_into_buckets",
+    "read_units",
+]
 
 PIECES_DIR = "pieces"
 # Rows a read task gathers for one bucket before writing them as a row group: PIECE_ROWS, or fewer with many
@@ -80,9 +92,9 @@ def place(node_cpus: dict[str, int], buckets: int) -> list[str]:
     return [slots[b % len(slots)] for b in range(buckets)]
 
 
-def file_groups(files, sizes, groups: int) -> list[list[str]]:
-    """``files`` cut into at most ``groups`` non-empty groups of about equal bytes (largest first onto the lightest
-    group), each in input order."""
+def file_groups(files, sizes, groups: int) -> list[list]:
+    """``files`` (paths, or the ranges of :func:`read_units`) cut into at most ``groups`` non-empty groups of about
+    equal bytes (largest first onto the lightest group), each in input order."""
     groups = max(1, min(int(groups), len(files)))
     loads = [0] * groups
     members: list[list[int]] = [[] for _ in range(groups)]
@@ -90,7 +102,43 @@ def file_groups(files, sizes, groups: int) -> list[list[str]]:
         lightest = min(range(groups), key=lambda g: (loads[g], g))
         loads[lightest] += sizes[index]
         members[lightest].append(index)
-    return [[str(files[k]) for k in sorted(group)] for group in members if group]
+    return [[_unit(files[k]) for k in sorted(group)] for group in members if group]
+
+
+def _unit(unit):
+    return tuple(unit) if isinstance(unit, tuple | list) else str(unit)
+
+
+def read_units(files, fmt: str, cpus: int) -> tuple[list, list[int]]:
+    """What the read tasks share out: ``(units, bytes of each)``. A unit is a file (its path), or a range of a
+    Parquet file's rows ``(path, first row, end row)``: a Parquet file of more than a CPU's share of the input
+    (all bytes / ``cpus``) with several row groups is cut at row-group bounds into ranges of about that share. Text
+    files stay whole."""
+    sizes = [os.path.getsize(f) for f in files]
+    share = max(1, sum(sizes) // max(1, int(cpus)))
+    if fmt != "parquet":
+        return [str(f) for f in files], sizes
+    import pyarrow.parquet as pq
+
+    units, unit_sizes = [], []
+    for file, size in zip(files, sizes, strict=True):
+        metadata = pq.ParquetFile(file).metadata if size > share else None
+        if metadata is None or metadata.num_row_groups < 2:
+            units.append(str(file))
+            unit_sizes.append(size)
+            continue
+        groups = [metadata.row_group(g) for g in range(metadata.num_row_groups)]
+        rows = np.cumsum([0] + [group.num_rows for group in groups])
+        taken = np.cumsum([0] + [sum(g.column(c).total_compressed_size for c in range(g.num_columns)) for g in groups])
+        parts = max(1, min(len(groups), round(size / share)))  # ranges of about a share each
+        # A row group goes to the range its middle byte falls in; the ranges are the runs of one range's groups.
+        middle = (taken[:-1] + taken[1:]) / 2
+        part = np.minimum(parts - 1, (middle * parts // max(1, taken[-1])).astype(np.int64))
+        bounds = np.concatenate([[0], np.flatnonzero(np.diff(part)) + 1, [len(groups)]])
+        for first, end in zip(bounds[:-1], bounds[1:], strict=True):
+            units.append((str(file), int(rows[first]), int(rows[end])))
+            unit_sizes.append(int(taken[end] - taken[first]))
+    return units, unit_sizes
 
 
 def piece_path(work: Path, task: int, bucket: int) -> Path:
@@ -98,10 +146,11 @@ def piece_path(work: Path, task: int, bucket: int) -> Path:
     return Path(work) / PIECES_DIR / f"task-{task:05d}" / f"bucket-{bucket:05d}.parquet"
 
 
-def read_into_buckets(columns: Columns, files: list[str], buckets: int, work: str, task: int, memory_bytes: int):
-    """Read ``files`` (one DuckDB scan each, in order) as ``u, i, t, v, bad`` and write every row to the piece of
-    its user's bucket (:func:`piece_path`; a piece for every bucket, empty ones too, so each store reads ``tasks``
-    pieces). Returns ``{"rows", "seconds", "node"}``. CommandError naming the file that cannot be read.
+def read_into_buckets(columns: Columns, files: list, buckets: int, work: str, task: int, memory_bytes: int):
+    """Read ``files`` (paths, or ``(path, first row, end row)`` ranges of Parquet files: :func:`read_units`; one
+    DuckDB scan each, in order) as ``u, i, t, v, bad`` and write every row to the piece of its user's bucket
+    (:func:`piece_path`; a piece for every bucket, empty ones too, so each store reads ``tasks`` pieces). Returns
+    ``{"rows", "seconds", "node"}``. CommandError naming the file that cannot be read.
 
     The body of the cluster engine's read tasks (also callable here, without Ray)."""
     import duckdb
@@ -133,11 +182,12 @@ def read_into_buckets(columns: Columns, files: list[str], buckets: int, work: st
         pending[bucket], pending_rows[bucket] = [], 0
 
     try:
-        for file in files:
+        for unit in files:
+            file, rows_sql = _scan_of(columns, unit)
             if not os.path.exists(file):
                 raise CommandError(f"{file} is not there on Ray node {_node_address()}: {SHARED_STORAGE}")
             try:
-                reader = con.sql(columns.rows_sql(columns.source.subset([file]).scan())).to_arrow_reader(BATCH_ROWS)
+                reader = con.sql(rows_sql).to_arrow_reader(BATCH_ROWS)
                 schema = schema or reader.schema
                 for batch in reader:
                     rows += batch.num_rows
@@ -169,6 +219,20 @@ def read_into_buckets(columns: Columns, files: list[str], buckets: int, work: st
             writer.close()
         con.close()
     return {"rows": rows, "seconds": time.monotonic() - started, "node": _node_id()}
+
+
+def _file_of(unit) -> str:
+    """The file of a read unit (:func:`read_units`)."""
+    return unit[0] if isinstance(unit, tuple | list) else unit
+
+
+def _scan_of(columns: Columns, unit) -> tuple[str, str]:
+    """``(file, the query of its rows as u, i, t, v, bad)`` of a read unit: a whole file, or a range of rows."""
+    file = _file_of(unit)
+    if isinstance(unit, tuple | list):
+        scan = columns.source.subset([file]).scan(row_number=True)
+        return file, columns.rows_sql(scan, f"file_row_number >= {int(unit[1])} AND file_row_number < {int(unit[2])}")
+    return file, columns.rows_sql(columns.source.subset([file]).scan())
 
 
 def _node_id() -> str | None:
@@ -267,8 +331,9 @@ class RayEngine:
         if self.stopped:
             raise Interrupted("stopped")
         started = time.monotonic()
-        sizes = [os.path.getsize(f) for f in source.files]
-        groups = file_groups(source.files, sizes, sum(self.node_cpus.values()))
+        cpus = sum(self.node_cpus.values())
+        units, sizes = read_units(source.files, source.format, cpus)
+        groups = file_groups(units, sizes, cpus)
         read = ray.remote(read_into_buckets).options(num_cpus=1, scheduling_strategy="SPREAD")
         memory = self.options.memory_bytes() // max(1, min(self.node_cpus.values()))
         tasks = [
@@ -280,8 +345,10 @@ class RayEngine:
         done = self._gather(tasks, "read task")
         rows = sum(d["rows"] for d in done)
         nodes = len({d["node"] for d in done})
+        ranges = sum(isinstance(unit, tuple) for unit in units)
+        cut = f" (large Parquet files cut into {ranges} ranges of row groups)" if ranges else ""
         self.say(
-            f"read tasks done: {rows:,} rows from {len(source.files)} file(s) in {len(groups)} task(s) on "
+            f"read tasks done: {rows:,} rows from {len(source.files)} file(s){cut} in {len(groups)} task(s) on "
             f"{nodes} node(s), {time.monotonic() - started:.1f}s"
         )
         nodes = self._gather(placed, "start")
@@ -476,10 +543,10 @@ class RayEngine:
                 ray.shutdown()
 
 
-def _on_files(columns: Columns, files: list[str]) -> Columns:
-    """``columns`` over ``files`` only: a read task is not sent the list of every input file."""
+def _on_files(columns: Columns, units: list) -> Columns:
+    """``columns`` over the files of ``units`` only: a read task is not sent the list of every input file."""
     narrowed = copy.copy(columns)
-    narrowed.source = columns.source.subset(files)
+    narrowed.source = columns.source.subset(dict.fromkeys(_file_of(unit) for unit in units))
     return narrowed
 
 

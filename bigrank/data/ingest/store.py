@@ -117,11 +117,13 @@ class Columns:
             bad.append(f"(v IS NULL OR NOT isfinite(v))::UTINYINT * {BAD_VALUE}")
         return ", ".join(parts), (" + ".join(bad) if bad else "0::UTINYINT")
 
-    def rows_sql(self, scan: str) -> str:
+    def rows_sql(self, scan: str, where: str | None = None) -> str:
         """The query turning the rows of ``scan`` (a DuckDB table function) into ``u, i[, t][, v], bad``: what a
-        store loads (:meth:`RowStore.load`), or the cluster engine's read tasks bucket (:meth:`RowStore.load_rows`)."""
+        store loads (:meth:`RowStore.load`), or the cluster engine's read tasks bucket (:meth:`RowStore.load_rows`);
+        ``where`` keeps some of the scan's rows (a read task's range of row groups)."""
         selected, bad = self.select_sql()
-        return f"SELECT *, {bad} AS bad FROM (SELECT {selected} FROM {scan})"
+        kept = f" WHERE {where}" if where else ""
+        return f"SELECT *, {bad} AS bad FROM (SELECT {selected} FROM {scan}{kept})"
 
     def user_is_text(self) -> bool:
         """Whether the user ids are scanned as text (:meth:`id_sql`)."""
