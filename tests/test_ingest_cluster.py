@@ -350,8 +350,8 @@ def test_one_large_parquet_file_is_read_by_both_nodes_with_the_same_result(clust
     capsys.readouterr()
     done = _ray_ingest(cluster, [*args, "--out", str(tmp_path / "ray")])
     assert done.returncode == 0, done.stderr[-4000:]
-    assert re.search(r"from 1 file\(s\) \(large Parquet files cut into 2 ranges of row groups\) in 2 task\(s\) on 2 node",
-                     done.stderr), done.stderr  # fmt: skip
+    cut = r"from 1 file\(s\) \(large Parquet files cut into 2 ranges of row groups\) in 2 task\(s\) on 2 node"
+    assert re.search(cut, done.stderr), done.stderr
     assert_same_dataset(tmp_path / "local", tmp_path / "ray")
 
 
