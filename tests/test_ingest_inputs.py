@@ -246,3 +246,54 @@ def test_lastfm_ingests_with_its_artists_file(tmp_path):
     assert manifest["num_ratings"] == 92_834 and manifest["num_users"] == 1_892 and manifest["num_items"] == 17_632
     items = pq.read_table(tmp_path / "lastfm" / "items.parquet")
     assert items.column("name").null_count == 0 and "url" in items.column_names
+
+
+# --------------------------------------------------------------- more than 2 GiB of id text (item 8)
+def _ids_beyond_two_gib(tmp_path):
+    """65,536 distinct ids — id k is k+1 NUL bytes — in two chunks of under 2 GiB whose text passes 2^31 bytes in
+    all: the text lies in a sparse memory-mapped file, so the test holds page cache, not 2 GiB of its own."""
+    import numpy as np
+
+    lengths = np.arange(1, 65_537, dtype=np.int64)
+    half = len(lengths) // 2
+    path = tmp_path / "zeros"
+    with path.open("wb") as handle:
+        handle.truncate(int(lengths.sum()))
+    data = pa.memory_map(str(path)).read_buffer()
+    chunks, start = [], 0
+    for part in (lengths[:half], lengths[half:]):
+        offsets = np.concatenate([[0], np.cumsum(part)]).astype(np.int32)
+        size = int(offsets[-1])
+        chunks.append(pa.StringArray.from_buffers(len(part), pa.py_buffer(offsets), data.slice(start, size)))
+        start += size
+    ids = pa.chunked_array(chunks)
+    assert ids.nbytes > 2**31 and all(chunk.nbytes < 2**31 for chunk in ids.chunks)
+    return ids, lengths
+
+
+def test_more_than_2_gib_of_id_text_is_hashed_ranked_and_kept(tmp_path):
+    """Past 32-bit string offsets: the ids' hashes (xxhash's, spot-checked), their dense-id order, a child's ids
+    kept against a parent holding them all (--vocab-from) and the export's id column; joining the chunks of a
+    ``string`` column failed here ("offset overflow")."""
+    import xxhash
+
+    from bigrank.data.ingest.hashing import id_hashes, rank_ids
+    from bigrank.data.ingest.vocab import extend_ids
+    from bigrank.export.ids import as_id_array
+
+    ids, lengths = _ids_beyond_two_gib(tmp_path)
+    order = rank_ids(ids)
+    assert sorted(order.tolist()) == list(range(len(lengths)))
+    hashes = id_hashes(ids, distinct=True)
+    for k in (0, 1, 254, 255, 256, 40_000, len(lengths) - 1):
+        assert int(hashes[k]) == xxhash.xxh64_intdigest(b"\0" * int(lengths[k])), k
+    assert (hashes[order][1:] >= hashes[order][:-1]).all()
+
+    new = pa.array(["\0" * 3, "fresh", "\0" * 65_536])  # two of the parent's ids and one new
+    dense, vocabulary = extend_ids(ids, new)
+    assert dense.tolist() == [2, len(lengths), 65_535]
+    assert len(vocabulary) == len(lengths) + 1 and vocabulary[len(lengths)].as_py() == "fresh"
+    del vocabulary
+
+    column = as_id_array(ids)  # the export's original ids: one array, 64-bit offsets
+    assert len(column) == len(lengths) and column[65_535].as_py() == "\0" * 65_536

@@ -25,7 +25,18 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["PRIME64_1", "PRIME64_2", "PRIME64_3", "bucket_of", "id_hashes", "rank_ids", "split_keys", "xxh64_texts"]
+__all__ = [
+    "PRIME64_1",
+    "PRIME64_2",
+    "PRIME64_3",
+    "bucket_of",
+    "id_array",
+    "id_hashes",
+    "rank_ids",
+    "split_keys",
+    "wide_text",
+    "xxh64_texts",
+]
 
 # XXH64's primes (the XXH64 specification, https://github.com/Cyan4973/xxHash/blob/dev/doc/xxhash_spec.md).
 PRIME64_1 = 0x9E3779B185EBCA87
@@ -35,6 +46,7 @@ PRIME64_4 = 0x85EBCA77C2B2AE63
 PRIME64_5 = 0x27D4EB2F165667C5
 MASK64 = (1 << 64) - 1
 CHUNK_IDS = 1 << 18  # ids hashed at once: ~10 uint64 temporaries of this length (~20 MB)
+LONG_ID = 256  # bytes from which an id is hashed on its own (xxhash's C loop): few, and each worth a call
 _U64 = {name: np.uint64(value) for name, value in
         (("p1", PRIME64_1), ("p2", PRIME64_2), ("p3", PRIME64_3), ("p4", PRIME64_4), ("p5", PRIME64_5))}  # fmt: skip
 
@@ -111,14 +123,22 @@ def _xxh64_block(block: np.ndarray) -> np.ndarray:
 def _xxh64_chunk(data: np.ndarray, starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
     """XXH64 (seed 0) of the byte strings ``data[starts[k]:starts[k] + lengths[k]]``: uint64[n]. Strings of one
     length are hashed together (:func:`_xxh64_block`); when every string has the same length and they follow
-    each other (zero-padded ids), ``data`` is that block already."""
+    each other (zero-padded ids), ``data`` is that block already. Strings of ``LONG_ID`` bytes or more are hashed
+    one at a time by the ``xxhash`` package (lengths that many are rarely shared)."""
     out = np.empty(len(starts), dtype=np.uint64)
     if not len(starts):
         return out
     first = int(lengths[0])
     if (lengths == first).all() and int(starts[0]) == 0 and len(data) == first * len(starts):
         return _xxh64_block(data.reshape(len(starts), first))
-    for length in np.unique(lengths):
+    long = np.flatnonzero(lengths >= LONG_ID)
+    if len(long):
+        import xxhash
+
+        view = memoryview(data)
+        for k in long:
+            out[k] = xxhash.xxh64_intdigest(view[int(starts[k]) : int(starts[k]) + int(lengths[k])])
+    for length in np.unique(lengths[lengths < LONG_ID]):
         chosen = np.flatnonzero(lengths == length)
         block = data[starts[chosen][:, None] + np.arange(int(length))]  # one gather: a string a row
         out[chosen] = _xxh64_block(block.reshape(len(chosen), int(length)))
@@ -148,27 +168,48 @@ def xxh64_texts(texts) -> np.ndarray:
     return out
 
 
-def id_hashes(ids) -> np.ndarray:
+def wide_text(ids):
+    """``ids`` (a pyarrow Array or ChunkedArray) with text as ``large_string``: a column of original ids may hold
+    more than 2 GiB of text (100M ids of 22 bytes), beyond ``string``'s 32-bit offsets, where joining its chunks
+    (or taking rows from them) would fail. Integers are returned as they are; chunks stay chunks."""
+    import pyarrow as pa
+
+    return ids.cast(pa.large_string()) if pa.types.is_string(ids.type) else ids
+
+
+def id_array(ids):
+    """``ids`` (a pyarrow Array or ChunkedArray of integers or text) as one Array, text as ``large_string``
+    (:func:`wide_text`)."""
+    import pyarrow as pa
+
+    ids = wide_text(ids)
+    if isinstance(ids, pa.ChunkedArray):
+        ids = ids.combine_chunks() if ids.num_chunks else pa.array([], ids.type)
+    return ids
+
+
+def id_hashes(ids, distinct: bool = False) -> np.ndarray:
     """XXH64 of the text of every id of ``ids`` (a pyarrow or numpy array of integers or strings, chunked or not;
-    an integer's text is its decimal digits): uint64[n]. Each distinct id is hashed once."""
+    an integer's text is its decimal digits): uint64[n]. Each distinct id is hashed once: through a dictionary of
+    the ids, unless they are ``distinct`` already (a vocabulary)."""
     import pyarrow as pa
     import pyarrow.compute as pc
 
     if isinstance(ids, np.ndarray):
         ids = pa.array(ids)
     if isinstance(ids, pa.ChunkedArray):  # a chunk at a time: the chunks' text may pass 2 GiB in all
-        parts = [id_hashes(chunk) for chunk in ids.chunks]
+        parts = [id_hashes(chunk, distinct) for chunk in ids.chunks]
         return np.concatenate(parts) if parts else np.empty(0, dtype=np.uint64)
     if not (pa.types.is_integer(ids.type) or pa.types.is_string(ids.type) or pa.types.is_large_string(ids.type)):
         raise TypeError(f"ids must be integers or strings, got {ids.type}")
     if ids.null_count:
         raise ValueError(f"ids to hash hold {ids.null_count} nulls")
-    encoded = pc.dictionary_encode(ids)
-    texts = encoded.dictionary
+    encoded = None if distinct else pc.dictionary_encode(ids)
+    texts = ids if distinct else encoded.dictionary
     if pa.types.is_integer(texts.type):
         texts = texts.cast(pa.large_string())  # decimal digits
     hashes = xxh64_texts(texts)
-    return hashes[encoded.indices.to_numpy(zero_copy_only=False)]
+    return hashes if distinct else hashes[encoded.indices.to_numpy(zero_copy_only=False)]
 
 
 def rank_ids(ids) -> np.ndarray:
@@ -179,8 +220,8 @@ def rank_ids(ids) -> np.ndarray:
 
     if isinstance(ids, np.ndarray):
         ids = pa.array(ids)
-    hashes = id_hashes(ids)
-    table = pa.table({"h": pa.array(hashes, type=pa.uint64()), "id": ids})
+    hashes = id_hashes(ids, distinct=True)
+    table = pa.table({"h": pa.array(hashes, type=pa.uint64()), "id": wide_text(ids)})  # chunks are not joined
     return pc.sort_indices(table, sort_keys=[("h", "ascending"), ("id", "ascending")]).to_numpy()
 
 

@@ -38,7 +38,7 @@ from pathlib import Path
 import numpy as np
 
 from bigrank.data import manifest as layout
-from bigrank.data.ingest.hashing import rank_ids
+from bigrank.data.ingest.hashing import id_array, rank_ids
 from bigrank.data.ingest.options import EPOCH_UNIT_NAMES, IngestOptions, epoch_unit_of, parse_time
 from bigrank.data.ingest.sources import Source, duckdb_error, open_source, quote_identifier
 from bigrank.data.ingest.store import KEY_BINS_SHIFT, Columns, RowStore
@@ -303,13 +303,11 @@ class _Distinct:
         import pyarrow as pa
         import pyarrow.compute as pc
 
-        ids = ids.combine_chunks() if isinstance(ids, pa.ChunkedArray) else ids
+        ids = id_array(ids)  # text as large_string: the catalog's ids may pass 2 GiB
         if self.ids is None:
             self.ids = ids
         elif len(ids):
-            both = pa.chunked_array([self.ids, ids.cast(self.ids.type)])
-            unique = pc.unique(both)
-            self.ids = unique.combine_chunks() if isinstance(unique, pa.ChunkedArray) else unique
+            self.ids = id_array(pc.unique(pa.chunked_array([self.ids, ids.cast(self.ids.type)])))
 
 
 class _Sums:
@@ -353,7 +351,7 @@ def _all_integers(ids) -> bool:
         numbers = pc.cast(ids, pa.int64())
     except (pa.ArrowInvalid, pa.ArrowNotImplementedError):
         return False
-    return pc.all(pc.equal(pc.cast(numbers, pa.string()), ids.cast(pa.string()))).as_py() is not False
+    return pc.all(pc.equal(pc.cast(numbers, pa.large_string()), ids.cast(pa.large_string()))).as_py() is not False
 
 
 def _random_cuts(engine, total: int, fractions) -> list:
@@ -642,7 +640,7 @@ def run(source: Source, out: Path, options: IngestOptions, engine, say) -> tuple
         )
         item_vocabulary = items
     else:  # ids kept from the parent (one store: options.check refuses the cluster engine)
-        user_dense, user_originals = extend_ids(parent.users, users.column("original_id").combine_chunks())
+        user_dense, user_originals = extend_ids(parent.users, users.column("original_id"))
         item_dense, item_vocabulary = extend_ids(parent.items, items)
         ranks = pa.table({"rank": pa.array(np.arange(users.num_rows, dtype=np.int32)), "user_id": user_dense})
         finalize_args = [(0, last, ranks)]

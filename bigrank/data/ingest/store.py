@@ -29,7 +29,7 @@ from pathlib import Path
 
 import numpy as np
 
-from bigrank.data.ingest.hashing import MASK64, PRIME64_2, PRIME64_3, rank_ids, split_seed_term
+from bigrank.data.ingest.hashing import MASK64, PRIME64_2, PRIME64_3, id_array, rank_ids, split_seed_term
 from bigrank.data.ingest.sources import NUMBER_TYPES, TIME_TYPES, Source, file_list, quote_identifier
 
 __all__ = ["Columns", "RowStore", "KEY_BINS_SHIFT"]
@@ -313,7 +313,8 @@ class RowStore:
         ids = table.column("original_id")
         if integer_ids and not pa.types.is_integer(ids.type):
             ids = ids.cast(pa.int64())
-        order = rank_ids(ids.combine_chunks() if isinstance(ids, pa.ChunkedArray) else ids)
+        ids = id_array(ids)  # text as large_string: this store's ids may pass 2 GiB
+        order = rank_ids(ids)
         ranks = np.empty(len(order), dtype=np.int32)
         ranks[order] = np.arange(len(order), dtype=np.int32)
         self.con.register("user_ranks_given", pa.table({"uc": table.column("uc"), "rank": ranks}))
