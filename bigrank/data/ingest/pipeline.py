@@ -412,9 +412,16 @@ def _scattered(values, dense: np.ndarray, size: int) -> np.ndarray:
 
 
 def _write_vocabulary(path: Path, table) -> None:
+    """Write ``users.parquet`` / ``items.parquet``: original ids held as ``large_string`` (they may pass 2 GiB)
+    are written as ``string`` when they fit, the type the vocabularies always had."""
+    import pyarrow as pa
     import pyarrow.parquet as pq
 
     from bigrank import integrity
+
+    ids = table.column("original_id")
+    if pa.types.is_large_string(ids.type) and ids.nbytes < 2**31:
+        table = table.set_column(table.schema.get_field_index("original_id"), "original_id", ids.cast(pa.string()))
 
     layout.write_atomic(
         path, lambda tmp: pq.write_table(table, tmp, compression=layout.COMPRESSION, **integrity.PARQUET_WRITE_OPTIONS)
