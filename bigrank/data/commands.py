@@ -67,12 +67,7 @@ def register(subparsers) -> None:
         "whole column)",
     )
     reading = ingest.add_argument_group("reading")
-    reading.add_argument(
-        "--format",
-        default="auto",
-        choices=["auto", "parquet", "csv", "tsv", "jsonl"],
-        help="input format (auto: from the file names)",
-    )
+    reading.add_argument("--format", **_format_option("input format (auto: from the file names)"))
     reading.add_argument(
         "--delimiter",
         help="CSV delimiter (default: , and tab for .tsv, :: for .dat; or the one found in the first file when "
@@ -133,10 +128,7 @@ def register(subparsers) -> None:
     )
     items.add_argument("--item-key", metavar="COL", help="its column holding the item id")
     items.add_argument(
-        "--items-format",
-        default="auto",
-        choices=["auto", "parquet", "csv", "tsv", "jsonl"],
-        help="the items file's format (auto: from its name, as the log's)",
+        "--items-format", **_format_option("the items file's format (auto: from its name, as the log's)")
     )
     items.add_argument(
         "--items-delimiter",
@@ -184,6 +176,11 @@ def register(subparsers) -> None:
     info.add_argument("root", metavar="ROOT", help="dataset directory")
     info.add_argument("--check", action="store_true", help="also validate every file against the manifest")
     info.set_defaults(func=run_data_info)
+
+
+def _format_option(help_text: str) -> dict:
+    """The settings of a format option (``--format``, ``--items-format``): the formats a file is read as."""
+    return {"default": "auto", "choices": ["auto", "parquet", "csv", "tsv", "jsonl"], "help": help_text}
 
 
 def load_seed_pairs(path: str | Path):

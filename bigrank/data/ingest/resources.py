@@ -84,40 +84,58 @@ def _v1_mount(controller: str) -> Path | None:
     return None
 
 
-def _memory_limits() -> list[Resource]:
-    """Every memory limit of this process's cgroups (v2 and v1), in bytes."""
+def _number(text: str | None) -> int | None:
+    """A limit file's number; None for "max", a number this large (v1's "no limit") or an unreadable file."""
+    return int(text) if text and text.isdigit() and int(text) < UNLIMITED else None
+
+
+def _ratio(quota: str | None, period: str | None) -> float | None:
+    """CPUs of a quota and its period (microseconds); None without a quota."""
+    quota, period = _number(quota), _number(period)
+    return quota / period if quota is not None and period else None
+
+
+def _limits(controller: str, v2_file: str, v2_amount, v1_file: str, v1_amount) -> list[Resource]:
+    """Every limit of ``controller`` on this process's cgroups: ``v2_amount(directory)`` in the unified tree,
+    ``v1_amount(directory)`` in the controller's v1 tree (None where a cgroup sets none), each with the file it
+    came from."""
     found = []
     paths = _cgroup_paths()
-    if "" in paths:
-        for directory in _chain(CGROUP_ROOT, paths[""]):
-            text = _read(directory / "memory.max")
-            if text and text != "max" and text.isdigit() and int(text) < UNLIMITED:
-                found.append(Resource(int(text), f"cgroup v2 {directory / 'memory.max'}"))
-    mount = _v1_mount("memory")
-    if "memory" in paths and mount is not None:
-        for directory in _chain(mount, paths["memory"]):
-            text = _read(directory / "memory.limit_in_bytes")
-            if text and text.isdigit() and int(text) < UNLIMITED:
-                found.append(Resource(int(text), f"cgroup v1 {directory / 'memory.limit_in_bytes'}"))
+    trees = [("v2", CGROUP_ROOT, paths.get(""), v2_file, v2_amount)]
+    trees.append(("v1", _v1_mount(controller), paths.get(controller), v1_file, v1_amount))
+    for version, mount, path, file, amount in trees:
+        if mount is None or path is None:
+            continue
+        for directory in _chain(mount, path):
+            value = amount(directory)
+            if value is not None:
+                found.append(Resource(value, f"cgroup {version} {directory / file}"))
     return found
+
+
+def _memory_limits() -> list[Resource]:
+    """Every memory limit of this process's cgroups (v2 ``memory.max``, v1 ``memory.limit_in_bytes``), bytes."""
+    return _limits(
+        "memory",
+        "memory.max",
+        lambda directory: _number(_read(directory / "memory.max")),
+        "memory.limit_in_bytes",
+        lambda directory: _number(_read(directory / "memory.limit_in_bytes")),
+    )
 
 
 def _cpu_limits() -> list[Resource]:
-    """Every CPU quota of this process's cgroups (v2 and v1), in CPUs (quota over period)."""
-    found = []
-    paths = _cgroup_paths()
-    if "" in paths:
-        for directory in _chain(CGROUP_ROOT, paths[""]):
-            parts = (_read(directory / "cpu.max") or "").split()
-            if len(parts) == 2 and parts[0].isdigit() and parts[1].isdigit() and int(parts[1]) > 0:
-                found.append(Resource(int(parts[0]) / int(parts[1]), f"cgroup v2 {directory / 'cpu.max'}"))
-    mount = _v1_mount("cpu")
-    if "cpu" in paths and mount is not None:
-        for directory in _chain(mount, paths["cpu"]):
-            quota, period = _read(directory / "cpu.cfs_quota_us"), _read(directory / "cpu.cfs_period_us")
-            if quota and period and quota.isdigit() and period.isdigit() and int(period) > 0:
-                found.append(Resource(int(quota) / int(period), f"cgroup v1 {directory / 'cpu.cfs_quota_us'}"))
-    return found
+    """Every CPU quota of this process's cgroups (v2 ``cpu.max``, v1 ``cpu.cfs_quota_us / cpu.cfs_period_us``), in
+    CPUs."""
+
+    def v2(directory: Path) -> float | None:
+        parts = (_read(directory / "cpu.max") or "").split()
+        return _ratio(*parts) if len(parts) == 2 else None
+
+    def v1(directory: Path) -> float | None:
+        return _ratio(_read(directory / "cpu.cfs_quota_us"), _read(directory / "cpu.cfs_period_us"))
+
+    return _limits("cpu", "cpu.max", v2, "cpu.cfs_quota_us", v1)
 
 
 def _machine_memory() -> int:
