@@ -45,10 +45,10 @@ def register(subparsers) -> None:
         "ingest",
         help="ingest interaction logs (Parquet, CSV/TSV, JSON Lines; MovieLens) into the bigrank layout",
         description="Read interaction logs (files, directories of parts, globs; Parquet, CSV/TSV, JSON Lines, "
-        "text compressed with .gz/.zst) with a column mapping, clean them (null ids, --min-rating, duplicates, "
-        "k-core), give users and items dense ids (their original ids kept in users/items.parquet) and split them. "
-        "A MovieLens directory (ratings.csv / ratings.dat / u.data) needs no mapping. Runs on DuckDB here, in "
-        "bounded memory (spills to disk), or on a Ray cluster with --address.",
+        "text compressed with .gz/.zst) with a column mapping, clean them (null ids, duplicates, --min-rating on "
+        "the merged rating, k-core), give users and items dense ids (their original ids kept in users/items.parquet) "
+        "and split them. A MovieLens directory (ratings.csv / ratings.dat / u.data) needs no mapping. Runs on DuckDB "
+        "here, in bounded memory (spills to disk), or on a Ray cluster with --address.",
     )
     ingest.add_argument("paths", metavar="PATH", nargs="+", help="input files, directories of parts or globs")
     ingest.add_argument("--out", required=True, help="output dataset directory (new or empty)")

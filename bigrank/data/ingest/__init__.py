@@ -2,10 +2,12 @@
 
 ::
 
-    bigrank ingest PATH… --out DIR --user COL --item COL [--time COL] [--rating COL | --weight COL]
-                   [--min-rating X] [--dedup last|first|sum|max] [--min-user-items N] [--min-item-users M]
+    bigrank ingest PATH… --out DIR --user COL --item COL [--time COL [--time-unit auto|s|ms|us|ns]]
+                   [--rating COL | --weight COL] [--dedup last|first|sum|max] [--min-rating X]
+                   [--min-user-items N] [--min-item-users M]
                    [--split random|last|time] [--fractions 0.8,0.1,0.1] [--valid-from T --test-from T] [--seed S]
-                   [--items-file PATH --item-key COL] [--memory-limit 8GB] [--threads N] [--address RAY]
+                   [--items-file PATH --item-key COL [--items-format F] [--items-delimiter C]]
+                   [--vocab-from OLD] [--memory-limit 8GB] [--threads N] [--address RAY]
 
 What it reads: ``bigrank.data.ingest.sources``; the steps: ``bigrank.data.ingest.pipeline``; one machine's engine
 is DuckDB (``bigrank.data.ingest.store``: spills to disk under ``--memory-limit``), a cluster's is Ray tasks each
