@@ -8,9 +8,7 @@ order, give the same rows whatever the number of stores.
 
 Tables, in the order the steps create them (each replaces the one before, so one copy of the rows is kept):
 
-    raw     u, i (ids as scanned), t (epoch ms), v (rating or weight), bad (bit 1: time, bit 2: value); a view
-            over the scan of Parquet input (each step reads the columns it needs from the files again), a table
-            of text input (parsed once) and of the cluster's pieces
+    raw     u, i (ids as scanned), t (epoch ms), v (rating or weight), bad (bit 1: time, bit 2: value)
     pairs   uc, ic (integer codes of the ids), t, v     one row per pair (dedup) of the rows with both ids, then
                                                         the pairs whose merged value is below --min-rating
                                                         dropped; then the k-core
@@ -168,7 +166,6 @@ class RowStore:
         self._run("SET TimeZone = 'UTC'")
         self._run("SET enable_progress_bar = false")
         self.has_time = self.has_value = False
-        self.raw_kind = "TABLE"  # raw: a TABLE, or a VIEW over a Parquet scan (load)
         self.label_sql = "0"  # the split label of a row of final: a column or an expression (the split step's)
         self.from_parent = False  # final has parent_label (inherit_labels)
 
@@ -193,22 +190,15 @@ class RowStore:
     # ------------------------------------------------------------------------------------------------ load
     def load(self, scan: str, columns: Columns) -> dict:
         """Scan the rows (``scan``: a DuckDB table function or a table name) into ``raw``; returns the counts
-        ``rows_read, null_user, null_item, bad_time, bad_value``.
-
-        Parquet input stays in its files: ``raw`` is a view over the scan, and the steps that read it (the counts,
-        the distinct items and users, the merge) read the columns they need from the files again, where a table
-        would hold a copy of every row with its id text (~50 bytes a row: 50 GB at 1B rows, spilled to disk past
-        ``--memory-limit`` and read back by each of those steps). Text input is parsed once, into a table."""
+        ``rows_read, null_user, null_item, bad_time, bad_value``."""
         self.has_time, self.has_value = columns.time is not None, columns.value is not None
-        self.raw_kind = "VIEW" if columns.source.format == "parquet" else "TABLE"
-        self._run(f"CREATE OR REPLACE {self.raw_kind} raw AS {columns.rows_sql(scan)}")
+        self._run(f"CREATE OR REPLACE TABLE raw AS {columns.rows_sql(scan)}")
         return self._raw_counts()
 
     def load_rows(self, scan: str, has_time: bool, has_value: bool) -> dict:
         """Load rows already in ``raw``'s columns (``scan``: a DuckDB table function over the Parquet pieces that
         the cluster engine's read tasks wrote from :meth:`Columns.rows_sql`); returns the counts of :meth:`load`."""
         self.has_time, self.has_value = bool(has_time), bool(has_value)
-        self.raw_kind = "TABLE"  # the pieces are deleted once every store has loaded its own
         self._run(f"CREATE OR REPLACE TABLE raw AS SELECT * FROM {scan}")
         return self._raw_counts()
 
@@ -269,7 +259,7 @@ class RowStore:
             "JOIN user_codes ON raw.u = user_codes.id JOIN item_codes ON raw.i = item_codes.id "
             f"WHERE {where}) GROUP BY k)"
         )  # CREATE TABLE … AS answers the rows it wrote
-        self._run(f"DROP {self.raw_kind} raw")
+        self._run("DROP TABLE raw")
         below = 0
         if min_rating is not None:  # DELETE answers the rows it deleted
             below = self._scalar(f"DELETE FROM pairs WHERE v < {float(min_rating)!r}")
