@@ -1,4 +1,4 @@
-"""Reproduce Table 2 of the Rankmax paper on a MovieLens file, beside two baselines.
+"""Reproduce Table 2 of the Rankmax paper on a MovieLens file, beside three baselines.
 
 ``--data`` names the MovieLens directory (default ``../shared/datasets/ml-latest-small``); its directory name
 picks a preset (``DATASETS``): the configs ``configs/<name>-<loss>.yaml``, the EASE λ grid and the paper's
@@ -9,8 +9,9 @@ For each split seed (``--seeds``, default 0 1 2) the file is ingested with a ran
 (user, item) pairs (the paper's protocol). On every split, in one table (test split, mean ± standard deviation
 over the seeds, all movies ranked, train pairs left out, ``bigrank.train.metrics``):
 
-* popularity and EASE (λ picked on the validation split from the preset's grid; a pick at either end of the
-  grid is flagged, since the best λ may lie beyond it; ``benchmarks.baselines``);
+* popularity, EASE (λ picked on the validation split from the preset's grid; a pick at either end of the
+  grid is flagged, since the best λ may lie beyond it) and ``implicit``'s ALS (factors, λ, α and iterations
+  picked on the validation split from ``benchmarks.baselines.ALS_GRID``; ``benchmarks.baselines``);
 * each loss of ``--losses`` (rankmax and softmax by default; sparsemax, sampled_softmax and the item-item model's
   ``item_item-rankmax`` / ``item_item-softmax`` on request) trained
   with ``configs/<name>-<loss>.yaml`` — the settings found by ``bigrank tune`` and by hand on the validation
@@ -19,17 +20,21 @@ over the seeds, all movies ranked, train pairs left out, ``bigrank.train.metrics
   ``best.yaml``;
 * the paper's figures as a separate reference row (its own protocol and data: not comparable number for
   number; for ml-1m it is the ML-20M column, the direction to look for);
-* each loss's difference to EASE (and rankmax's to the other losses), user by user on the same test users (the
+* each loss's difference to EASE and to ALS (and rankmax's to the other losses), user by user on the same test
+  users (the
   trained runs are exported and scored with the baselines' code), with a 95 % paired bootstrap interval: the
   spread over ~600 users is often larger than the difference of two good models, and the interval says whether
   a lead is more than that;
 * the same users' Accuracy by how many train items they have (pooled over the seeds): where a model wins.
 
-AP@K here is (1 / min(K, |relevant|)) * sum_{i <= K} precision@i * rel_i; the paper does not state its
-normalisation.
+The columns: AP@10, NDCG@20 and Recall@20 (the graph-CF papers' cut-off and NDCG: binary gains, IDCG over
+min(|R|, K) hits), Accuracy and R@100 (``bigrank.train.metrics``). AP@K here is (1 / min(K, |relevant|)) *
+sum_{i <= K} precision@i * rel_i; the paper does not state its normalisation. The trained runs are evaluated at
+``eval.ks = [10, 20, 100]``; a run cached from before that shows "-" for the metrics its eval.json lacks.
 
     .venv/bin/python -m benchmarks.reproduce_table2                  # tuned configs, 3 split seeds
-    .venv/bin/python -m benchmarks.reproduce_table2 --quick          # split seed 0, rankmax + softmax, one EASE λ
+    .venv/bin/python -m benchmarks.reproduce_table2 --quick          # split seed 0, rankmax + softmax, one EASE λ,
+                                                                     # one ALS point
     .venv/bin/python -m benchmarks.reproduce_table2 --tune           # search each loss 10 min first (≤ 60 min)
     .venv/bin/python -m benchmarks.reproduce_table2 --data ../shared/datasets/ml-1m --work runs/table2-ml-1m
     .venv/bin/python -m benchmarks.reproduce_table2 --precisions fp32 bf16 --seeds 0 1 2 3 4 5 6   # bf16 vs fp32
@@ -62,7 +67,8 @@ class Dataset:
     lambdas: tuple[float, ...]  # EASE λ grid, wide enough that the validation pick lies inside it
     quick_lambda: float  # the one λ of --quick
     paper_column: str
-    paper: dict[str, tuple[float, float, float]]  # Table 2: AP@10, Accuracy, R@100 per loss
+    paper: dict[str, tuple[float, float, float]]  # Table 2: AP@10, Accuracy, R@100 per loss (PAPER_METRICS)
+    quick_als: dict[str, float]  # the one ALS point of --quick (the grid's pick on split seed 0)
 
 
 DATASETS = {
@@ -72,6 +78,8 @@ DATASETS = {
         200.0,
         "ML 100K",
         {"rankmax": (0.154, 0.342, 0.387), "softmax": (0.147, 0.300, 0.401), "sparsemax": (0.147, 0.286, 0.384)},
+        # ALS_GRID's pick on seed 0 (2026-11-28); 512 factors: +0.0002 AP@10 on test
+        {"factors": 256, "regularization": 30.0, "alpha": 10.0, "iterations": 15},
     ),
     # Dense: λ = 1,000 measured best on valid (2026-11-25); 100/200/400 stop short of it.
     "ml-1m": Dataset(
@@ -80,6 +88,8 @@ DATASETS = {
         1000.0,
         "ML 20M",
         {"rankmax": (0.210, 0.397, 0.492), "softmax": (0.182, 0.342, 0.483), "sparsemax": (0.191, 0.369, 0.464)},
+        # ALS_GRID's pick on seed 0 (2026-11-28); α 1, λ 10 and 3 iterations, past the grid's edges, did worse
+        {"factors": 128, "regularization": 30.0, "alpha": 3.0, "iterations": 5},
     ),
 }
 # A loss trains the low-rank towers (configs/<name>-<loss>.yaml); item_item-<loss> the full-rank item-item model
@@ -88,7 +98,12 @@ DATASETS = {
 LOSS_CHOICES = (
     "rankmax", "rankmax-users", "softmax", "sparsemax", "sampled_softmax", "item_item-rankmax", "item_item-softmax",
 )  # fmt: skip
-METRICS = (("ap@10", "AP@10"), ("accuracy", "Accuracy"), ("recall@100", "R@100"))
+METRICS = (
+    ("ap@10", "AP@10"), ("ndcg@20", "NDCG@20"), ("recall@20", "R@20"), ("accuracy", "Accuracy"),
+    ("recall@100", "R@100"),
+)  # fmt: skip
+PAPER_METRICS = ("ap@10", "accuracy", "recall@100")  # what Table 2 reports
+EVAL_KS = (10, 20, 100)  # eval.ks of the table's trained runs: every cut-off of METRICS
 ROOT = Path(__file__).resolve().parents[1]
 ACTIVITY_EDGES = (30, 60, 120, 250)  # train items per user: the buckets of format_by_activity
 
@@ -128,17 +143,22 @@ def lambda_at_grid_edge(picked: float, lambdas) -> str | None:
     return None
 
 
-def run_baselines(data: Path, lambdas: list[float]) -> dict:
-    """Test metrics of popularity and EASE on one split (cached next to the data)."""
-    from benchmarks.baselines import baselines
+def run_baselines(data: Path, lambdas: list[float], als_grid: dict | None = None) -> dict:
+    """Test metrics of popularity, EASE and ALS on one split (cached next to the data, by the grids)."""
+    from benchmarks.baselines import ALS_GRID, baselines
 
-    cache = data / f"baselines-{'-'.join(f'{lam:g}' for lam in lambdas)}.json"
+    grid = dict(ALS_GRID, **(als_grid or {}))
+    als_key = "_".join("-".join(f"{v:g}" for v in values) for values in grid.values())
+    cache = data / f"baselines-{'-'.join(f'{lam:g}' for lam in lambdas)}-als-{als_key}.json"
     if cache.exists():
         return json.loads(cache.read_text())
-    result = baselines(data, lambdas)
+    result = baselines(data, lambdas, grid)
+    params = {key: result["als"][key] for key in ALS_GRID}
     out = {
         "popularity": result["popularity"]["test"],
         "ease": dict(result["ease"]["test"], **{"lambda": result["ease"]["lambda"]}),
+        "als": dict(result["als"]["test"], params=params),
+        "seconds": result["seconds"],
     }
     cache.write_text(json.dumps(out, default=float))
     return out
@@ -169,6 +189,7 @@ def train(config: Path, data: Path, run_dir: Path, epochs: int | None, precision
     if not (run_dir / EVAL).exists():
         overrides = ["--set", f"data.root={data}", "--set", f"run_dir={run_dir}", "--set", "train.progress=false"]
         overrides += ["--set", f"train.precision={precision}"]  # explicit: the default (auto) may be bf16
+        overrides += ["--set", f"eval.ks={list(EVAL_KS)}"]  # every column's cut-off (eval.ks alters no trajectory)
         if epochs:
             overrides += ["--set", f"train.epochs={epochs}"]
         bigrank("train", str(config), "--launcher", "local", *overrides)
@@ -177,27 +198,41 @@ def train(config: Path, data: Path, run_dir: Path, epochs: int | None, precision
 
 def per_user_test_metrics(datasets: dict[int, Path], rows: dict[str, list[dict]], runs: dict[str, list[Path]]):
     """``({model: [per-seed {metric: float[U]}]}, [per-seed int64[U] train items of each user])`` on the test
-    split for EASE (the λ of ``rows["EASE"]``, per seed) and each trained run (exported with ``bigrank export
-    --no-seen`` and scored by ``benchmarks.baselines.export_scores``); ``rows`` holds the table's per-seed test
-    figures, which the export's must reproduce. U: the users with test items, in user order."""
-    from benchmarks.baselines import ease_scores, export_scores, per_user_metrics, split_matrix
+    split for EASE (the λ of ``rows["EASE"]``, per seed), ALS (the parameters of ``rows["ALS"]``, when it has
+    them) and each trained run (exported with ``bigrank export --no-seen`` and scored by
+    ``benchmarks.baselines.export_scores``); ``rows`` holds the table's per-seed test figures, which the export's
+    must reproduce. U: the users with test items, in user order."""
+    from benchmarks.baselines import (
+        als_scores,
+        ease_scores,
+        excluded_matrix,
+        export_scores,
+        per_user_metrics,
+        split_matrix,
+    )
 
-    ks = (10, 100)
-    out: dict[str, list[dict]] = {"EASE": [], **{name: [] for name in runs}}
+    ks = EVAL_KS
+    als = "ALS" in rows and all("params" in row for row in rows["ALS"])
+    out: dict[str, list[dict]] = {"EASE": [], **({"ALS": []} if als else {}), **{name: [] for name in runs}}
     activity = []
     for index, data in enumerate(datasets.values()):
-        train, test = split_matrix(data, "train"), split_matrix(data, "test")
+        matrices = {split: split_matrix(data, split) for split in ("train", "valid", "test")}
+        train, test = matrices["train"], matrices["test"]
+        excluded = excluded_matrix(data, "test", matrices)  # train (and valid, on a given split)
         activity.append(train[test.sum(axis=1) > 0].sum(axis=1).astype(np.int64))
-        out["EASE"].append(per_user_metrics(ease_scores(train, rows["EASE"][index]["lambda"]), train, test, ks))
+        out["EASE"].append(per_user_metrics(ease_scores(train, rows["EASE"][index]["lambda"]), excluded, test, ks))
+        if als:
+            scores = als_scores(train, **rows["ALS"][index]["params"])
+            out["ALS"].append(per_user_metrics(scores, excluded, test, ks))
         for name, run_dirs in runs.items():
             run_dir = run_dirs[index]
             export = run_dir / "export"
             if not (export / "manifest.json").exists():
                 bigrank("export", str(run_dir), "--out", str(export), "--no-seen")
-            figures = per_user_metrics(export_scores(export, train), train, test, ks)
+            figures = per_user_metrics(export_scores(export, train), excluded, test, ks)
             logged = rows[name][index]  # the run's eval.json test figures
             for key, _ in METRICS:
-                if abs(figures[key].mean() - logged[key]) > 1e-3:
+                if key in logged and abs(figures[key].mean() - logged[key]) > 1e-3:
                     print(f"warning: {run_dir}: {key} {figures[key].mean():.4f} from the export, "
                           f"{logged[key]:.4f} in eval.json", flush=True)  # fmt: skip
             out[name].append(figures)
@@ -205,15 +240,16 @@ def per_user_test_metrics(datasets: dict[int, Path], rows: dict[str, list[dict]]
 
 
 def format_differences(per_user: dict[str, list[dict]]) -> str:
-    """``mean [low, high]`` per metric (``paired_difference``) of each loss minus EASE, of rankmax minus each
-    other loss (the paper's claim: rankmax ahead of softmax and sparsemax), and of each ``<loss>-<precision>``
-    run minus its fp32 twin ``<loss>``."""
+    """``mean [low, high]`` per metric (``paired_difference``; the metrics of ``METRICS`` every model has) of each
+    loss minus EASE and minus ALS (when there), of rankmax minus each other loss (the paper's claim: rankmax ahead
+    of softmax and sparsemax), and of each ``<loss>-<precision>`` run minus its fp32 twin ``<loss>``."""
     from benchmarks.baselines import paired_difference
 
-    models = [name for name in per_user if name != "EASE"]
+    baselines = [name for name in ("EASE", "ALS") if name in per_user]
+    models = [name for name in per_user if name not in baselines]
     twins = [(name, base) for name in models if (base := name.rsplit("-", 1)[0]) != name and base in models]
     losses = [name for name in models if name not in dict(twins)]
-    pairs = [(loss, "EASE") for loss in losses]
+    pairs = [(loss, baseline) for baseline in baselines for loss in losses]
     if "rankmax" in losses:
         pairs += [("rankmax", other) for other in losses if other != "rankmax"]
     if "item_item-rankmax" in losses:  # the paper's claim for the item-item model
@@ -224,10 +260,13 @@ def format_differences(per_user: dict[str, list[dict]]) -> str:
         ]
     pairs += twins
     width = max((len(f"{first} - {second}") for first, second in pairs), default=10) + 2
-    lines = [f"{'difference':<{width}}" + "".join(f"{title:>26}" for _, title in METRICS)]
+    metrics = [
+        (key, title) for key, title in METRICS if all(key in seed for seeds in per_user.values() for seed in seeds)
+    ]
+    lines = [f"{'difference':<{width}}" + "".join(f"{title:>26}" for _, title in metrics)]
     for first, second in pairs:
         cells = []
-        for key, _ in METRICS:
+        for key, _ in metrics:
             mean, low, high = paired_difference([s[key] for s in per_user[first]], [s[key] for s in per_user[second]])
             cells.append(f"{mean:+.3f} [{low:+.3f}, {high:+.3f}]".rjust(26))
         lines.append(f"{first + ' - ' + second:<{width}}" + "".join(cells))
@@ -256,11 +295,17 @@ def format_by_activity(
 
 
 def format_table(rows: dict[str, list[dict]], dataset: Dataset = DATASETS["ml-latest-small"]) -> str:
-    header = f"{'model':<22}{'seeds':>6}" + "".join(f"{title:>18}" for _, title in METRICS)
+    """One row per model: the mean ± standard deviation over the seeds of each metric of ``METRICS`` that some row
+    has ("-" where a row lacks it: a run evaluated before NDCG@20 / R@20 were columns), then the paper's rows."""
+    metrics = [(key, title) for key, title in METRICS if any(key in r for results in rows.values() for r in results)]
+    header = f"{'model':<22}{'seeds':>6}" + "".join(f"{title:>18}" for _, title in metrics)
     lines = [header]
     for name, results in rows.items():
         cells = []
-        for key, _ in METRICS:
+        for key, _ in metrics:
+            if not all(key in r for r in results):
+                cells.append("-".rjust(18))
+                continue
             values = np.array([r[key] for r in results], dtype=np.float64)
             spread = f" ± {values.std(ddof=1):.3f}" if len(values) > 1 else ""
             cells.append(f"{values.mean():.3f}{spread}".rjust(18))
@@ -272,7 +317,9 @@ def format_table(rows: dict[str, list[dict]], dataset: Dataset = DATASETS["ml-la
         lines.append("")
         lines.append(f"paper ({dataset.paper_column}, its own model, protocol and AP normalisation):")
         for name, figures in paper:
-            lines.append(f"{name:<22}{'':>6}" + "".join(f"{v:>18.3f}" for v in figures))
+            reported = dict(zip(PAPER_METRICS, figures, strict=True))
+            cells = [f"{reported[key]:.3f}" if key in reported else "-" for key, _ in metrics]
+            lines.append(f"{name:<22}{'':>6}" + "".join(f"{cell:>18}" for cell in cells))
     return "\n".join(lines)
 
 
@@ -307,13 +354,17 @@ def main() -> None:
         choices=("fp32", "bf16"),
         help="train every loss in each train.precision; bf16 runs are compared with their fp32 twins, paired",
     )
-    parser.add_argument("--quick", action="store_true", help="split seed 0, rankmax and softmax, one EASE λ")
+    parser.add_argument(
+        "--quick", action="store_true", help="split seed 0, rankmax and softmax, one EASE λ, one ALS point"
+    )
     args = parser.parse_args()
     dataset = dataset_preset(args.source)
     if args.lambdas is None:
         args.lambdas = list(dataset.lambdas)
+    als_grid = None  # benchmarks.baselines.ALS_GRID
     if args.quick:
         args.seeds, args.losses, args.lambdas = [0], ["rankmax", "softmax"], [dataset.quick_lambda]
+        als_grid = {key: (value,) for key, value in dataset.quick_als.items()}
     missing = [loss for loss in args.losses if not (ROOT / "configs" / f"{dataset.name}-{loss}.yaml").exists()]
     if missing:
         parser.error(f"no config for {', '.join(missing)} on {dataset.name}: configs/{dataset.name}-<loss>.yaml")
@@ -322,15 +373,21 @@ def main() -> None:
     work = (ROOT / args.work).resolve()
     work.mkdir(parents=True, exist_ok=True)
     datasets = {seed: ingest(args.source, work, seed) for seed in args.seeds}
-    rows: dict[str, list[dict]] = {"popularity": [], "EASE": []}
+    rows: dict[str, list[dict]] = {"popularity": [], "EASE": [], "ALS": []}
     for seed, data in datasets.items():
-        result = run_baselines(data, args.lambdas)
+        result = run_baselines(data, args.lambdas, als_grid)
         rows["popularity"].append(result["popularity"])
         rows["EASE"].append(result["ease"])
-        print(f"seed {seed}: EASE lambda {result['ease']['lambda']:g}", flush=True)
+        rows["ALS"].append(result["als"])
+        als = ", ".join(f"{key} {value:g}" for key, value in result["als"]["params"].items())
+        print(f"seed {seed}: EASE lambda {result['ease']['lambda']:g}; ALS {als}", flush=True)
         edge = lambda_at_grid_edge(result["ease"]["lambda"], args.lambdas)
         if edge:
             print(edge, flush=True)
+        from benchmarks.baselines import als_at_grid_edge
+
+        for warning in als_at_grid_edge(result["als"]["params"], als_grid):
+            print(warning, flush=True)
     phases = {"data and baselines": time.perf_counter() - started}
     for loss in args.losses:
         config = ROOT / "configs" / f"{dataset.name}-{loss}.yaml"

@@ -205,6 +205,50 @@ class OptimConfig:
 
 
 @dataclass
+class EarlyStoppingConfig:
+    """``train.early_stopping``: stop on the validation split and keep the best checkpoint
+    (``bigrank.train.early_stopping``)."""
+
+    metric: str = field(
+        default="ap@10",
+        metadata={
+            "doc": "a metric the evaluation of eval.splits[0] reports (accuracy, recall@K, ap@K, ndcg@K with K in "
+            "eval.ks); higher is better"
+        },
+    )
+    patience: int = field(default=2, metadata={"doc": "evaluations without a better value before the run stops"})
+    min_delta: float = field(default=0.0, metadata={"doc": "how much better a value must be to count as better"})
+
+    def check(self, eval_config: EvalConfig) -> None:
+        import re
+
+        match = re.fullmatch(r"(recall|ap|ndcg)@(\d+)|accuracy", self.metric)
+        _check(
+            match is not None,
+            "train.early_stopping.metric",
+            f"must be accuracy, recall@K, ap@K or ndcg@K, got {self.metric!r}",
+        )
+        if match is not None and match.group(2) is not None:
+            _check(
+                int(match.group(2)) in eval_config.ks,
+                "train.early_stopping.metric",
+                f"reads K = {match.group(2)}, which eval.ks {eval_config.ks} does not compute",
+            )
+        _check(self.patience >= 1, "train.early_stopping.patience", "must be >= 1")
+        _check(self.min_delta >= 0, "train.early_stopping.min_delta", "must be >= 0")
+        _check(
+            bool(eval_config.every_epochs),
+            "train.early_stopping",
+            "needs eval.every_epochs >= 1 (it stops on the evaluations made while training)",
+        )
+        _check(
+            eval_config.splits[0] == "valid",
+            "train.early_stopping",
+            f"stops on eval.splits[0], which must be valid (stopping on {eval_config.splits[0]!r} would tune on it)",
+        )
+
+
+@dataclass
 class TrainConfig:
     batch_size: int = 1024  # GLOBAL batch (rows per step over all workers); divisible by the worker count
     epochs: int = 1
@@ -241,6 +285,9 @@ class TrainConfig:
     # A run directory whose newest checkpoint a new run starts from (a warm start on a grown vocabulary,
     # bigrank.train.warm_start); ignored once this run has a checkpoint of its own (it resumes from that).
     init_from: str | None = None
+    # Stop when the validation metric has not improved for `patience` evaluations, and end with the weights of the
+    # best evaluation (null: train every epoch, end with the last weights).
+    early_stopping: EarlyStoppingConfig | None = None
 
     def check(self) -> None:
         _check(self.batch_size >= 1, "train.batch_size", "must be >= 1")
@@ -449,6 +496,8 @@ def check(config: Config) -> Config:
         "adam runs in fbgemm's fused CUDA kernels only: use sgd, adagrad or rowwise_adagrad with train.device=cpu",
     )
     config.eval.check()
+    if config.train.early_stopping is not None:
+        config.train.early_stopping.check(config.eval)
     config.ray.check()
     min_workers = config.ray.min_workers
     _check(
@@ -533,6 +582,7 @@ TRAJECTORY_KEYS = (
     "train.max_steps",
     "train.drop_last",
     "train.batching",
+    "train.early_stopping",
 )
 _NOT_COMPARED = ("train.resume",)  # the switch itself
 # Keys under TRAJECTORY_KEYS that do not alter the trajectory: a run resumes on any layout, as on any worker

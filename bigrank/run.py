@@ -188,17 +188,22 @@ def evaluate(
     and returns its sections.
 
     ``use_index``: first make sure the dataset has a user index (``bigrank.data.user_index``) of each split
-    evaluated and of ``train`` (the excluded items), building the missing ones here, once, with progress on
-    stderr; the workers then read the users' items as slices of it instead of decoding the splits' files.
-    False: the workers read the files (and use no index)."""
+    evaluated and of the splits whose items it excludes (``DatasetManifest.excluded_splits``: train, and valid
+    for test on a given split), building the missing ones here, once, with progress on stderr; the workers then
+    read the users' items as slices of it instead of decoding the splits' files. False: the workers read the
+    files (and use no index)."""
     workers = workers or config.workers
     config, kind = inference_config(config, workers)
     manifest = DatasetManifest.load(config.data.root)
     if use_index:
         from bigrank.data.user_index import ensure_index
 
-        for split in dict.fromkeys([*(splits or config.eval.splits), "train"]):
+        evaluated = splits or config.eval.splits
+        for split in evaluated:
             manifest.split(split)  # an unknown split is named before anything is built
+        needed = [*evaluated, *(name for split in evaluated for name in manifest.excluded_splits(split))]
+        for split in dict.fromkeys(needed):
+            manifest.split(split)
             ensure_index(manifest, split, progress=lambda line: print(line, file=sys.stderr, flush=True))
     args = (config, checkpoint, splits, sample_users, manifest, use_index)
     return _launch_local(evaluate_worker, workers, args, kind, env=INFERENCE_ENV)[0]

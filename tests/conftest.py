@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 import subprocess
 import sys
@@ -171,15 +172,18 @@ def read_pairs(root, split) -> dict[int, set[int]]:
     return pairs
 
 
-def brute_force_metrics(root, split, user_table, item_table, ks, users=None) -> dict:
-    """Full scores, train items removed, sort by (score desc, id asc), then the metric definitions per user."""
-    train, held_out = read_pairs(root, "train"), read_pairs(root, split)
+def brute_force_metrics(root, split, user_table, item_table, ks, users=None, exclude=("train",)) -> dict:
+    """Full scores, the user's items of ``exclude`` removed, sort by (score desc, id asc), then the metric
+    definitions per user (NDCG: binary gains over an ideal list of min(|R|, K) hits, log2(rank + 1) discounts)."""
+    excluded = [read_pairs(root, name) for name in exclude]
+    held_out = read_pairs(root, split)
     users = sorted(held_out) if users is None else [int(u) for u in users]
     num_items = len(item_table)
-    sums = dict.fromkeys(["accuracy"] + [f"{m}@{k}" for k in ks for m in ("recall", "ap")], 0.0)
+    sums = dict.fromkeys(["accuracy"] + [f"{m}@{k}" for k in ks for m in ("recall", "ndcg", "ap")], 0.0)
     for user in users:
         scores = item_table @ user_table[user]
-        eligible = [i for i in range(num_items) if i not in train.get(user, set())]
+        seen = set().union(*(pairs.get(user, set()) for pairs in excluded))
+        eligible = [i for i in range(num_items) if i not in seen]
         ranking = sorted(eligible, key=lambda i: (-scores[i], i))
         relevant = held_out[user]
         sums["accuracy"] += ranking[0] in relevant
@@ -187,6 +191,8 @@ def brute_force_metrics(root, split, user_table, item_table, ks, users=None) -> 
             hits = [1 if i < len(ranking) and ranking[i] in relevant else 0 for i in range(k)]
             sums[f"recall@{k}"] += sum(hits) / len(relevant)
             sums[f"ap@{k}"] += sum(sum(hits[: i + 1]) / (i + 1) * hits[i] for i in range(k)) / min(k, len(relevant))
+            ideal = sum(1 / math.log2(i + 2) for i in range(min(k, len(relevant))))
+            sums[f"ndcg@{k}"] += sum(hits[i] / math.log2(i + 2) for i in range(k)) / ideal
     return {name: value / len(users) for name, value in sums.items()} | {"users": len(users)}
 
 

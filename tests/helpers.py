@@ -31,12 +31,15 @@ REPO = Path(__file__).resolve().parents[1]
 HANG_GUARD_S = 180.0
 
 
-def start_command(log: Path, *args: str, env: Mapping[str, str] | None = None) -> subprocess.Popen:
+def start_command(
+    log: Path, *args: str, env: Mapping[str, str] | None = None, runner: tuple[str, ...] = ("-m", "bigrank.cli")
+) -> subprocess.Popen:
     """``python -m bigrank.cli ARGS…`` (this checkout first on the path) in a new session, so its own process
-    group, with SIGINT as a terminal gives it; stdout and stderr to ``log``."""
+    group, with SIGINT as a terminal gives it; stdout and stderr to ``log``. ``runner``: what Python runs instead
+    of ``-m bigrank.cli`` (a script that wraps it)."""
     env = dict(env or os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
-    command = [sys.executable, "-m", "bigrank.cli", *args]
+    command = [sys.executable, *runner, *args]
     with open(log, "w") as out:
         return subprocess.Popen(
             command,

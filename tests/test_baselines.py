@@ -6,12 +6,16 @@ import numpy as np
 import pytest
 
 from benchmarks.baselines import (
+    als_factors,
+    als_scores,
     ease_scores,
     evaluate_scores,
     export_scores,
     paired_difference,
     per_user_metrics,
+    popularity_scores,
     split_matrix,
+    tune_als,
 )
 
 
@@ -43,6 +47,66 @@ def test_ease_is_a_ridge_regression_of_each_item_on_the_other_items():
     np.testing.assert_allclose(ease_scores(train, lam), expected, atol=2e-5)
     with pytest.raises(ValueError, match="lambda > 0"):
         ease_scores(train, 0.0)
+
+
+@pytest.mark.parametrize("shape", [(40, 30), (12, 50)], ids=["more users", "more items"])
+def test_ease_from_the_users_side_equals_the_item_inverse(shape):
+    # Fewer users than items: the scores come from Woodbury's identity on the m x m side; they equal the n x n
+    # inverse's (float64 reference), items without train pairs included (their scores stay 0).
+    train, _ = _random_splits(*shape, seed=3)
+    x = train.astype(np.float64)
+    seen = np.flatnonzero(x.sum(axis=0) > 0)
+    for lam in (0.5, 30.0):
+        precision = np.linalg.inv(x[:, seen].T @ x[:, seen] + lam * np.eye(len(seen)))
+        expected = np.zeros_like(x)
+        expected[:, seen] = x[:, seen] - (x[:, seen] @ precision) / np.diag(precision)
+        np.testing.assert_allclose(ease_scores(train, lam), expected, atol=2e-5)
+
+
+def test_als_factors_solve_the_weighted_least_squares_of_hu_koren_volinsky():
+    # Each ALS iteration ends with the items solved given the users; at the fixed point (many iterations of a
+    # small problem) each item's factors are the exact weighted ridge solution, confidence alpha on the item's
+    # train pairs and 1 on the other users, target 1 on train pairs and 0 elsewhere (Hu et al. 2008, eq. 4):
+    # y_i = (Xᵀ C_i X + λ I)⁻¹ Xᵀ C_i p_i, solved here item by item from the fitted user factors.
+    train, _ = _random_splits(30, 25, seed=4)
+    lam, alpha = 0.5, 8.0
+    users, items = (f.astype(np.float64) for f in als_factors(train, 4, lam, alpha, 300, seed=1, threads=1))
+    for item in range(train.shape[1]):
+        liked = train[:, item] > 0
+        confidence = np.where(liked, alpha, 1.0)
+        exact = np.linalg.solve(
+            users.T @ (confidence[:, None] * users) + lam * np.eye(4), users.T @ (confidence * liked)
+        )
+        np.testing.assert_allclose(items[item], exact, atol=1e-3, err_msg=f"item {item}")
+
+
+def test_als_picks_at_the_edge_of_the_grid_are_flagged():
+    from benchmarks.baselines import als_at_grid_edge
+
+    grid = {"factors": (64, 256), "regularization": (3.0, 10.0, 30.0), "alpha": (3.0,), "iterations": (5, 15)}
+    inside = {"factors": 64, "regularization": 10.0, "alpha": 3.0, "iterations": 15}
+    assert als_at_grid_edge(inside, grid) == [
+        "warning: ALS picked factors = 64, the smallest of the grid [64, 256]; widen it"
+    ]
+    assert als_at_grid_edge(dict(inside, factors=128), dict(grid, factors=(64, 128, 256))) == []  # a 1-value alpha
+    assert "regularization = 30, the largest" in als_at_grid_edge(dict(inside, regularization=30.0), grid)[1]
+
+
+def test_als_after_n_iterations_equals_a_fit_of_n_iterations():
+    train, _ = _random_splits(seed=5)
+    seen = {}
+    als_scores(train, 8, 0.1, 5.0, 6, seed=2, after={3: lambda s: seen.setdefault(3, s)})
+    np.testing.assert_allclose(seen[3], als_scores(train, 8, 0.1, 5.0, 3, seed=2), rtol=1e-5, atol=1e-6)
+
+
+def test_tune_als_picks_the_grid_point_with_the_best_validation_metric():
+    train, valid = _random_splits(60, 40, seed=6)
+    grid = {"factors": (4, 8), "regularization": (0.1, 10.0), "alpha": (1.0, 10.0), "iterations": (2, 5)}
+    params, by_point = tune_als(train, valid, grid, metric="ndcg@20")
+    assert len(by_point) == 16
+    best = max(by_point, key=lambda key: by_point[key]["ndcg@20"])
+    assert "/".join(f"{v:g}" for v in params.values()) == best
+    assert by_point[best] == evaluate_scores(als_scores(train, **params), train, valid)
 
 
 def _explicit_metrics(scores, train, heldout, k):
@@ -212,3 +276,52 @@ def test_reproduce_table2_flags_an_ease_lambda_at_the_edge_of_its_grid():
     assert "the smallest" in lambda_at_grid_edge(100.0, [400.0, 100.0, 200.0])
     assert lambda_at_grid_edge(200.0, [100.0, 200.0, 400.0]) is None
     assert lambda_at_grid_edge(200.0, [200.0]) is None  # one λ (--quick): no grid to widen
+
+
+def test_the_baselines_leave_out_what_the_dataset_says(tmp_path):
+    # On a given split (the manifest's eval_exclude), test's rankings leave out train and valid items, as
+    # `bigrank evaluate` does; elsewhere train items only.
+    import json
+
+    from benchmarks.baselines import baselines, excluded_matrix
+    from bigrank.data import manifest as layout
+    from tests.helpers import write_small_dataset
+
+    write_small_dataset(tmp_path)
+    matrices = {split: split_matrix(tmp_path, split) for split in ("train", "valid", "test")}
+    np.testing.assert_array_equal(excluded_matrix(tmp_path, "test", matrices), matrices["train"])
+    plain = baselines(tmp_path, lambdas=(10.0,), als=False)
+    manifest = json.loads((tmp_path / layout.MANIFEST_NAME).read_text())
+    manifest["eval_exclude"] = {"valid": ["train"], "test": ["train", "valid"]}
+    (tmp_path / layout.MANIFEST_NAME).write_text(json.dumps(manifest))
+    union = np.maximum(matrices["train"], matrices["valid"])
+    np.testing.assert_array_equal(excluded_matrix(tmp_path, "test", matrices), union)
+    np.testing.assert_array_equal(excluded_matrix(tmp_path, "valid", matrices), matrices["train"])
+    given = baselines(tmp_path, lambdas=(10.0,), als=False)
+    popularity = popularity_scores(matrices["train"])
+    assert given["popularity"]["test"] == evaluate_scores(popularity, union, matrices["test"])
+    assert given["popularity"]["test"] != plain["popularity"]["test"]
+    assert given["popularity"]["valid"] == plain["popularity"]["valid"]
+
+
+def test_reproduce_table2_shows_ndcg_and_recall_at_20_and_a_dash_where_a_run_lacks_them():
+    from benchmarks.reproduce_table2 import DATASETS, format_differences, format_table
+
+    full = {"ap@10": 0.1, "ndcg@20": 0.25, "recall@20": 0.3, "accuracy": 0.2, "recall@100": 0.5}
+    old = {key: full[key] for key in ("ap@10", "accuracy", "recall@100")}  # a run evaluated before @20 existed
+    rows = {"EASE": [full, full], "ALS": [full, full], "rankmax": [old, old]}
+    table = format_table(rows, DATASETS["ml-1m"]).splitlines()
+    assert table[0].split() == ["model", "seeds", "AP@10", "NDCG@20", "R@20", "Accuracy", "R@100"]
+    assert table[1].split()[2:] == ["0.100", "±", "0.000", "0.250", "±", "0.000", "0.300", "±", "0.000"] + [
+        "0.200", "±", "0.000", "0.500", "±", "0.000",
+    ]  # fmt: skip
+    assert table[3].split()[2:6] == ["0.100", "±", "0.000", "-"] and table[3].split()[6] == "-"
+    assert table[-1].split() == ["rankmax", "0.210", "-", "-", "0.397", "0.492"]  # the paper reports 3 of them
+    rng = np.random.default_rng(7)
+    per_user = {name: [{key: rng.random(10) for key in full}] for name in ("EASE", "ALS", "rankmax", "softmax")}
+    lines = format_differences(per_user).splitlines()
+    assert lines[0].split() == ["difference", "AP@10", "NDCG@20", "R@20", "Accuracy", "R@100"]
+    assert [line.split()[0:3] for line in lines[1:]] == [
+        ["rankmax", "-", "EASE"], ["softmax", "-", "EASE"], ["rankmax", "-", "ALS"], ["softmax", "-", "ALS"],
+        ["rankmax", "-", "softmax"],
+    ]  # fmt: skip

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 
 import numpy as np
 import pytest
@@ -276,3 +277,47 @@ def test_eval_json_and_table(tmp_path):
     assert lines[2].split() == ["test", "-", "0.7500", "0.5000", "3"]
     with pytest.raises(FileNotFoundError):
         write_eval_json(tmp_path / "nope", {"valid": valid})
+
+
+def test_test_split_leaves_out_valid_items_where_the_dataset_says_so(tiny, tmp_path):
+    # Users pointing at their own valid items: on a dataset without an eval_exclude entry (random split), test's
+    # lists are topped by them (they count as misses); where the manifest records the given split's rule (test
+    # leaves out train and valid), none is listed, and the metrics equal the brute-force ranking without them.
+    given = tmp_path / "given"
+    shutil.copytree(tiny, given)
+    manifest = json.loads((given / layout.MANIFEST_NAME).read_text())
+    manifest["eval_exclude"] = {"valid": ["train"], "test": ["train", "valid"]}
+    (given / layout.MANIFEST_NAME).write_text(json.dumps(manifest))
+    assert layout.DatasetManifest.load(given).excluded_splits("test") == ("train", "valid")
+    assert layout.DatasetManifest.load(tiny).excluded_splits("test") == ("train",)
+
+    generator = torch.Generator().manual_seed(5)
+    item_table = torch.eye(NUM_ITEMS, dtype=torch.float64)
+    user_table = torch.rand(NUM_USERS, NUM_ITEMS, generator=generator, dtype=torch.float64)
+    valid = read_pairs(tiny, "valid")
+    for user, items in valid.items():
+        user_table[user, sorted(items)] += 10.0
+    shard = CatalogShard(NUM_ITEMS, NUM_ITEMS, dtype=torch.float64)
+    with torch.no_grad():
+        shard.weight.copy_(item_table)
+    fn = embedding_fn(user_table, None, [])
+    users = evaluation_users(tiny, "test")
+    with_valid = [u for u in users if int(u) in valid]
+    assert len(with_valid) > 10
+
+    def first_items(root):
+        data = evaluation_data(root, "test", (0, NUM_ITEMS))
+        batches = ranked_batches(fn, shard, root, data.users, 1, exclude_splits=data.exclude_splits)
+        first = np.concatenate([t.numpy() for *_, t in batches])[:, 0]
+        return dict(zip(data.users.tolist(), first.tolist(), strict=True))
+
+    plain, ruled = first_items(tiny), first_items(given)
+    assert all(plain[int(u)] in valid[int(u)] for u in with_valid)
+    assert not any(ruled[int(u)] in valid[int(u)] for u in with_valid)
+    result = evaluate_model(fn, shard, given, "test", KS)
+    reference = brute_force_metrics(
+        tiny, "test", user_table.numpy(), item_table.numpy(), KS, exclude=("train", "valid")
+    )
+    for name, value in reference.items():
+        assert result[name] == pytest.approx(value, rel=1e-9, abs=1e-12), name
+    assert result == evaluate_model(fn, shard, tiny, "test", KS, exclude_splits=("train", "valid"))

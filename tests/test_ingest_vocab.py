@@ -178,3 +178,25 @@ def test_a_pair_keeps_its_random_split_across_a_lineage_and_new_pairs_get_exact_
         assert manifest["ingest"]["split"]["kept_from_parent"] == kept
         assert sum(kept.values()) == len(set(before) & set(after))
         previous = out
+
+
+def test_a_given_split_with_vocab_from_keeps_every_pair_in_its_given_split(tmp_path):
+    """--split given with --vocab-from: the given split decides every pair's split (the parent's random split,
+    kept otherwise, must not move a given train pair to the parent's test, where the given split's writer would
+    not find it)."""
+    from bigrank.data.ingest.given import GivenSplit, ingest_prepared
+    from tests.test_ingest_given import benchmark_lines, flat, pairs_by_original_ids, write_lines
+
+    train, test = benchmark_lines(seed=3)
+    parent_log = tmp_path / "parent.csv"
+    parent_log.write_text("user,item\n" + "".join(f"{u},{i}\n" for u, i in sorted(flat(train) | flat(test))))
+    ingest([parent_log], tmp_path / "parent", IngestOptions(user="user", item="item", progress=False))
+    given = GivenSplit(
+        inputs={"train": [str(write_lines(tmp_path / "train.txt", train))],
+                "test": [str(write_lines(tmp_path / "test.txt", test))]},
+        valid_fraction=0.0,
+    )  # fmt: skip
+    options = IngestOptions(vocab_from=str(tmp_path / "parent"), progress=False)
+    ingest_prepared([], tmp_path / "child", options, given=given, user_lines=True)
+    got = pairs_by_original_ids(tmp_path / "child")
+    assert got["train"] == flat(train) and got["test"] == flat(test) and not got["valid"]

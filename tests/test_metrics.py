@@ -1,4 +1,4 @@
-"""Recall@K, AP@K and Accuracy equal a brute-force pure-Python computation; combine is exact."""
+"""Recall@K, NDCG@K, AP@K and Accuracy equal a brute-force pure-Python computation; combine is exact."""
 
 from __future__ import annotations
 
@@ -13,13 +13,23 @@ from bigrank.train.metrics import combine, metric_names, ranking_metrics
 KS = (1, 3, 5, 8)
 
 
-def brute_force(ranking: list[int], relevant: set[int], k: int) -> tuple[float, float, float]:
-    """(recall@k, ap@k, accuracy) of one user, straight from the definitions (Rankmax paper, Section 4)."""
+def brute_force(ranking: list[int], relevant: set[int], k: int) -> tuple[float, float, float, float]:
+    """(recall@k, ap@k, accuracy, ndcg@k) of one user, straight from the definitions (Rankmax paper, Section 4;
+    NDCG as the graph-CF papers' code computes it, ``NDCGatK_r``)."""
     hits = [1 if (i < len(ranking) and ranking[i] in relevant) else 0 for i in range(k)]
     recall = sum(hits) / len(relevant)
     ap = sum(sum(hits[: i + 1]) / (i + 1) * hits[i] for i in range(k)) / min(k, len(relevant))
     accuracy = float(bool(ranking) and ranking[0] in relevant)
-    return recall, ap, accuracy
+    return recall, ap, accuracy, ndcg_graph_cf(hits, len(relevant), k)
+
+
+def ndcg_graph_cf(hits: list[int], relevant: int, k: int) -> float:
+    """NDCG@k as LightGCN's ``NDCGatK_r`` computes it for one user: an ideal row of ``min(|test|, k)`` ones,
+    ``idcg = sum(ideal / log2(rank + 1))``, ``dcg = sum(hits / log2(rank + 1))`` over ranks 1..k."""
+    ideal = [1.0 if i < min(relevant, k) else 0.0 for i in range(k)]
+    idcg = sum(ideal[i] / math.log2(i + 2) for i in range(k))
+    dcg = sum(hits[i] / math.log2(i + 2) for i in range(k))
+    return dcg / idcg
 
 
 def random_case(seed: int, users: int = 40, items: int = 30, width: int = 8):
@@ -39,6 +49,7 @@ def expected_means(top, relevant, ks):
     for k in ks:
         expected[f"recall@{k}"] = sum(brute_force(r, rel, k)[0] for r, rel in scored) / len(scored)
         expected[f"ap@{k}"] = sum(brute_force(r, rel, k)[1] for r, rel in scored) / len(scored)
+        expected[f"ndcg@{k}"] = sum(brute_force(r, rel, k)[3] for r, rel in scored) / len(scored)
     return expected, len(scored)
 
 
@@ -69,6 +80,23 @@ def test_hand_computed_case():
     assert result["recall@3"] == pytest.approx((1.0 + 0.25) / 2)
     assert result["ap@3"] == pytest.approx((5 / 6 + 1 / 6) / 2)
     assert result["ap@1"] == pytest.approx((1.0 + 0.0) / 2)
+    # NDCG@3: user 0 DCG 1 + 1/log2(4) = 1.5 over IDCG 1 + 1/log2(3) (two relevant items); user 1 DCG 1/log2(3)
+    # over IDCG 1 + 1/log2(3) + 1/2 (three of its four relevant items fit in the top 3).
+    ndcg_0 = 1.5 / (1 + 1 / math.log2(3))
+    ndcg_1 = (1 / math.log2(3)) / (1 + 1 / math.log2(3) + 0.5)
+    assert result["ndcg@3"] == pytest.approx((ndcg_0 + ndcg_1) / 2)
+    assert result["ndcg@1"] == pytest.approx(result["accuracy"])  # one rank: NDCG@1 is the top item's hit
+
+
+def test_metric_names_order_and_any_cut_off():
+    assert metric_names([20, 10]) == ["accuracy", "recall@10", "recall@20", "ndcg@10", "ndcg@20", "ap@10", "ap@20"]
+    # K = 20 (the graph-CF papers' cut-off) with lists of 20, and K past the list's length (a small catalog).
+    top, relevant = random_case(11, users=30, items=60, width=20)
+    for ks in ((20,), (7, 20, 25)):
+        result = ranking_metrics(top, [sorted(r) for r in relevant], ks)
+        expected, _ = expected_means(top, relevant, ks)
+        for name, value in expected.items():
+            assert result[name] == pytest.approx(value, rel=1e-12), name
 
 
 def test_short_lists_padding_and_perfect_rankings():
@@ -77,8 +105,9 @@ def test_short_lists_padding_and_perfect_rankings():
     top = np.array([[2, 0], [1, -1]])
     result = ranking_metrics(top, [[0, 2], [1]], (5,))
     assert result["recall@5"] == 1.0 and result["ap@5"] == 1.0 and result["accuracy"] == 1.0
+    assert result["ndcg@5"] == pytest.approx(1.0)
     many = ranking_metrics(np.array([[0, 1, 2]]), [list(range(10))], (3,))
-    assert many["ap@3"] == 1.0 and many["recall@3"] == pytest.approx(0.3)
+    assert many["ap@3"] == 1.0 and many["recall@3"] == pytest.approx(0.3) and many["ndcg@3"] == pytest.approx(1.0)
     assert ranking_metrics(np.array([[-1, -1]]), [[0, 1]], (2,))["recall@2"] == 0.0
 
 

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from bigrank.cli import main
-from bigrank.train.plot import metric_keys, read_run, run_label
+from bigrank.train.plot import metric_keys, panel_title, read_run, run_label
 
 
 def fake_run(root, name: str, loss: str, scale: float, resumed: bool = False):
@@ -29,6 +29,7 @@ def fake_run(root, name: str, loss: str, scale: float, resumed: bool = False):
                         "epoch": step // 10,
                         "recall@100": 0.1 * step / 10 / scale,
                         "ap@10": 0.02 * step / 10 / scale,
+                        "ndcg@20": 0.03 * step / 10 / scale,
                         "accuracy": 0.05 * step / 10,
                         "users": 100,
                         "sampled": False,
@@ -55,7 +56,8 @@ def test_plot_two_runs(tmp_path, capsys):
     assert [r["step"] for r in run["train"]] == [5, 10, 15, 20, 25, 30, 35, 40]
     assert run["train"][3]["loss"] == 123.0  # the later (resumed) line wins; the cut-short last line is skipped
     assert [(r["split"], r["epoch"]) for r in run["eval"]] == [("test", 4)] + [("valid", e) for e in (1, 2, 3, 4)]
-    assert metric_keys(run["eval"]) == ["ap@10", "accuracy", "recall@100"]
+    assert metric_keys(run["eval"]) == ["ap@10", "accuracy", "recall@100", "ndcg@20"]
+    assert [panel_title(key) for key in metric_keys(run["eval"])] == ["AP@10", "Accuracy", "R@100", "NDCG@20"]
 
 
 def test_plot_errors(tmp_path, capsys):

@@ -16,8 +16,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from bigrank.export import reload
 from bigrank.export.format import MANIFEST_NAME, export_id
-from bigrank.export.reload import watched_exports
+from bigrank.export.reload import ExportSource, Reloader, first_export, read_candidate, watched_exports
 from tests.helpers import (
     HANG_GUARD_S,
     assert_ends,
@@ -153,7 +154,7 @@ def test_sighup_swaps_to_the_new_export_refuses_a_damaged_one_and_drops_no_reque
         # A request that starts after the swap is answered from the new export, for every user.
         for user in range(USERS):
             assert [row["item_id"] for row in get(f"{url}/recommend?user={user}&k={K}")["items"]] == top_k(new, user)
-        assert f"now serving {current} (export id {new['id']})" in log.read_text()
+        assert f"now serving {new['path']} (export id {new['id']})" in log.read_text()  # the link, resolved
         proc.send_signal(signal.SIGTERM)  # the stop signals still drain and exit 0
         assert_ends(proc, log, 0, reaps_children=True)
     finally:
@@ -236,3 +237,185 @@ def test_serve_ray_rolls_to_the_new_export_on_sighup_and_refuses_a_damaged_one(t
         assert_ends(proc, log, 0, session=True)
     finally:
         kill_group(proc.pid)
+
+
+# ----------------------------------------------------------------------------- the first load, held open
+# ``bigrank serve`` whose first export load waits until the file GATE exists (it touches GATE.loading when it
+# starts waiting): a real process and real signals, with the load held open as a large export's checksums hold it.
+SLOW_FIRST_LOAD = """
+import pathlib, sys, time
+import bigrank.export.commands as commands
+from bigrank.cli import main
+
+gate, real = pathlib.Path(sys.argv[1]), commands._recommender
+
+def first_load_waits(args, export=None):
+    if not gate.exists():
+        pathlib.Path(str(gate) + ".loading").touch()
+        while not gate.exists():
+            time.sleep(0.02)
+    return real(args, export)
+
+commands._recommender = first_load_waits
+sys.argv = ["bigrank", *sys.argv[2:]]
+sys.exit(main())
+"""
+
+
+def serve_with_a_held_first_load(tmp_path: Path):
+    """``bigrank serve current`` (a link to day1; day2 beside it) whose first load has begun and waits for
+    ``gate`` to exist: ``(old, new, current, proc, log, gate)``."""
+    old, new = make_export(tmp_path / "day1", seed=1), make_export(tmp_path / "day2", seed=2)
+    current = tmp_path / "current"
+    current.symlink_to(old["path"])
+    script, gate, log = tmp_path / "slow_first_load.py", tmp_path / "gate", tmp_path / "serve.log"
+    script.write_text(SLOW_FIRST_LOAD)
+    args = (str(gate), "serve", str(current), "--port", "0", "--quiet")
+    proc = start_command(log, *args, runner=(str(script),))
+    wait_until(lambda: Path(f"{gate}.loading").exists(), "the first load did not start", proc, log)
+    return old, new, current, proc, log, gate
+
+
+def test_a_sighup_during_the_first_load_is_kept_and_reloads_once_serving(tmp_path):
+    """The link moves while the first export loads, and SIGHUP comes: the process lives on, serves the export the
+    link named when the load began (resolved once), then honours the SIGHUP and swaps to the new one."""
+    old, new, current, proc, log, gate = serve_with_a_held_first_load(tmp_path)
+    try:
+        point_and_hangup(proc, current, new["path"])
+        time.sleep(0.5)  # the signal has landed: the process must still run
+        assert proc.poll() is None, f"SIGHUP during the first load ended the process:\n{log.read_text()}"
+        gate.touch()
+        url = f"http://127.0.0.1:{served_port(proc, log)}"
+        assert f"serving {old['path']} (" in log.read_text()  # what the link named when the load began
+        wait_until(lambda: get(f"{url}/health")["export_id"] == new["id"], "the kept SIGHUP did not reload", proc, log)
+        assert f"SIGHUP: loading {new['path']} (export id {new['id']})" in log.read_text()
+        proc.send_signal(signal.SIGTERM)
+        assert_ends(proc, log, 0, reaps_children=True)
+    finally:
+        kill_group(proc.pid)
+
+
+def test_the_export_served_is_the_one_the_link_named_when_its_load_began(tmp_path):
+    """No SIGHUP: the link moves while the first export loads. The server serves the export whose id it read (the
+    link's target then), and names it; a later SIGHUP then swaps to the new target."""
+    old, new, current, proc, log, gate = serve_with_a_held_first_load(tmp_path)
+    try:
+        current.unlink()
+        current.symlink_to(new["path"])
+        gate.touch()
+        url = f"http://127.0.0.1:{served_port(proc, log)}"
+        assert get(f"{url}/health")["export_id"] == old["id"]
+        assert f"export id {old['id']}; SIGHUP reloads" in log.read_text()
+        proc.send_signal(signal.SIGHUP)
+        wait_until(lambda: get(f"{url}/health")["export_id"] == new["id"], "no swap on SIGHUP", proc, log)
+        proc.send_signal(signal.SIGTERM)
+        assert_ends(proc, log, 0, reaps_children=True)
+    finally:
+        kill_group(proc.pid)
+
+
+# ---------------------------------------------------------------------- the Reloader: paths, refusals, retries
+class Installs:
+    """An ``install`` for a :class:`Reloader` that reads the export's manifest (its id, as the servers return it)
+    and records each path it was given; ``failures`` lists errors to raise first, one a call."""
+
+    def __init__(self, *failures: BaseException):
+        self.paths: list[Path] = []
+        self.failures = list(failures)
+
+    def __call__(self, path: Path) -> str:
+        self.paths.append(Path(path))
+        if self.failures:
+            raise self.failures.pop(0)
+        return read_candidate(path).export_id
+
+
+def poll_until(reloader: Reloader, condition, hangup: threading.Event | None = None, seconds: float = 30) -> bool:
+    """Drive ``reloader`` as a serving loop does until ``condition()`` or ``seconds`` (a hang guard) pass."""
+    hangup = hangup if hangup is not None else threading.Event()
+    deadline = time.monotonic() + seconds
+    while not condition() and time.monotonic() < deadline:
+        reloader.poll(hangup)
+        reloader.join()
+        time.sleep(0.01)
+    return condition()
+
+
+def test_a_link_is_resolved_once_a_reload_and_install_gets_the_real_directory(tmp_path):
+    """What ``serve --ray`` deploys (``install``'s path: every replica, also one started later by an autoscaler or
+    after a crash, loads it) is the directory the link named when the reload read its id, not the link."""
+    old, new = make_export(tmp_path / "day1", seed=1), make_export(tmp_path / "day2", seed=2)
+    current = tmp_path / "current"
+    current.symlink_to(old["path"])
+    source = ExportSource(current)
+    live, loaded = first_export(source, lambda path: Path(path))
+    assert live.path == loaded == old["path"].resolve() and live.export_id == old["id"]
+    installs = Installs()
+    reloader = Reloader(source, installs, live)
+    current.unlink()
+    current.symlink_to(new["path"])
+    hangup = threading.Event()
+    hangup.set()
+    assert poll_until(reloader, lambda: reloader.reloads == 1, hangup)
+    current.unlink()
+    current.symlink_to(old["path"])  # moved on after the reload: what was deployed stays the real directory
+    assert installs.paths == [new["path"].resolve()] and reloader.live.path == new["path"].resolve()
+
+
+def watching_one_export(tmp_path: Path):
+    """``(watched directory, its ExportSource, the Candidate served)``: a directory holding one export, served."""
+    watched = tmp_path / "exports"
+    watched.mkdir()
+    make_export(watched / "a", seed=1)
+    source = ExportSource(watch=watched)
+    live, _ = first_export(source, lambda path: path)
+    return watched, source, live
+
+
+@pytest.mark.parametrize(
+    "error", [MemoryError("out of memory"), RuntimeError("Deploying app 'bigrank' timed out"), TimeoutError()]
+)
+def test_a_transient_failure_is_tried_again_after_a_back_off(tmp_path, monkeypatch, capsys, error):
+    """Out of memory, a deployment timeout: the newer export is not refused; it is tried again, after a wait that
+    doubles, and served once it loads (watched directory, no new manifest, no SIGHUP)."""
+    monkeypatch.setattr(reload, "RETRY_FIRST_S", 0.2, raising=False)
+    watched, source, live = watching_one_export(tmp_path)
+    newer = make_export(watched / "b", seed=2)
+    installs = Installs(error, error)
+    reloader = Reloader(source, installs, live, interval=0.05)
+    assert poll_until(reloader, lambda: reloader.live.export_id == newer["id"]), installs.paths
+    assert installs.paths == [newer["path"].resolve()] * 3 and newer["id"] not in reloader.refused
+    log = capsys.readouterr().err
+    assert "taken as transient): trying again in 0.2 s" in log and "trying again in 0.4 s" in log
+
+
+def test_a_transient_failure_of_the_one_export_given_is_retried_without_another_sighup(tmp_path, monkeypatch):
+    monkeypatch.setattr(reload, "RETRY_FIRST_S", 0.2, raising=False)
+    old, new = make_export(tmp_path / "day1", seed=1), make_export(tmp_path / "day2", seed=2)
+    current = tmp_path / "current"
+    current.symlink_to(old["path"])
+    source = ExportSource(current)
+    live, _ = first_export(source, lambda path: path)
+    installs = Installs(MemoryError("out of memory"))
+    reloader = Reloader(source, installs, live)
+    current.unlink()
+    current.symlink_to(new["path"])
+    hangup = threading.Event()
+    hangup.set()  # one SIGHUP
+    assert poll_until(reloader, lambda: reloader.live.export_id == new["id"], hangup), installs.paths
+    assert len(installs.paths) == 2
+
+
+def test_a_verification_or_format_error_refuses_the_export_for_good(tmp_path, monkeypatch):
+    """A checksum mismatch (ValueError) or a listed file missing (FileNotFoundError): refused, not tried again while
+    its manifest stays the same."""
+    monkeypatch.setattr(reload, "RETRY_FIRST_S", 0.05, raising=False)
+    watched, source, live = watching_one_export(tmp_path)
+    for name, error in (("b", ValueError("does not match its sha256")), ("c", FileNotFoundError("missing"))):
+        bad = make_export(watched / name, seed=ord(name))
+        installs = Installs(error)
+        reloader = Reloader(source, installs, live, interval=0.05)
+        assert poll_until(reloader, lambda: bad["id"] in reloader.refused)  # noqa: B023
+        poll_until(reloader, lambda: False, seconds=0.5)  # scans and retry periods go by
+        assert installs.paths == [bad["path"].resolve()] and reloader.live.export_id == live.export_id
+        shutil.rmtree(watched / name)

@@ -159,35 +159,133 @@ def test_bad_csr_is_refused():
         softmax_shared_catalog_loss(scores, torch.tensor([0, 1, 1]), torch.tensor([-1]))
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("longest", [5, 40_000])
-def test_native_buckets_equal_searchsorted(dtype, longest):
-    """The native kernel's buckets, counts and sums equal ``torch.searchsorted``'s and ``scatter_add_``'s, ties
-    included (scores equal to a threshold are not above it); past 32,767 thresholds a row the index is int32."""
-    if not buckets.native_available():
-        pytest.skip("no C compiler here: the torch path is the only one")
-    generator = torch.Generator().manual_seed(7)
-    rows, cols = 3, 1000 + 13  # a tail that is not a multiple of 16
-    block = torch.randn(rows, cols, generator=generator).to(dtype)
-    lengths = torch.tensor([longest, 0, min(longest, 3)])
-    thresholds = torch.randn(int(lengths.sum()), generator=generator).to(dtype).float()
-    thresholds[:2] = block[0, :2].float()  # exact ties
-    table, _, m = buckets.threshold_table(thresholds, lengths)
+def native_and_torch(fn):
+    """``[fn() with the native kernel, fn() with the torch path]``."""
     results = []
     for native in ("1", "0"):
         with pytest.MonkeyPatch.context() as patch:
             patch.setenv("BIGRANK_NATIVE", native)
-            counts = torch.zeros(rows, 1 << m, dtype=torch.float64)
-            sums = torch.zeros_like(counts)
-            index = torch.empty(rows, cols + 4, dtype=buckets.index_dtype(1 << m))[:, 2 : 2 + cols]  # a slice
-            buckets.bucket_stats(block, table, m, counts, sums, index)
-            prefix = torch.randn(rows, 1 << m, generator=torch.Generator().manual_seed(1))
-            results.append((counts, sums, index.to(torch.int64), buckets.bucket_gather(index, prefix, m)))
-    assert results[0][2].dtype == torch.int64 and buckets.index_dtype(1 << m) == (
-        torch.int16 if longest < 1 << 15 else torch.int32
+            results.append(fn())
+    return results
+
+
+def needs_native() -> None:
+    if not buckets.native_available():
+        pytest.skip("no C compiler here: the torch path is the only one")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("longest", [5, 40_000])
+def test_native_buckets_equal_searchsorted(dtype, longest):
+    """The native kernel's buckets, counts and sums equal ``torch.searchsorted``'s and ``scatter_add_``'s bit for
+    bit, ties included (scores equal to a threshold are not above it), infinite scores too; past 32,767
+    thresholds a row the index is int32."""
+    needs_native()
+    generator = torch.Generator().manual_seed(7)
+    rows, cols = 4, 1000 + 13  # a tail that is not a multiple of 16
+    block = torch.randn(rows, cols, generator=generator).to(dtype)
+    block[0, 5], block[3, 6] = float("inf"), float("-inf")
+    lengths = torch.tensor([longest, 0, min(longest, 3), 17])
+    thresholds = torch.randn(int(lengths.sum()), generator=generator).to(dtype).float()
+    thresholds[:2] = block[0, :2].float()  # exact ties
+    table = buckets.threshold_table(thresholds, lengths)
+
+    def run():
+        counts, sums = table.zeros(), table.zeros()
+        index = torch.empty(rows, cols + 4, dtype=table.index_dtype)[:, 2 : 2 + cols]  # a slice
+        for start in (0, 500):  # two blocks into the same sums
+            part = slice(start, 500 if start == 0 else cols)
+            buckets.bucket_stats(block[:, part], table, counts, sums, index[:, part])
+        prefix = torch.randn(table.values.numel(), generator=torch.Generator().manual_seed(1))
+        return counts, sums, index.to(torch.int64), buckets.bucket_gather(index, table, prefix)
+
+    native, by_torch = native_and_torch(run)
+    assert table.index_dtype == (torch.int16 if longest < 1 << 15 else torch.int32)
+    for got, expected in zip(native, by_torch, strict=True):
+        torch.testing.assert_close(got, expected, rtol=0, atol=0)
+    assert int(native[2][1].max()) == 0  # a row without thresholds: every score in bucket 0
+    assert int(native[2][0, 5]) == longest and int(native[2][3, 6]) == 0  # +inf above every threshold, -inf below
+
+
+def test_each_row_is_searched_at_its_own_depth_in_buffers_of_its_own_size():
+    """One user with 20,000 thresholds among light ones: every row gets 2^m entries for its own length (not the
+    heaviest row's), the table's sorted rows and the order of its thresholds are right, and the per-row suffix and
+    prefix sums equal a loop over the rows."""
+    generator = torch.Generator().manual_seed(3)
+    lengths = torch.tensor([3, 20_000, 0, 300, 1, 4])
+    thresholds = torch.randn(int(lengths.sum()), generator=generator)
+    table = buckets.threshold_table(thresholds, lengths)
+    assert table.depth.tolist() == [2, 15, 0, 9, 1, 3]
+    assert table.values.numel() == 4 + 2**15 + 1 + 512 + 2 + 8  # against 6 x 2^15 for one depth a batch
+    assert table.zeros().numel() == table.values.numel() and table.index_dtype == torch.int16
+    offsets = (torch.cumsum(lengths, 0) - lengths).tolist()
+    per_bucket = table.zeros()  # a score can fall in buckets 0..lengths[r] of row r only
+    per_bucket[table.buckets_at] = torch.randn(table.buckets_at.numel(), generator=generator, dtype=torch.float64)
+    per_threshold = torch.randn(int(lengths.sum()), generator=generator, dtype=torch.float64)
+    above, below = table.above(per_bucket), table.below(per_threshold)
+    for row, (offset, length) in enumerate(zip(offsets, lengths.tolist(), strict=True)):
+        start, width = int(table.start[row]), 1 << int(table.depth[row])
+        mine = thresholds[offset : offset + length]
+        row_values = table.values[start : start + width]
+        assert torch.equal(row_values[:length], torch.sort(mine).values)
+        assert bool(torch.isinf(row_values[length:]).all())
+        assert torch.equal(thresholds[table.order[offset : offset + length]], row_values[:length])
+        buckets_of_row = per_bucket[start : start + length + 1]
+        for j in range(length):
+            torch.testing.assert_close(above[offset + j], buckets_of_row[j + 1 :].sum(), rtol=1e-12, atol=1e-12)
+        for k in range(length + 1):
+            expected = per_threshold[offset : offset + k].sum()
+            torch.testing.assert_close(below[start + k], expected, rtol=1e-12, atol=1e-12)
+    assert sorted(table.buckets_at.tolist()) == sorted(
+        int(table.start[row]) + k for row in range(len(lengths)) for k in range(int(lengths[row]) + 1)
     )
-    torch.testing.assert_close(results[0][0], results[1][0], rtol=0, atol=0)
-    torch.testing.assert_close(results[0][1], results[1][1], rtol=1e-12, atol=1e-9)
-    torch.testing.assert_close(results[0][2], results[1][2], rtol=0, atol=0)
-    torch.testing.assert_close(results[0][3], results[1][3], rtol=0, atol=0)
-    assert int(results[0][2][1].max()) == 0  # a row without thresholds: every score in bucket 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_native_and_torch_paths_give_bit_equal_losses_and_gradients(dtype):
+    """The user-major Rankmax over chunked float32 / bf16 scores (several blocks), one user holding most of the
+    positives: the native kernel and the torch path give the same loss and gradients, bit for bit."""
+    needs_native()
+    users, n = 6, 700
+    mask, _, _ = user_positives(users, n, seed=9)
+    mask[4] = torch.rand(n, generator=torch.Generator().manual_seed(2)) < 0.9  # the heavy user
+    lists = [row.nonzero().squeeze(1) for row in mask]
+    indptr, items = torch.tensor([0] + [len(x) for x in lists]).cumsum(0), torch.cat(lists)
+    u, v = factors(users, n, 8, torch.float32, seed=8)
+    native, by_torch = native_and_torch(
+        lambda: loss_and_grads(
+            lambda u, v: rankmax_shared_catalog_loss(ChunkedScores(u, v, 128, dtype), indptr, items, 0.7), u, v
+        )
+    )
+    for got, expected in zip(native, by_torch, strict=True):
+        torch.testing.assert_close(got, expected, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("native", ["1", "0"])
+def test_a_nan_score_or_threshold_raises_the_same_error_on_both_paths(native, monkeypatch):
+    """A NaN score has no bucket: the native kernel (which would otherwise put it in bucket 0) and the torch path
+    (whose searchsorted puts it past the last bucket) raise the same ValueError; a NaN threshold is refused when the
+    table is made."""
+    monkeypatch.setenv("BIGRANK_NATIVE", native)
+    if native == "1":
+        needs_native()
+    lengths = torch.tensor([3, 1])
+    table = buckets.threshold_table(torch.tensor([0.1, -0.2, 0.3, 0.0]), lengths)
+    for dtype in (torch.float32, torch.bfloat16):
+        for nan_at in ((1, 33), (0, 3)):  # past the 16-wide part of a row, and inside it
+            block = torch.zeros(2, 40, dtype=dtype)
+            block[nan_at] = float("nan")
+            counts, sums = table.zeros(), table.zeros()
+            index = torch.empty(2, 40, dtype=table.index_dtype)
+            with pytest.raises(ValueError, match="the scores hold NaN, which has no bucket"):
+                buckets.bucket_stats(block, table, counts, sums, index)
+        # +inf and -inf in one bucket (a row without thresholds) make its sum NaN, but no score is NaN: no error.
+        empty = buckets.threshold_table(torch.tensor([0.5]), torch.tensor([1, 0]))
+        block = torch.zeros(2, 40, dtype=dtype)
+        block[1, 0], block[1, 39] = float("inf"), float("-inf")
+        counts, sums = empty.zeros(), empty.zeros()
+        buckets.bucket_stats(block, empty, counts, sums, torch.empty(2, 40, dtype=empty.index_dtype))
+        row = int(empty.start[1])
+        assert counts[row] == 40 and bool(torch.isnan(sums[row]))
+    with pytest.raises(ValueError, match="thresholds hold NaN"):
+        buckets.threshold_table(torch.tensor([0.1, float("nan"), 0.3, 0.0]), lengths)

@@ -117,7 +117,7 @@ def test_evaluation_equals_brute_force_over_the_checkpoint(workflow_run):
     for split in ("valid", "test"):
         users, items = user_table.double().numpy(), catalog.double().numpy()
         expected = brute_force_metrics(workflow_run.data, split, users, items, [10])
-        for key in ("recall@10", "ap@10", "accuracy", "users"):
+        for key in ("recall@10", "ndcg@10", "ap@10", "accuracy", "users"):
             assert evaluated[split][key] == pytest.approx(expected[key], abs=1e-6), (split, key)
 
 

@@ -50,7 +50,12 @@ def register(subparsers) -> None:
         "and split them. A MovieLens directory (ratings.csv / ratings.dat / u.data) needs no mapping. Runs on DuckDB "
         "here, in bounded memory (spills to disk), or on a Ray cluster with --address.",
     )
-    ingest.add_argument("paths", metavar="PATH", nargs="+", help="input files, directories of parts or globs")
+    ingest.add_argument(
+        "paths",
+        metavar="PATH",
+        nargs="*",
+        help="input files, directories of parts or globs (with --split given: or --train/--valid/--test instead)",
+    )
     ingest.add_argument("--out", required=True, help="output dataset directory (new or empty)")
     columns = ingest.add_argument_group("columns (a name, or a 0-based position for headerless text)")
     columns.add_argument("--user", metavar="COL", help="user id column (integers or strings)")
@@ -67,7 +72,14 @@ def register(subparsers) -> None:
         "whole column)",
     )
     reading = ingest.add_argument_group("reading")
-    reading.add_argument("--format", **_format_option("input format (auto: from the file names)"))
+    reading.add_argument(
+        "--format",
+        **_format_option(
+            "input format (auto: from the file names); user-lines: one line per user, 'uid item item …' (the "
+            "graph-CF benchmarks' train.txt/test.txt; no column options)",
+            "user-lines",
+        ),
+    )
     reading.add_argument(
         "--delimiter",
         help="CSV delimiter (default: , and tab for .tsv, :: for .dat; or the one found in the first file when "
@@ -110,12 +122,33 @@ def register(subparsers) -> None:
     splits = ingest.add_argument_group("split")
     splits.add_argument(
         "--split",
-        choices=["random", "last", "time"],
+        choices=["random", "last", "time", "given"],
         default="random",
-        help="random: fractions of the pairs (default); last: per user by time; time: a global cut",
+        help="random: fractions of the pairs (default); last: per user by time; time: a global cut; given: the "
+        "data's own split (--train/--valid/--test, or --split-column)",
     )
     splits.add_argument(
-        "--fractions", default="0.8,0.1,0.1", help="train,valid,test fractions (random and last; default 0.8,0.1,0.1)"
+        "--fractions", default=None, help="train,valid,test fractions (random and last; default 0.8,0.1,0.1)"
+    )
+    for name in ("train", "valid", "test"):
+        splits.add_argument(
+            f"--{name}",
+            metavar="PATH",
+            action="append",
+            help=f"--split given: the {name} input (repeatable; files, directories of parts or globs)",
+        )
+    splits.add_argument(
+        "--split-column",
+        metavar="COL",
+        help="--split given: the column naming each row's split (train, valid or validation, test, or 0/1/2)",
+    )
+    splits.add_argument(
+        "--valid-fraction",
+        type=float,
+        default=None,
+        metavar="F",
+        help="--split given without a valid input: carve valid from train, the train pairs a --split random "
+        "--fractions 1-F,F,0 --seed S would put in valid (default 0.1; 0: no valid split)",
     )
     splits.add_argument(
         "--valid-from", metavar="T", help="--split time: valid from this time (epoch seconds or ISO-8601)"
@@ -178,9 +211,10 @@ def register(subparsers) -> None:
     info.set_defaults(func=run_data_info)
 
 
-def _format_option(help_text: str) -> dict:
-    """The settings of a format option (``--format``, ``--items-format``): the formats a file is read as."""
-    return {"default": "auto", "choices": ["auto", "parquet", "csv", "tsv", "jsonl"], "help": help_text}
+def _format_option(help_text: str, *more: str) -> dict:
+    """The settings of a format option (``--format``, ``--items-format``): the formats a file is read as, and
+    ``more`` (the log's ``user-lines``)."""
+    return {"default": "auto", "choices": ["auto", "parquet", "csv", "tsv", "jsonl", *more], "help": help_text}
 
 
 def load_seed_pairs(path: str | Path):
@@ -272,13 +306,16 @@ def run_ingest(args: argparse.Namespace) -> int:
     from bigrank.data.ingest import IngestOptions, ingest
     from bigrank.data.ingest.options import parse_fractions
 
+    given = _given_split(args)
+    user_lines = args.format == "user-lines"
+    split = args.split if given is None else "random"  # the pipeline's own split: the carve (ingest_prepared)
     options = IngestOptions(
         user=args.user,
         item=args.item,
         time=args.time,
         rating=args.rating,
         weight=args.weight,
-        format=args.format,
+        format="auto" if user_lines else args.format,
         delimiter=args.delimiter,
         header=args.header,
         time_unit=args.time_unit,
@@ -286,8 +323,8 @@ def run_ingest(args: argparse.Namespace) -> int:
         dedup=args.dedup,
         min_user_items=args.min_user_items,
         min_item_users=args.min_item_users,
-        split=args.split,
-        fractions=parse_fractions(args.fractions),
+        split=split,
+        fractions=parse_fractions(args.fractions or "0.8,0.1,0.1"),
         valid_from=args.valid_from,
         test_from=args.test_from,
         seed=args.seed,
@@ -303,9 +340,38 @@ def run_ingest(args: argparse.Namespace) -> int:
         vocab_from=args.vocab_from,
         progress=not args.no_progress,
     )
-    manifest = ingest(args.paths, args.out, options)
+    if given is not None or user_lines:
+        from bigrank.data.ingest.given import ingest_prepared
+
+        manifest = ingest_prepared(args.paths, args.out, options, given=given, user_lines=user_lines)
+    else:
+        if not args.paths:
+            raise CommandError("give the input PATH (files, directories of parts or globs)")
+        manifest = ingest(args.paths, args.out, options)
     print(format_manifest(manifest, args.out))
     return 0
+
+
+def _given_split(args: argparse.Namespace):
+    """The ``GivenSplit`` of ``--split given`` (None for the other splits); CommandError for options that do not
+    go with the split chosen."""
+    inputs = {name: getattr(args, name) for name in ("train", "valid", "test") if getattr(args, name)}
+    if args.split != "given":
+        if inputs or args.split_column or args.valid_fraction is not None:
+            raise CommandError("--train/--valid/--test, --split-column and --valid-fraction go with --split given")
+        return None
+    from bigrank.data.ingest.given import DEFAULT_VALID_FRACTION, GivenSplit
+
+    if args.fractions is not None:
+        raise CommandError("--fractions goes with --split random or last; --split given keeps the data's own split")
+    if inputs and args.split_column:
+        raise CommandError("--split given reads --train/--valid/--test or --split-column, not both")
+    if args.split_column and not args.paths:
+        raise CommandError("--split-column COL names a column of the log: give its PATH")
+    fraction = DEFAULT_VALID_FRACTION if args.valid_fraction is None else args.valid_fraction
+    if "valid" in inputs and args.valid_fraction is not None:
+        raise CommandError("--valid-fraction carves valid from train; a --valid input is given")
+    return GivenSplit(inputs=inputs or None, column=args.split_column, valid_fraction=fraction).check()
 
 
 def run_data_info(args: argparse.Namespace) -> int:
@@ -345,6 +411,14 @@ def format_ingest(record: dict) -> list[str]:
     split = record["split"]
     if split["mode"] == "time":
         how = f"valid from {split['valid_from']}, test from {split['test_from']}"
+    elif split["mode"] == "given":
+        how = "by " + (f"column {split['column']!r}" if split["by"] == "column" else "input")
+        if split["valid"] == "carved":
+            how += f"; valid carved from train: fraction {split['valid_fraction']:g}, seed {split['seed']}"
+        if split["pairs_in_several_splits"]:
+            how += f"; {split['pairs_in_several_splits']:,} pairs given in several splits kept in the first"
+        if split["test_users_without_train"]:
+            how += f"; {split['test_users_without_train']:,} test users without train pairs"
     else:
         how = "/".join(f"{f:g}" for f in split["fractions"]) + (
             f", seed {options['seed']}" * (split["mode"] == "random")

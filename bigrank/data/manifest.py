@@ -434,6 +434,10 @@ class DatasetManifest:
         """Where the ratings came from (``synthetic:demo``, ``movielens:...``)."""
         return self.raw["source"]
 
+    def excluded_splits(self, split: str) -> tuple[str, ...]:
+        """The splits left out of the rankings when ``split`` is evaluated (:func:`excluded_splits`)."""
+        return excluded_splits(self.raw, split)
+
     def side_file(self, name: str) -> Path | None:
         """Path of the side file ``name`` (one of ``SIDE_FILES``: ``users.parquet`` …) when the dataset has it."""
         if name not in SIDE_FILES:
@@ -507,6 +511,19 @@ def as_manifest(dataset: DatasetManifest | str | Path) -> DatasetManifest:
     """``dataset`` itself when it is a :class:`DatasetManifest`, else the manifest of the dataset directory it names
     (read now): lets the readers take either, the run passing the one it read."""
     return dataset if isinstance(dataset, DatasetManifest) else DatasetManifest.load(dataset)
+
+
+def excluded_splits(manifest: Mapping, split: str) -> tuple[str, ...]:
+    """The splits whose items of a user are left out of the rankings when ``split`` is evaluated: the manifest's
+    ``eval_exclude`` entry for ``split`` when it records one, else ``("train",)``.
+
+    ``bigrank ingest --split given`` records ``{"valid": ["train"], "test": ["train", "valid"]}``: the papers that
+    ship a train and a test file rank, for a test user, every item but those of the train file, and a validation
+    split carved from (or given beside) the train file holds train items too. The other splits keep the
+    default: a test user's valid items may be recommended, and count as misses (as every figure measured so far).
+    """
+    recorded = (manifest.get("eval_exclude") or {}).get(split)
+    return tuple(recorded) if recorded is not None else ("train",)
 
 
 def split_info(manifest: Mapping, split: str) -> dict:

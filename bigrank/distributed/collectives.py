@@ -11,7 +11,10 @@ Two kinds of all-gather exist because the consumers of a gathered tensor differ:
   full gradient. Backward returns this rank's slice without communication.
 
 ``all_reduce_sum`` is the matching reduction of local partial sums into a replicated value: forward all-reduce,
-backward identity (Megatron's ``reduce_from_tensor_model_parallel_region``).
+backward identity (Megatron's ``reduce_from_tensor_model_parallel_region``). ``all_reduce_partials`` is the
+reduction whose result every rank then uses in a *different* local computation (e.g. user vectors pooled from
+each rank's item rows, then scored against each rank's own catalog rows): backward all-reduces the ranks'
+partial gradients, as ``all_gather_rows`` does for a gather.
 
 ``all_reduce_max``, ``all_reduce_no_grad``, ``all_gather_no_grad`` and ``all_gather_equal`` carry statistics
 without autograd (``all_gather_equal`` for tensors of the same shape on every rank: no size exchange).
@@ -43,6 +46,7 @@ __all__ = [
     "all_reduce_max",
     "all_reduce_inplace",
     "all_reduce_no_grad",
+    "all_reduce_partials",
     "all_reduce_sum",
     "all_to_all_no_grad",
     "count_bytes",
@@ -266,6 +270,21 @@ class _AllReduceSum(torch.autograd.Function):
         return grad, None
 
 
+class _AllReducePartials(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        out = x.clone(memory_format=torch.contiguous_format)
+        _counted("all_reduce", out, dist.all_reduce, out, op=dist.ReduceOp.SUM, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.clone(memory_format=torch.contiguous_format)
+        _counted("all_reduce", grad, dist.all_reduce, grad, op=dist.ReduceOp.SUM, group=ctx.group)
+        return grad, None
+
+
 def all_gather_rows(
     x: torch.Tensor, group: dist.ProcessGroup | None = None, sizes: list[int] | None = None
 ) -> torch.Tensor:
@@ -348,6 +367,16 @@ def all_reduce_sum(x: torch.Tensor, group: dist.ProcessGroup | None = None) -> t
     if not is_distributed(group):
         return x
     return _AllReduceSum.apply(x, group)
+
+
+def all_reduce_partials(x: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """Sum of the ranks' partial terms ``x`` (same shape everywhere), which every rank then uses in its own local
+    computation, so each rank holds only part of the sum's gradient: backward sums the ranks' gradients (an
+    all-reduce each way). E.g. user vectors pooled from the item rows each rank holds, scored against each rank's
+    own catalog rows."""
+    if not is_distributed(group):
+        return x
+    return _AllReducePartials.apply(x, group)
 
 
 def all_reduce_max(x: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:

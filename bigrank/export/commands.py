@@ -306,11 +306,21 @@ def export_source(args: argparse.Namespace):
 
 
 def run_serve(args: argparse.Namespace) -> int:
-    source = export_source(args)
-    if args.ray:
-        from bigrank.export.ray_serve import run_ray_serve
+    from bigrank.signals import hangup_requests
 
-        return run_ray_serve(args, source)
+    # SIGHUP is taken from here on: one that comes while the first export loads (minutes for a large one, with
+    # its checksums) is kept and reloads once it serves, instead of ending the process by its default action.
+    with hangup_requests() as hangup:
+        source = export_source(args)
+        if args.ray:
+            from bigrank.export.ray_serve import run_ray_serve
+
+            return run_ray_serve(args, source, hangup)
+        return _serve_stdlib(args, source, hangup)
+
+
+def _serve_stdlib(args: argparse.Namespace, source, hangup) -> int:
+    """``bigrank serve`` on the standard-library server; ``hangup``: the SIGHUP event ``run_serve`` holds."""
     from bigrank.export.api import example_user
     from bigrank.export.reload import Reloader, first_export
     from bigrank.export.serve import Served, make_server, serve_until_stopped
@@ -342,7 +352,7 @@ def run_serve(args: argparse.Namespace) -> int:
     )
     print(f"bigrank serve: export id {rec.export_id}; SIGHUP reloads {source}", file=sys.stderr, flush=True)
     del rec, served  # the server holds them: a swap frees the old export once its requests are answered
-    signum, cut_off = serve_until_stopped(server, reloader=reloader)
+    signum, cut_off = serve_until_stopped(server, reloader=reloader, hangup=hangup)
     if cut_off:  # the drain ran out of time: a stop, not a clean end
         print(
             f"bigrank serve: {signal_name(signum)}: {cut_off} request(s) not answered within the drain time",

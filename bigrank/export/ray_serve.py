@@ -365,7 +365,7 @@ def redeploy(settings: ServeSettings, name: str = APP_NAME, route_prefix: str = 
     serve.run(build_app(settings), name=name, route_prefix=route_prefix)
 
 
-def run_ray_serve(args, source: ExportSource | None = None) -> int:
+def run_ray_serve(args, source: ExportSource | None = None, hangup=None) -> int:
     """``bigrank serve EXPORT --ray``: deploy, print the URL, and serve until SIGTERM or SIGINT; then drain and
     return 0 (a signal before the application serves raises KeyboardInterrupt / Terminated instead).
 
@@ -373,7 +373,12 @@ def run_ray_serve(args, source: ExportSource | None = None) -> int:
     deployment to the new export (``redeploy``) once this process has read and verified it
     (``bigrank.export.reload``); a damaged one is refused here and the replicas keep serving the old one. An
     export on a cluster (``--address``) that this machine cannot read is deployed unchecked at start (the
-    replicas verify it) and cannot be reloaded."""
+    replicas verify it) and cannot be reloaded. ``hangup``: the event of a ``hangup_requests`` block the caller
+    opened before this call (``bigrank serve``: a SIGHUP while the first export is checked and deployed reloads
+    once it serves); by default one is opened here, before the first export is read."""
+    if hangup is None:
+        with hangup_requests() as hangup:
+            return run_ray_serve(args, source, hangup)
     source = source if source is not None else ExportSource(args.export)
     verify = not args.no_verify
 
@@ -446,9 +451,8 @@ def run_ray_serve(args, source: ExportSource | None = None) -> int:
             )
             print(f"bigrank serve: export id {live.export_id}; SIGHUP reloads {source}", file=sys.stderr, flush=True)
             serving = True
-            with hangup_requests() as hangup:
-                while not stop.event.wait(0.5):  # short waits: the signal handlers run in this thread between them
-                    reloader.poll(hangup)
+            while not stop.event.wait(0.5):  # short waits: the signal handlers run in this thread between them
+                reloader.poll(hangup)
             print(
                 f"bigrank serve: {signal_name(stop.signum)}: draining the replicas (up to "
                 f"{drain_bound_s(haproxy):g} s) and shutting Ray Serve down",

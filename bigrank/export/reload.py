@@ -4,7 +4,10 @@ Both servers (``bigrank serve`` and ``bigrank serve --ray``) serve from an :clas
 
 * one export directory (``bigrank serve EXPORT``): SIGHUP reloads it as it is now. A daily job writes each
   export into a new directory, points a symlink at it (``ln -sfn exports/2024-06-02 exports/current``, with
-  ``bigrank serve exports/current``) and sends SIGHUP;
+  ``bigrank serve exports/current``) and sends SIGHUP. The path is resolved once a reload (at start too): the
+  export served is the directory the link named then, by its real path, and everything that loads it later
+  (``serve --ray``'s replicas, started by an autoscaler or after a crash) loads that directory, not whatever the
+  link names by then;
 * a watched directory of exports (``bigrank serve --watch DIR``): every ``--watch-interval`` seconds, and on
   SIGHUP, the server looks for the newest export in it and serves it. An export is a subdirectory whose
   ``manifest.json`` is a bigrank export's (``bigrank export`` writes the manifest last, so an export still being
@@ -15,11 +18,14 @@ Both servers (``bigrank serve`` and ``bigrank serve --ray``) serve from an :clas
 A reload (:class:`Reloader`) runs in a thread of its own while the old export keeps answering: it loads the new
 export beside the old one and checks every file against the manifest's sha256 checksums (unless
 ``--no-verify``), then the server swaps it in (``install``). An export that fails to load is refused with one
-log line naming it and the error, and the old one keeps serving; a watched directory does not try a refused
-export again until its manifest changes (a new export written into the same directory), and then tries the
-newest export it has not refused. The export served is known by its id (``bigrank.export.format.export_id``:
-a fingerprint of its manifest), which ``/health`` reports. While a reload runs, the server holds both exports
-in memory.
+log line naming it and the error, and the old one keeps serving. A verification or format error (a checksum, a
+manifest, a file it lists missing or malformed: ValueError, FileNotFoundError) refuses it for good: a watched
+directory does not try it again until its manifest changes (a new export written into the same directory), and
+then tries the newest export it has not refused. Any other failure (out of memory, a Ray Serve deployment that
+timed out, a read error) is taken as transient: the export is tried again after ``RETRY_FIRST_S`` seconds, the
+wait doubling on each failure up to ``RETRY_MAX_S``, and SIGHUP tries it at once. The export served is known
+by its id (``bigrank.export.format.export_id``: a fingerprint of its manifest), which ``/health`` reports. While
+a reload runs, the server holds both exports in memory.
 """
 
 from __future__ import annotations
@@ -35,6 +41,13 @@ from bigrank.export.format import MANIFEST_NAME, export_id, read_export_manifest
 
 # How often a watched directory is scanned: a few small JSON reads, cheap next to a day between exports.
 WATCH_INTERVAL_S = 5.0
+# After a transient failure an export is tried again after RETRY_FIRST_S seconds, then twice as long after each
+# further failure, RETRY_MAX_S at most (a full load and verification of an ML-1B export takes minutes).
+RETRY_FIRST_S = 5.0
+RETRY_MAX_S = 300.0
+# Errors that say the export itself is bad (a checksum, the manifest, a listed file missing or malformed): it is
+# refused for good. Anything else may pass (memory, a deployment timeout) and is tried again later.
+REFUSED_FOR_GOOD = (ValueError, FileNotFoundError)
 
 
 @dataclass(frozen=True)
@@ -47,10 +60,12 @@ class Candidate:
 
 
 def read_candidate(path: Path) -> Candidate:
-    """The :class:`Candidate` of the export directory ``path``; FileNotFoundError / ValueError when it has no
-    readable bigrank export manifest (``read_export_manifest``)."""
+    """The :class:`Candidate` of the export directory ``path``, by its real path (symlinks resolved once, here:
+    the id read and the directory loaded are the same export whatever the links name later); FileNotFoundError /
+    ValueError when it has no readable bigrank export manifest (``read_export_manifest``)."""
+    path = Path(path).resolve()
     manifest = read_export_manifest(path)
-    return Candidate(Path(path), export_id(manifest), float(manifest.get("created_unix") or 0.0))
+    return Candidate(path, export_id(manifest), float(manifest.get("created_unix") or 0.0))
 
 
 def watched_exports(watch_dir: Path) -> list[Candidate]:
@@ -114,9 +129,11 @@ class Reloader:
     """Reloads the served export on request (SIGHUP) or when a watched directory has a newer one.
 
     ``install(path)`` loads and verifies the export at ``path`` beside the served one and swaps it in, returning
-    the id of the export now served, or raises (OSError / ValueError / RuntimeError) to refuse it; the old
-    export then keeps serving. ``live`` is the candidate served now. Call :meth:`poll` from the serving loop;
-    it starts at most one reload thread at a time (a SIGHUP during a reload is kept for the next one).
+    the id of the export now served, or raises to refuse it; the old export then keeps serving. ``live`` is the
+    candidate served now. Call :meth:`poll` from the serving loop; it starts at most one reload thread at a time
+    (a SIGHUP during a reload is kept for the next one). A refusal is for good on ``REFUSED_FOR_GOOD`` errors;
+    after any other the export is tried again, ``retry_first`` seconds later (default ``RETRY_FIRST_S``), the
+    wait doubling up to ``retry_max`` (``RETRY_MAX_S``; module docstring).
     """
 
     def __init__(
@@ -125,29 +142,37 @@ class Reloader:
         install: Callable[[Path], str],
         live: Candidate,
         interval: float = WATCH_INTERVAL_S,
+        retry_first: float | None = None,
+        retry_max: float | None = None,
     ):
         self.source = source
         self.install = install
         self.live = live
         self.interval = float(interval)
+        self.retry_first = float(RETRY_FIRST_S if retry_first is None else retry_first)
+        self.retry_max = float(RETRY_MAX_S if retry_max is None else retry_max)
         self.refused: set[str] = set()
+        self.backoff: dict[str, tuple[int, float]] = {}  # export id -> (transient failures, when to try again)
         self.reloads = 0  # swaps done: for the serving loop's tests and logs
         self._thread: threading.Thread | None = None
         self._next_scan = time.monotonic() + self.interval
 
     def poll(self, hangup: threading.Event) -> None:
-        """Start a reload when ``hangup`` is set (and clear it) or the watch interval is over, unless one runs."""
+        """Start a reload when ``hangup`` is set (and clear it), the watch interval is over or a retry is due,
+        unless one runs."""
         if self._thread is not None and self._thread.is_alive():
             return
+        now = time.monotonic()
         asked = hangup.is_set()
-        due = self.source.watch is not None and time.monotonic() >= self._next_scan
-        if not (asked or due):
+        due = self.source.watch is not None and now >= self._next_scan
+        retry = any(when <= now for _, when in self.backoff.values())
+        if not (asked or due or retry):
             return
         hangup.clear()
-        self._next_scan = time.monotonic() + self.interval
-        self._thread = threading.Thread(
-            target=self.reload, args=("SIGHUP" if asked else "watch",), name="bigrank-reload", daemon=True
-        )
+        if due:
+            self._next_scan = now + self.interval
+        reason = "SIGHUP" if asked else "watch" if due else "retry"
+        self._thread = threading.Thread(target=self.reload, args=(reason,), name="bigrank-reload", daemon=True)
         self._thread.start()
 
     def join(self, timeout: float | None = None) -> None:
@@ -156,17 +181,27 @@ class Reloader:
             self._thread.join(timeout)
 
     def reload(self, reason: str) -> bool:
-        """Serve the export the source points to now, if it is another one: True when it was swapped in."""
+        """Serve the export the source points to now, if it is another one: True when it was swapped in. An
+        export waiting for its retry is passed over, except on SIGHUP."""
         try:
             candidates = self.source.candidates(self.refused)
         except (OSError, ValueError) as error:
             log(f"{reason}: refused {self.source}: {error}; still serving {self._live_text()}")
             return False
+        ahead = []  # the candidates better than the export served: the ones to try
         for candidate in candidates:
             if candidate.export_id == self.live.export_id:
-                if reason == "SIGHUP":
-                    log(f"SIGHUP: {candidate.path} is the export served (id {candidate.export_id}); nothing to do")
-                return False
+                break
+            ahead.append(candidate)
+        # Retries only for exports still ahead (not deleted, not passed by the link or by the export served).
+        self.backoff = {c.export_id: self.backoff[c.export_id] for c in ahead if c.export_id in self.backoff}
+        if not ahead and candidates and reason == "SIGHUP":
+            served = candidates[0]
+            log(f"SIGHUP: {served.path} is the export served (id {served.export_id}); nothing to do")
+        for candidate in ahead:
+            _, when = self.backoff.get(candidate.export_id, (0, 0.0))
+            if reason != "SIGHUP" and time.monotonic() < when:
+                continue
             if self._swap(reason, candidate):
                 return True
         return False
@@ -176,12 +211,24 @@ class Reloader:
         started = time.monotonic()
         try:
             served_id = self.install(candidate.path)
-        except (OSError, ValueError, RuntimeError) as error:
-            self.refused.add(candidate.export_id)
+        except Exception as error:  # noqa: BLE001 - every failure is logged; the served export keeps serving
             still = self._live_text()
-            log(f"refused {candidate.path} (export id {candidate.export_id}): {error}; still serving {still}")
+            name = f"{candidate.path} (export id {candidate.export_id})"
+            if isinstance(error, REFUSED_FOR_GOOD):
+                self.backoff.pop(candidate.export_id, None)
+                self.refused.add(candidate.export_id)
+                log(f"refused {name}: {error}; still serving {still}")
+                return False
+            failures = self.backoff.get(candidate.export_id, (0, 0.0))[0] + 1
+            wait = min(self.retry_first * 2 ** (failures - 1), self.retry_max)
+            self.backoff[candidate.export_id] = (failures, time.monotonic() + wait)
+            log(
+                f"could not load {name} ({type(error).__name__}: {error}; failure {failures}, taken as transient): "
+                f"trying again in {wait:g} s; still serving {still}"
+            )
             return False
         retired = self._live_text()
+        self.backoff.pop(candidate.export_id, None)
         self.live = Candidate(candidate.path, served_id, candidate.created_unix)
         self.reloads += 1
         log(f"now serving {self._live_text()} (loaded in {time.monotonic() - started:.1f} s) instead of {retired}")

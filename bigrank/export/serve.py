@@ -188,19 +188,24 @@ def make_server(
 
 
 def serve_until_stopped(
-    server: RecommendServer, drain_seconds: float = DRAIN_SECONDS, reloader=None
+    server: RecommendServer, drain_seconds: float = DRAIN_SECONDS, reloader=None, hangup: threading.Event | None = None
 ) -> tuple[int, int]:
     """Answer requests until SIGTERM or SIGINT (call from the main thread), then stop taking connections and
     drain the ones taken (``drain_seconds`` at most); closes the server. Returns ``(signal number, requests
     cut off by the drain's end)``. A second signal raises at once (KeyboardInterrupt / Terminated).
 
     ``reloader``: a ``bigrank.export.reload.Reloader`` whose ``install`` swaps into this server; SIGHUP, and a
-    newer export in its watched directory, reload the export meanwhile. Without one SIGHUP keeps its default
-    action (the process ends), as before."""
+    newer export in its watched directory, reload the export meanwhile. ``hangup``: the event of a
+    ``bigrank.signals.hangup_requests`` block the caller opened before it loaded the first export (a SIGHUP that
+    came during that load is in it, and reloads now); by default one is opened here. Without a reloader SIGHUP
+    keeps its default action (the process ends), as before."""
     from bigrank.signals import graceful_stop, hangup_requests
 
     serving = threading.Thread(target=server.serve_forever, name="bigrank-serve", daemon=True)
-    hangups = hangup_requests() if reloader is not None else contextlib.nullcontext(threading.Event())
+    if reloader is None or hangup is not None:
+        hangups = contextlib.nullcontext(hangup if hangup is not None else threading.Event())
+    else:
+        hangups = hangup_requests()
     with graceful_stop() as stop, hangups as hangup:
         serving.start()
         while not stop.event.wait(0.5):  # short waits: the signal handlers run in this thread between them

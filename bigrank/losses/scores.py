@@ -37,6 +37,7 @@ __all__ = [
     "ChunkedScores",
     "DenseScores",
     "Layout",
+    "PatchedScores",
     "as_score_source",
     "catalog_loss_rows",
     "divide_scores",
@@ -208,6 +209,159 @@ class ChunkedScores:
         return grad_users, grad_items
 
 
+class PatchedScores:
+    """The scores of another source (``base``: ``DenseScores``, ``ChunkedScores``) plus a sparse patch:
+    ``values[p]`` added at row ``rows[p]``, local column ``columns[p]``; every loss reads the patched scores, and
+    ``values`` gets its gradient (the score gradient read at its entries).
+
+    The patch is how a model corrects a few scores of a row that a dot product cannot express: the item-bag
+    model's user vector pools the very items it scores, and each of a user's items loses its own term there
+    (``bigrank.model.item_bag``: EASE's zero diagonal, one entry per item of the bag).
+
+    Args:
+        base: the score source (a tensor [B, n_local] reads as ``DenseScores``);
+        rows int64[P], columns int64[P] (local, ``0 <= column < base.num_local``): where;
+        values: float[P] what is added (any float dtype: added in the scores' dtype, in the same way in
+        :meth:`blocks` and :meth:`gather_columns`, so a score read either way is the same number).
+    """
+
+    def __init__(self, base, rows: torch.Tensor, columns: torch.Tensor, values: torch.Tensor):
+        base = as_score_source(base)
+        if (
+            not (rows.dim() == columns.dim() == values.dim() == 1)
+            or not rows.numel() == columns.numel() == values.numel()
+        ):
+            raise ValueError(
+                "PatchedScores needs rows, columns and values of one length, got shapes "
+                f"{tuple(rows.shape)}, {tuple(columns.shape)}, {tuple(values.shape)}"
+            )
+        if columns.numel() and (int(columns.min()) < 0 or int(columns.max()) >= base.num_local):
+            raise ValueError(
+                f"patch columns must lie in [0, {base.num_local}), got [{int(columns.min())}, {int(columns.max())}]"
+            )
+        if rows.numel() and (int(rows.min()) < 0 or int(rows.max()) >= base.batch):
+            raise ValueError(f"patch rows must lie in [0, {base.batch}), got [{int(rows.min())}, {int(rows.max())}]")
+        self.base, self.values = base, values
+        self._rows_in, self._columns_in = rows.to(torch.int64), columns.to(torch.int64)  # as given: ``params``
+        # Sorted by column, so that the entries of a block of columns are one slice.
+        self._order = torch.argsort(self._columns_in, stable=True)
+        self.rows, self.columns = self._rows_in[self._order], self._columns_in[self._order]
+
+    @property
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        return (*self.base.tensors, self.values)
+
+    @property
+    def params(self) -> tuple:
+        return (type(self.base), self.base.params, self._rows_in, self._columns_in)
+
+    @classmethod
+    def rebuild(cls, tensors, params) -> PatchedScores:
+        base_type, base_params, rows, columns = params
+        return cls(base_type.rebuild(tensors[:-1], base_params), rows, columns, tensors[-1])
+
+    @property
+    def batch(self) -> int:
+        return self.base.batch
+
+    @property
+    def num_local(self) -> int:
+        return self.base.num_local
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.base.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.base.device
+
+    def _sorted_values(self) -> torch.Tensor:
+        return self.values[self._order]
+
+    def _in_block(self, start: int, width: int) -> tuple[int, int]:
+        bounds = torch.tensor([start, start + width], device=self.columns.device)
+        lo, hi = torch.searchsorted(self.columns, bounds).tolist()
+        return lo, hi
+
+    def _patch(self, start: int, block: torch.Tensor, row_map: torch.Tensor | None = None) -> torch.Tensor:
+        """``block`` (columns ``[start, start + width)``; rows ``rows`` of the base when ``row_map`` maps base rows
+        to block rows, -1 for absent) with the patch added, in place on a block the base made for this read."""
+        lo, hi = self._in_block(start, block.shape[1])
+        if hi == lo:
+            return block
+        rows, columns = self.rows[lo:hi], self.columns[lo:hi] - start
+        values = self._sorted_values()[lo:hi].detach().to(block.dtype)
+        if row_map is not None:
+            rows = row_map[rows]
+            keep = rows >= 0
+            rows, columns, values = rows[keep], columns[keep], values[keep]
+        if isinstance(self.base, DenseScores):
+            block = block.clone()  # the caller's tensor
+        return block.index_put_((rows, columns), values, accumulate=True)
+
+    def blocks(self, rows: torch.Tensor | None = None) -> Iterator[tuple[int, torch.Tensor]]:
+        row_map = None
+        if rows is not None:
+            row_map = torch.full((self.batch,), -1, dtype=torch.int64, device=self.device)
+            row_map[rows] = torch.arange(rows.numel(), device=self.device)
+        for start, block in self.base.blocks(rows):
+            yield start, self._patch(start, block, row_map)
+
+    def gather_columns(self, columns: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
+        base = self.base.gather_columns(columns, rows)
+        if self.columns.numel() == 0 or base.numel() == 0:
+            return base
+        rows = torch.arange(base.numel(), device=base.device) if rows is None else rows.to(torch.int64)
+        # The patch entries at the queried (row, column) pairs: both sides keyed row * n_local + column.
+        width = max(self.num_local, 1)
+        keys = self.rows * width + self.columns
+        keys, order = torch.sort(keys, stable=True)
+        values = self._sorted_values().detach()[order]
+        queries = rows * width + columns.to(torch.int64)
+        first = torch.searchsorted(keys, queries)
+        last = torch.searchsorted(keys, queries, right=True)
+        hits = (last > first).nonzero().squeeze(1)
+        if hits.numel() == 0:
+            return base
+        # Entries at one place add up (as index_put_ with accumulate does in a block): repeat each query per entry.
+        counts = last[hits] - first[hits]
+        query = torch.repeat_interleave(hits, counts)
+        entry = torch.repeat_interleave(first[hits] - torch.cumsum(counts, 0) + counts, counts) + torch.arange(
+            int(counts.sum()), device=base.device
+        )
+        base = base.clone()
+        return base.index_put_((query,), values[entry].to(base.dtype), accumulate=True)
+
+    def nonfinite_rows(self) -> torch.Tensor:
+        bad = self.base.nonfinite_rows()
+        nonfinite = ~torch.isfinite(self.values.detach())
+        if bool(nonfinite.any()):
+            bad = bad.clone()
+            bad[self.rows[nonfinite[self._order]]] = True
+        return bad
+
+    def backward(self, grad_block: Callable[[int, torch.Tensor], torch.Tensor], scores: bool = True):
+        """The base's gradients and the patch values': ``grad_block(start, block)`` sees the patched block; the
+        gradient of ``values[p]`` is the block gradient at its entry."""
+        grad_values = torch.zeros(self.values.numel(), dtype=self.values.dtype, device=self.values.device)
+        sorted_grad = torch.zeros_like(grad_values)
+
+        def patched(start: int, block):
+            width = block.shape[1] if scores else int(block)
+            if scores:
+                block = self._patch(start, block)
+            grad = grad_block(start, block)
+            lo, hi = self._in_block(start, width)
+            if hi > lo:
+                sorted_grad[lo:hi] = grad[self.rows[lo:hi], self.columns[lo:hi] - start].to(sorted_grad.dtype)
+            return grad
+
+        grads = self.base.backward(patched, scores=scores)
+        grad_values[self._order] = sorted_grad
+        return (*grads, grad_values)
+
+
 # Scores per block for chunk_size="auto": on CPU 2^22 (16 MB in float32: cache-sized, and 16x the block size from
 # which the row passes run compiled); on CUDA 2^27 (512 MB) so that each block is a few large kernels, not
 # thousands of launches.
@@ -235,8 +389,8 @@ def score_matrix(
     return ChunkedScores(user_vectors, item_rows, chunk_size, dtype)
 
 
-def as_score_source(scores) -> DenseScores | ChunkedScores:
-    if isinstance(scores, ChunkedScores | DenseScores):
+def as_score_source(scores) -> DenseScores | ChunkedScores | PatchedScores:
+    if isinstance(scores, ChunkedScores | DenseScores | PatchedScores):
         return scores
     if isinstance(scores, torch.Tensor):
         return DenseScores(scores)
@@ -470,4 +624,8 @@ def divide_scores(scores, temperature: float):
     if isinstance(scores, ChunkedScores):
         # The same kind of source (chunked or fused) and compute dtype: bf16 scores stay bf16 after a temperature.
         return type(scores).rebuild((scores.user_vectors / temperature, scores.item_rows), scores.params)
+    if isinstance(scores, PatchedScores):
+        base = scores.base.scores if isinstance(scores.base, DenseScores) else scores.base
+        divided = divide_scores(base, temperature)
+        return PatchedScores(divided, scores._rows_in, scores._columns_in, scores.values / temperature)
     return scores / temperature

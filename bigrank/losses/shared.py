@@ -40,7 +40,7 @@ from dataclasses import dataclass
 import torch
 
 from bigrank.distributed.collectives import all_reduce_no_grad, is_distributed
-from bigrank.losses.buckets import bucket_gather, bucket_stats, index_dtype, threshold_table
+from bigrank.losses.buckets import bucket_gather, bucket_stats, threshold_table
 from bigrank.losses.kernels import exp_grad
 from bigrank.losses.scores import as_score_source, divide_scores
 from bigrank.losses.softmax import local_max_sum_exp, log_normalizers
@@ -122,47 +122,36 @@ class _RankmaxShared:
         self.margin = float(margin)
 
     def forward(self, source, positives: _Positives, group):
-        users, device = source.batch, source.device
         compare = torch.float64 if source.dtype == torch.float64 else torch.float32
         thresholds = positives.score.to(compare) - self.margin  # t_y = z_y - eta, compared as the scores are
-        table, order, m = threshold_table(thresholds, positives.lengths)
-        width = 1 << m
-        counts = torch.zeros(users, width, dtype=torch.float64, device=device)
-        sums = torch.zeros_like(counts)
-        buckets = torch.empty(users, source.num_local, dtype=index_dtype(width), device=device)
+        table = threshold_table(thresholds, positives.lengths)  # each user at its own depth
+        counts, sums = table.zeros(), table.zeros()
+        buckets = torch.empty(source.batch, source.num_local, dtype=table.index_dtype, device=source.device)
         for start, block in source.blocks():
-            bucket_stats(block, table, m, counts, sums, buckets[:, start : start + block.shape[1]])
+            bucket_stats(block, table, counts, sums, buckets[:, start : start + block.shape[1]])
         # Only buckets 0..|P_b| of a row can hold scores: the sums cross ranks compacted (R + U values a stat).
-        bucket = torch.arange(width, device=device)
-        used = bucket.unsqueeze(0) <= positives.lengths.unsqueeze(1)
         if is_distributed(group):
+            used = table.buckets_at
             summed = all_reduce_no_grad(torch.cat([counts[used], sums[used]]), group)
-            counts[used], sums[used] = summed[: summed.numel() // 2], summed[summed.numel() // 2 :]
-        # Scores above the j-th threshold are those in buckets j + 1 and up: suffix sums over the buckets.
-        longest = order.shape[1]
-        above = counts.flip(1).cumsum(1).flip(1)[:, 1 : longest + 1]  # c_y of the j-th threshold
-        above_sum = sums.flip(1).cumsum(1).flip(1)[:, 1 : longest + 1]
-        slots = used[:, 1 : longest + 1]  # j < |P_b|: the row's thresholds
-        t = torch.where(slots, table[:, :longest].to(torch.float64), 0.0)
-        support = torch.where(slots, above_sum - above * t, 1.0)  # D_y
-        loss = torch.log(support[slots]).sum() - thresholds.numel() * math.log(self.margin)
-        state = {"buckets": buckets, "m": m, "order": order, "slots": slots, "support": support, "above": above}
-        return loss, state
+            counts[used], sums[used] = summed[: used.numel()], summed[used.numel() :]
+        # Scores above a threshold are those in the buckets above it: suffix sums over each row's buckets.
+        above, above_sum = table.above(counts), table.above(sums)  # c_y and sum z, [R] (sorted by row)
+        support = above_sum - above * table.values[table.at].to(torch.float64)  # D_y
+        loss = torch.log(support).sum() - thresholds.numel() * math.log(self.margin)
+        return loss, {"buckets": buckets, "table": table, "support": support, "above": above}
 
     def grad_fn(self, source, positives: _Positives, state, weight: torch.Tensor):
         """``grad_block(start, width)``: dL/dz of columns ``[start, start + width)`` for the loss times ``weight``."""
-        slots, support, m = state["slots"], state["support"], state["m"]
-        inverse = torch.where(slots, weight / support, 0.0)  # w / D_y, by sorted threshold
-        prefix = torch.zeros(slots.shape[0], 1 << m, dtype=torch.float64, device=slots.device)
-        # Bucket k: the sum of w / D_y over the k thresholds below it.
-        prefix[:, 1 : slots.shape[1] + 1] = torch.cumsum(inverse, dim=1)
+        table = state["table"]
+        inverse = weight / state["support"]  # w / D_y, by sorted threshold
+        prefix = table.below(inverse)  # bucket k: the sum of w / D_y over the k thresholds below it
         at_positive = torch.zeros_like(positives.score)  # -w c_y / D_y at each positive's own item
-        at_positive[state["order"][slots]] = -(inverse * state["above"])[slots]
+        at_positive[table.order] = -(inverse * state["above"])
         buckets, dtype = state["buckets"], source.dtype
         gather_prefix = prefix.to(torch.promote_types(dtype, torch.float32))
 
         def grad_block(start: int, width: int) -> torch.Tensor:
-            grad = bucket_gather(buckets[:, start : start + width], gather_prefix, m)
+            grad = bucket_gather(buckets[:, start : start + width], table, gather_prefix)
             positives.add_in_block(grad, start, at_positive)
             return grad.to(dtype)
 

@@ -106,6 +106,14 @@ MODEL_KINDS: dict[str, ModelSpec] = {
             "a full-rank item-to-item matrix beside a low-rank one, user by user (catalogs up to 32,768 items)",
             renamed=(("item_item_l2", "l2"),),
         ),
+        ModelSpec(
+            "item_bag",
+            "bigrank.model.item_bag_params:ItemBagParams",
+            "bigrank.train.item_bag:ITEM_BAG",
+            "a user is the bag of its items (the sum of their input rows P over the square root of their count, no "
+            "user rows) against item vectors Q, each item's own term out of its own score; user by user, "
+            "item-parallel, any catalog size",
+        ),
     )
 }
 

@@ -257,6 +257,9 @@ class Checkpointer:
         keep: complete checkpoints kept (the oldest are removed).
         identity: the settings a checkpoint's tensors depend on (the model kind's ``identity``); loading a
             checkpoint of another identity is refused naming the differing settings.
+
+    ``pinned``: steps whose checkpoints the pruning keeps beyond ``keep`` (the best evaluation's, with
+    ``train.early_stopping``).
     """
 
     def __init__(
@@ -279,6 +282,7 @@ class Checkpointer:
         self.rank = dist.get_rank(group) if dist.is_initialized() else 0
         self.world_size = dist.get_world_size(group) if dist.is_initialized() else 1
         self.last: Path | None = None
+        self.pinned: set[int] = set()
 
     def due(self, step: int, *, epoch_end: bool, last: bool) -> bool:
         """Whether step ``step`` ends with a checkpoint: every ``every`` steps, at epoch ends and at the end."""
@@ -313,7 +317,8 @@ class Checkpointer:
             if final.exists():  # an incomplete directory under the final name (a crash after a rename)
                 shutil.rmtree(final)
             os.replace(partial, final)
-            for old in list_checkpoints(self.run_dir)[: -self.keep]:
+            pinned = {checkpoint_path(self.run_dir, step) for step in self.pinned}
+            for old in [path for path in list_checkpoints(self.run_dir)[: -self.keep] if path not in pinned]:
                 # trainer.json first: a kill during the removal then leaves an incomplete checkpoint, which
                 # nothing loads, not a "complete" one with shards missing.
                 (old / TRAINER_FILE).unlink(missing_ok=True)
@@ -321,6 +326,17 @@ class Checkpointer:
         self._barrier()
         self.last = final
         return final
+
+    def replace(self, step: int, meta: Mapping[str, Any]) -> Path:
+        """Write checkpoint ``step`` anew from the parts' current state (collective): the one of that step, if any,
+        is removed first (``trainer.json`` first, so that a kill in between leaves the older checkpoints as the
+        newest complete one). The end of an early-stopped run writes the best weights under its last step."""
+        final = checkpoint_path(self.run_dir, step)
+        if self.rank == 0 and final.exists():
+            (final / TRAINER_FILE).unlink(missing_ok=True)
+            shutil.rmtree(final)
+        self._barrier()
+        return self.save(step, meta)
 
     def load(self, path: str | os.PathLike, parts: Mapping[str, Stateful] | None = None) -> dict[str, Any]:
         """Load checkpoint ``path`` into ``parts`` (default: every registered part; collective) and return its

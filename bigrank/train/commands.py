@@ -53,10 +53,18 @@ def register(subparsers) -> None:
         "evaluate",
         help="evaluate a run's last checkpoint on the held-out splits (writes RUN_DIR/eval.json)",
         description="Rank the full catalog for the users of each split with the run's last checkpoint and "
-        "report Recall@K, AP@K and Accuracy; writes RUN_DIR/eval.json.",
+        "report Recall@K, NDCG@K, AP@K and Accuracy; writes RUN_DIR/eval.json.",
     )
     evaluate.add_argument("run_dir", metavar="RUN_DIR", help="a run directory (holds config.yaml)")
     evaluate.add_argument("--split", dest="splits", action="append", help="split to evaluate (default: config)")
+    evaluate.add_argument(
+        "--ks",
+        type=int,
+        nargs="+",
+        metavar="K",
+        default=None,
+        help="cut-offs K of Recall@K, NDCG@K and AP@K, any K >= 1 (default: the run's eval.ks), e.g. --ks 20 100",
+    )
     evaluate.add_argument("--sample-users", type=int, default=None, help="evaluate a sample of this many users")
     evaluate.add_argument("--checkpoint", default=None, help="checkpoint directory (default: the newest)")
     evaluate.add_argument("--workers", type=int, default=None, help="local processes (default: the run's)")
@@ -118,6 +126,9 @@ def run_evaluate(args: argparse.Namespace) -> int:
     from bigrank.train.evaluate import format_eval_table
 
     config = run.load_run_config(args.run_dir)
+    if args.ks is not None:
+        config.eval.ks = sorted(set(args.ks))
+        config.eval.check()  # a K below 1 is a ConfigError naming eval.ks
     results = run.evaluate(
         config,
         checkpoint=args.checkpoint,

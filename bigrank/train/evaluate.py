@@ -1,7 +1,8 @@
-"""Full-catalog evaluation over the item-parallel catalog: Recall@K, AP@K and Accuracy (Rankmax paper, Section 4).
+"""Full-catalog evaluation over the item-parallel catalog: Recall@K, NDCG@K, AP@K and Accuracy (Rankmax paper, §4).
 
-For each evaluated user, every item of the catalog is scored, the user's items of ``exclude_splits`` (the train
-items by default) are left out, each rank finds the exact top ``max(ks)`` of its own rows (``exact_topk``: by
+For each evaluated user, every item of the catalog is scored, the user's items of ``exclude_splits`` (by default
+the dataset's rule, ``DatasetManifest.excluded_splits``: the train items, and the valid items too when test is
+evaluated on a given split) are left out, each rank finds the exact top ``max(ks)`` of its own rows (``exact_topk``: by
 default scored in bf16 and certified, the same answer as fp32; ``certified_bf16=False`` scores in fp32), the
 ranks' lists are merged (``merge_topk``: only per-row top-K values and ids are exchanged, never the B x n
 scores), and the list is compared with the user's items of the held-out ``split`` (definitions and AP@K
@@ -292,7 +293,7 @@ def evaluation_data(
     *,
     sample_users: int | None = None,
     seed: int = 0,
-    exclude_splits: Sequence[str] = ("train",),
+    exclude_splits: Sequence[str] | None = None,
     group: dist.ProcessGroup | None = None,
     use_index: bool = True,
 ) -> EvaluationData:
@@ -304,11 +305,16 @@ def evaluation_data(
     but its own ``item_range``): each rank reads a share of the row groups and the ranks exchange what they
     found, so each file is read once per group, not once per rank. The result is the same as without ``group``.
 
+    ``exclude_splits``: the splits whose items of a user are never recommended (None: the dataset's rule,
+    ``DatasetManifest.excluded_splits``).
+
     ``use_index``: when every split needed has a user index matching its files (``bigrank.data.user_index``,
     built by ``bigrank evaluate``) on every rank, the items are read as slices of them instead of a decode of
     the splits' files (the same result); a damaged index is reported on stderr and the files are read instead.
     """
     dataset = layout.as_manifest(dataset)
+    if exclude_splits is None:
+        exclude_splits = dataset.excluded_splits(split)
     for name in (split, *exclude_splits):
         dataset.split(name)  # a missing split is named before any file is read
     indexes = _open_indexes(dataset, [split, *exclude_splits], group) if use_index else None
@@ -348,13 +354,13 @@ def evaluate_model(
     sample_users: int | None = None,
     seed: int = 0,
     batch_size: int = 1024,
-    exclude_splits: Sequence[str] = ("train",),
+    exclude_splits: Sequence[str] | None = None,
     max_score_elements: int = MAX_SCORE_ELEMENTS,
     data: EvaluationData | None = None,
     certified_bf16: bool = True,
     stats: TopKStats | None = None,
 ) -> dict:
-    """Recall@K, AP@K and Accuracy of ranking the full catalog for the users of ``split``; collective.
+    """Recall@K, NDCG@K, AP@K and Accuracy of ranking the full catalog for the users of ``split``; collective.
 
     Call it on every rank of ``group`` with the same arguments.
 
@@ -364,20 +370,22 @@ def evaluate_model(
         shard: this rank's rows ``[start, stop)`` of the item matrix (``weight [n_local, d]``).
         dataset: the dataset's ``DatasetManifest`` (read once by the caller), or its directory.
         split: held-out split whose items are the relevant ones (``"valid"`` or ``"test"``).
-        ks: cut-offs K of Recall@K and AP@K; the top ``max(ks)`` items are ranked.
+        ks: cut-offs K (any K >= 1) of Recall@K, NDCG@K and AP@K; the top ``max(ks)`` items are ranked.
         group: process group the catalog is split over (None: one process holds all items).
         sample_users: evaluate a deterministic sample (``seed``) of this many users instead of all users with an
             item in ``split``.
         batch_size: users per batch (lowered when ``b x ceil(n / W)`` scores would exceed ``2 x max_score_elements``:
             see :func:`ranked_batches`).
-        exclude_splits: splits whose items of the user are never recommended (its train items by default).
+        exclude_splits: splits whose items of the user are never recommended (None: the dataset's rule,
+            ``DatasetManifest.excluded_splits``: its train items, and on a given split its valid items too
+            when ``split`` is test).
         data: the split's :class:`EvaluationData` built earlier (then ``sample_users``, ``seed`` and
             ``exclude_splits`` are those it was built with, and no dataset file is read).
         certified_bf16: rank with the certified bf16 top-K where the CPU has bf16 units
             (``bigrank.devices.use_certified_bf16``; the same lists as fp32, faster); False: fp32 scores.
         stats: a ``TopKStats`` to add the ranking's figures to (rows certified, fallbacks, rescored candidates).
 
-    Returns ``{"accuracy", "recall@K", "ap@K" (for each K), "users", "skipped_users", "split", "num_items",
+    Returns ``{"accuracy", "recall@K", "ndcg@K", "ap@K" (for each K), "users", "skipped_users", "split", "num_items",
     "candidate_users", "sampled"}``, the same on every rank: ``users`` counts the users scored,
     ``candidate_users`` the users with an item in ``split``. The splits of a bigrank dataset hold
     distinct (user, item) pairs, so no relevant item is excluded.
@@ -525,7 +533,8 @@ def _excluded_pairs(indptr, items, first: int, last: int, offset: int, device) -
 
 
 def format_eval_table(results_by_split: Mapping[str, Mapping]) -> str:
-    """A plain-text table: one row per split, one column per metric (``accuracy, recall@K..., ap@K...``) + users."""
+    """A plain-text table: one row per split, one column per metric (``accuracy, recall@K..., ndcg@K..., ap@K...``)
+    + users."""
     splits = list(results_by_split)
     if not splits:
         return "(no evaluation results)"

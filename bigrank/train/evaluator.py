@@ -69,7 +69,7 @@ class Evaluator:
         return self._data[key]
 
     def evaluate(self, split: str, sample_users: int | None | str = "config") -> dict[str, Any]:
-        """Recall@K, AP@K and Accuracy of ``split`` (``eval.sample_users`` unless given)."""
+        """Recall@K, NDCG@K, AP@K and Accuracy of ``split`` (``eval.sample_users`` unless given)."""
         sample = self.config.eval.sample_users if sample_users == "config" else sample_users
         vectors_fn, catalog = self.model.ranking_view()  # whatever the layout, each rank ranks the rows it owns
         return evaluate_model(

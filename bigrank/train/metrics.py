@@ -4,6 +4,10 @@ For a user with relevant set ``R`` (its held-out items, ``|R| >= 1``) and a rank
 ``rel_i = 1`` when ``top[i]`` is in ``R``:
 
 * ``recall@K   = (sum_{i<=K} rel_i) / |R|``                                   (hits / relevant)
+* ``ndcg@K     = DCG@K / IDCG@K``, ``DCG@K = sum_{i<=K} rel_i / log2(i + 1)``, ``IDCG@K = sum_{i<=min(|R|, K)}
+  1 / log2(i + 1)`` — binary gains, the ideal list holding ``min(|R|, K)`` hits: the definition of the graph
+  collaborative-filtering papers' code (NGCF, Wang et al. SIGIR 2019; LightGCN, He et al. SIGIR 2020:
+  ``NDCGatK_r``), so that their Recall@20 / NDCG@20 tables compare with these figures.
 * ``ap@K       = (1 / min(K, |R|)) * sum_{i<=K} precision@i * rel_i``,  ``precision@i = (sum_{j<=i} rel_j) / i``
   — the "truncated" normalisation: a perfect list scores 1 even when ``|R| < K`` or ``|R| > K``.
 * ``accuracy   = rel_1``                                                        (the top-ranked item is relevant)
@@ -26,9 +30,9 @@ __all__ = ["ranking_metrics", "combine", "metric_names", "relevant_csr"]
 
 
 def metric_names(ks: Iterable[int]) -> list[str]:
-    """The metric keys reported for ``ks``, in display order: ``accuracy, recall@K..., ap@K...``."""
+    """The metric keys reported for ``ks``, in display order: ``accuracy, recall@K..., ndcg@K..., ap@K...``."""
     ks = sorted({int(k) for k in ks})
-    return ["accuracy"] + [f"recall@{k}" for k in ks] + [f"ap@{k}" for k in ks]
+    return ["accuracy"] + [f"{name}@{k}" for name in ("recall", "ndcg", "ap") for k in ks]
 
 
 def relevant_csr(relevant, num_rows: int) -> tuple[np.ndarray, np.ndarray]:
@@ -83,7 +87,7 @@ def _relevant_counts(indptr: np.ndarray, items: np.ndarray) -> np.ndarray:
 
 
 def ranking_metrics(top_ids, relevant, ks: Sequence[int]) -> dict:
-    """Recall@K, AP@K and Accuracy of ranked lists (see the module docstring for the definitions).
+    """Recall@K, NDCG@K, AP@K and Accuracy of ranked lists (see the module docstring for the definitions).
 
     Args:
         top_ids: int[U, L] item ids of each user's ranking, best first (``L >= max(ks)`` normally; a shorter
@@ -92,7 +96,7 @@ def ranking_metrics(top_ids, relevant, ks: Sequence[int]) -> dict:
         relevant: the held-out items of each of the U rows, as a list of iterables or CSR ``(indptr, items)``.
         ks: cut-offs K (positive ints).
 
-    Returns a dict with the means ``accuracy``, ``recall@K`` and ``ap@K`` for each K (NaN when no user has a
+    Returns a dict with the means ``accuracy``, ``recall@K``, ``ndcg@K`` and ``ap@K`` for each K (NaN when no user has a
     relevant item), ``users`` (users scored), ``skipped_users`` (users without relevant items) and ``sums``
     (the per-metric sums over the scored users, for ``combine``).
     """
@@ -117,10 +121,15 @@ def ranking_metrics(top_ids, relevant, ks: Sequence[int]) -> dict:
     cumulative = np.cumsum(hits, axis=1)
     ranks = np.arange(1, width + 1, dtype=np.float64)
     precision_at_hits = np.cumsum(cumulative / ranks * hits, axis=1)  # sum_{i<=K} precision@i * rel_i
+    discounts = 1.0 / np.log2(ranks + 1.0)  # 1 / log2(i + 1), i = 1..width
+    dcg = np.cumsum(hits * discounts, axis=1)
+    ideal = np.concatenate([[0.0], np.cumsum(discounts)])  # ideal[m]: the DCG of m hits at the top
 
     sums = {"accuracy": float(hits[:, 0].sum())}
     for k in ks:
         sums[f"recall@{k}"] = float((cumulative[:, k - 1] / counts).sum())
+    for k in ks:
+        sums[f"ndcg@{k}"] = float((dcg[:, k - 1] / ideal[np.minimum(counts, k).astype(np.int64)]).sum())
     for k in ks:
         sums[f"ap@{k}"] = float((precision_at_hits[:, k - 1] / np.minimum(counts, k)).sum())
     return _finish(sums, users=int(scored.sum()), skipped=int(num_rows - scored.sum()))

@@ -1,9 +1,10 @@
 """``bigrank plot RUN_DIR [RUN_DIR ...] --out FIG.png``: loss and evaluation metrics over epochs for several runs.
 
 One figure, like the Rankmax paper's Figure 2 (metrics as a function of the number of epochs): a panel with the
-training loss, then one panel per evaluation metric found in the runs (``ap@K``, ``accuracy``, ``recall@K``),
-one line per run (and per split: valid solid, test dashed). Runs are labelled ``<run dir name> (<loss name>)``,
-the loss name read from ``RUN_DIR/config.yaml`` (``loss: {name: ...}``) when present.
+training loss, then one panel per evaluation metric found in the runs (``ap@K``, ``accuracy``, ``recall@K``,
+``ndcg@K``), one line per run (and per split: valid solid, test dashed). Runs are labelled
+``<run dir name> (<loss name>)``, the loss name read from ``RUN_DIR/config.yaml`` (``loss: {name: ...}``) when
+present.
 
 The records are those of ``RUN_DIR/metrics.jsonl`` (``bigrank.records``: their schema, and what a bad or cut-
 short line does): the training loss against ``epoch`` (epochs done, fractional), and every evaluation metric
@@ -92,7 +93,7 @@ def run_label(run_dir: str | Path) -> str:
 
 def metric_keys(eval_records: Sequence[dict]) -> list[str]:
     """The metric keys of evaluation records, in panel order: ``ap@K`` (K ascending), ``accuracy``, ``recall@K``,
-    then any other ``<name>@<K>``."""
+    ``ndcg@K``, then any other ``<name>@<K>``."""
     keys = set()
     for record in eval_records:
         for key, value in record.items():
@@ -101,10 +102,18 @@ def metric_keys(eval_records: Sequence[dict]) -> list[str]:
 
     def order(key: str):
         name, _, k = key.partition("@")
-        rank = {"ap": 0, "accuracy": 1, "recall": 2}.get(name, 3)
+        rank = {"ap": 0, "accuracy": 1, "recall": 2, "ndcg": 3}.get(name, 4)
         return (rank, name, int(k) if k.isdigit() else math.inf, key)
 
     return sorted(keys, key=order)
+
+
+def panel_title(key: str) -> str:
+    """The title of a metric's panel: ``ap@10`` -> ``AP@10``, ``recall@20`` -> ``R@20``, ``ndcg@20`` -> ``NDCG@20``,
+    ``accuracy`` -> ``Accuracy``; any other key as is."""
+    name, at, k = key.partition("@")
+    titles = {"ap": "AP", "recall": "R", "ndcg": "NDCG", "accuracy": "Accuracy"}
+    return f"{titles.get(name, name)}{at}{k}"
 
 
 def _is_number(value) -> bool:
@@ -179,7 +188,7 @@ def plot_runs(run_dirs: Sequence[str | Path], out: str | Path, *, title: str | N
     axes[0].set_title("training loss")
     for axis, panel in zip(axes, panels, strict=False):
         if panel != "loss":
-            axis.set_title(panel.replace("recall@", "R@").replace("ap@", "AP@").replace("accuracy", "Accuracy"))
+            axis.set_title(panel_title(panel))
         axis.set_xlabel("epoch")
         axis.grid(True, alpha=0.3)
     axes[0].set_ylabel("loss")

@@ -8,7 +8,7 @@ checkpoint reshards to any worker count; everything else is replicated (the same
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
@@ -154,11 +154,15 @@ class RNGState:
 
 @dataclass
 class TrainState:
-    """Progress of the run, replicated: the global step and the first/last training loss."""
+    """Progress of the run, replicated: the global step, the first/last training loss and, with
+    ``train.early_stopping``, the stop metric of every evaluation made while training (``[step, value]``, in order)
+    and whether the run stopped on it (``bigrank.train.early_stopping``)."""
 
     step: int = 0
     first_loss: float | None = None
     last_loss: float | None = None
+    evaluations: list = field(default_factory=list)
+    stopped: bool = False
 
     def state_dict(self) -> dict[str, Any]:
         return {"progress": json.dumps(asdict(self))}
@@ -170,3 +174,6 @@ class TrainState:
             progress["first_loss"],
             progress["last_loss"],
         )
+        # Checkpoints written before early stopping hold neither.
+        self.evaluations = [list(entry) for entry in progress.get("evaluations", [])]
+        self.stopped = bool(progress.get("stopped", False))

@@ -134,6 +134,12 @@ class Trainer:
         )
         self.evaluator = Evaluator(config, self.model, self.group, self.manifest)
         self.eval_history: list[dict] = []
+        self.early_stopping = None
+        if train_cfg.early_stopping is not None:
+            from bigrank.train.early_stopping import EarlyStopping
+
+            self.early_stopping = EarlyStopping(train_cfg.early_stopping, self.state)
+        self.weights_from_step: int | None = None  # an early-stopped run's best step, once its weights are loaded
 
     def _start_run(self, config: Config | dict, manifest: DatasetManifest | None) -> None:
         """What every run starts with, whatever its model kind: the worker (process group, device, seed), the
@@ -208,6 +214,8 @@ class Trainer:
         # SIGINT/SIGTERM wait for a step boundary (local workers); the ranks agree on it in train_step.
         with step_boundaries() as self.stop_request:
             try:
+                if resumed_from is not None:
+                    self._catch_up_evaluation()
                 while not self.finished():
                     epoch = self.stream.epoch
                     for batch in self.stream:
@@ -226,13 +234,17 @@ class Trainer:
                         # the workers 10 s) then loses the evaluation only, never the steps before it.
                         if self.checkpointer.due(self.state.step, epoch_end=epoch_end, last=last):
                             self.save_checkpoint()
-                        if self.evaluator.due(self.stream.epoch, epoch_end=epoch_end, last=last):
+                        if self.evaluator.due(self.stream.epoch, epoch_end=epoch_end, last=last) or (
+                            last and self.early_stopping is not None
+                        ):
                             self._evaluate_during_training()
-                        if last:
+                        if last or self.state.stopped:
                             break
                         tick = time.perf_counter()
                 if self.checkpointer.last is None or self.checkpointer.last.name != f"step-{self.state.step:08d}":
                     self.save_checkpoint()
+                if self.early_stopping is not None:
+                    self._keep_best()
             finally:
                 progress.close()
         final_eval = self._final_evaluation(examples)
@@ -284,6 +296,8 @@ class Trainer:
 
     def finished(self) -> bool:
         max_steps = self.config.train.max_steps
+        if self.state.stopped:  # train.early_stopping
+            return True
         return self.stream.epoch >= self.config.train.epochs or (max_steps is not None and self.state.step >= max_steps)
 
     # ----- checkpoints -----
@@ -295,6 +309,7 @@ class Trainer:
                 self._warm_start()
             return None
         meta = self.checkpointer.load(path)
+        self.weights_from_step = meta.get("weights_from_step")  # an early-stopped run's last checkpoint
         if self.rank == 0:
             saved = meta.get("world_size", self.world_size)
             note = "" if saved == self.world_size else f", written by {saved} workers, now {self.world_size}"
@@ -317,11 +332,54 @@ class Trainer:
             print(f"warm start from {source} (step {meta.get('step')}; {grown})", flush=True)
 
     def save_checkpoint(self) -> Path:
+        return self.checkpointer.save(self.state.step, self._checkpoint_meta())
+
+    def _checkpoint_meta(self) -> dict[str, Any]:
         from bigrank.data.ingest.vocab import dataset_id
 
         meta = {"epoch": self.stream.epoch, "last_loss": self.state.last_loss, "first_loss": self.state.first_loss}
         meta["dataset_id"] = dataset_id(dict(self.manifest.raw))  # what a warm start checks descent against
-        return self.checkpointer.save(self.state.step, meta)
+        if self.weights_from_step is not None:
+            meta["weights_from_step"] = self.weights_from_step
+        return meta
+
+    # ----- early stopping -----
+    def _record_stop_metric(self, results: dict) -> bool:
+        """``train.early_stopping``: record an evaluation of the validation split; the best one's checkpoint is kept
+        beyond ``train.keep_checkpoints`` (``Checkpointer.pinned``)."""
+        stop = self.early_stopping.record(self.state.step, results)  # sets state.stopped: the loop ends here
+        best = self.early_stopping.best()
+        self.checkpointer.pinned = {best[0]}
+        if self.rank == 0:
+            print(self.early_stopping.describe(), flush=True)
+        return stop
+
+    def _catch_up_evaluation(self) -> None:
+        """A run resumed from an epoch-end checkpoint whose evaluation is not recorded (the checkpoint is written
+        before the evaluation: a run killed between the two) evaluates it now, so the stop rule sees every one."""
+        if self.early_stopping is None:
+            return
+        best = self.early_stopping.best()
+        if best is not None:
+            self.checkpointer.pinned = {best[0]}
+        at_epoch_end = self.state.step > 0 and self.stream.steps_left_in_epoch() == self.stream.steps_per_epoch()
+        due = self.evaluator.due(self.stream.epoch, epoch_end=True, last=False) or self.finished()
+        if at_epoch_end and due and not self.state.stopped and not self.early_stopping.evaluated(self.state.step):
+            self._evaluate_during_training()
+
+    def _keep_best(self) -> None:
+        """End the run with the best evaluation's weights: load its checkpoint's model parts and write them as the
+        last checkpoint (``Checkpointer.replace``; ``weights_from_step`` in its ``trainer.json``)."""
+        best = self.early_stopping.best()
+        if best is None or best[0] in (self.state.step, self.weights_from_step):
+            return
+        from bigrank.train.checkpoint import checkpoint_path
+
+        self.checkpointer.load(checkpoint_path(self.run_dir, best[0]), parts=self.training.parts)
+        self.weights_from_step = best[0]
+        path = self.checkpointer.replace(self.state.step, self._checkpoint_meta())
+        if self.rank == 0:
+            print(f"{self.early_stopping.describe()}: the run ends with those weights ({path})", flush=True)
 
     # ----- records -----
     def epochs_done(self) -> float:
@@ -369,6 +427,8 @@ class Trainer:
         record = EvalRecord.from_results(split, self.state.step, self.stream.epoch, results)
         self.log.write(record, f"eval_{split}")
         self.eval_history.append(record.to_json())
+        if self.early_stopping is not None:
+            self._record_stop_metric(results)
 
     def _final_evaluation(self, examples: int) -> dict[str, dict]:
         final: dict[str, dict] = {}
@@ -377,6 +437,8 @@ class Trainer:
         for split in self.config.eval.splits:
             results = self.evaluator.evaluate(split)
             final[split] = dict(results, step=self.state.step, epoch=self.epochs_done())
+            if self.weights_from_step is not None:
+                final[split]["weights_from_step"] = self.weights_from_step
             self.log.write(
                 EvalRecord.from_results(split, self.state.step, self.epochs_done(), results), f"eval_{split}"
             )
@@ -400,6 +462,7 @@ class Trainer:
             "checkpoint": str(last) if last else None,
             "resumed_from": str(resumed_from) if resumed_from else None,
             "init_from": str(self.warm_started_from) if self.warm_started_from else None,
+            "early_stopping": self.early_stopping.describe() if self.early_stopping is not None else None,
             "eval": final_eval or None,
             "eval_history": self.eval_history,
         }

@@ -41,6 +41,7 @@ __all__ = [
     "SHARED_LOSSES",
     "check_user_batching",
     "csr_rows",
+    "gather_lists",
     "gather_users",
     "shared_loss_fn",
     "split_bags",
@@ -198,3 +199,40 @@ def gather_users(
     global_indptr = torch.zeros(lengths.numel() + 1, dtype=torch.int64, device=device)
     torch.cumsum(lengths, 0, out=global_indptr[1:])
     return vectors[valid], global_indptr, every[keep], stopping
+
+
+def gather_lists(
+    lists: list[tuple[np.ndarray, np.ndarray]], pad_to: int, group, stop_requested: bool, device=None
+) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], bool]:
+    """The step's users' item lists from every rank, in rank order: ``lists`` holds L CSRs ``(indptr int64[b + 1],
+    items int64)`` of this rank's b <= ``pad_to`` users (e.g. their bags and their targets); returns the L CSRs of
+    the global batch's users as int64 tensors on ``device``, and whether any rank asked to stop (its counts carry
+    ``STOP_BIT``). Collective: two all-gathers without autograd (the counts, then the items padded to the longest
+    rank's)."""
+    device = torch.device("cpu") if device is None else device
+    users = len(lists[0][0]) - 1
+    counts = torch.full((pad_to, len(lists)), -1, dtype=torch.int64)
+    for column, (indptr, _) in enumerate(lists):
+        counts[:users, column] = torch.from_numpy(np.diff(indptr).astype(np.int64))
+    if stop_requested:
+        counts[:users] |= STOP_BIT
+    gathered = all_gather_equal(counts.to(device), group)
+    stopping = bool((gathered >= STOP_BIT).any())
+    gathered = torch.where(gathered >= STOP_BIT, gathered - STOP_BIT, gathered)
+    valid = gathered[:, 0] >= 0
+    sizes = gathered.clamp_min(0).view(-1, pad_to, len(lists)).sum(dim=1)  # [W, L]: each rank's items per list
+    longest = max(int(sizes.sum(dim=1).max()), 1)
+    mine = torch.full((longest,), -1, dtype=torch.int64)
+    local = np.concatenate([np.asarray(items, dtype=np.int64) for _, items in lists])
+    mine[: len(local)] = torch.from_numpy(local)
+    every = all_gather_equal(mine.to(device), group).view(-1, longest)
+    out = []
+    for column in range(len(lists)):
+        before = sizes[:, :column].sum(dim=1, keepdim=True)  # where this list starts in each rank's items
+        position = torch.arange(longest, device=every.device).unsqueeze(0)
+        keep = (position >= before) & (position < before + sizes[:, column : column + 1])
+        lengths = gathered[valid, column]
+        indptr = torch.zeros(lengths.numel() + 1, dtype=torch.int64, device=every.device)
+        torch.cumsum(lengths, 0, out=indptr[1:])
+        out.append((indptr, every[keep]))
+    return out, stopping

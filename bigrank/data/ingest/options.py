@@ -132,6 +132,8 @@ class IngestOptions:
     buckets: int | None = None
     progress: bool = True
     vocab_from: str | None = None  # a parent dataset whose ids are kept (bigrank.data.ingest.vocab)
+    keep_parent_split: bool = True  # --vocab-from, random split: a pair of the parent keeps its split (not --split
+    # given's carve, where the given split decides)
     preset: str | None = None  # "movielens" when the MovieLens files were recognised (set by the ingest)
     extra: dict = field(default_factory=dict)
 
@@ -234,7 +236,16 @@ class IngestOptions:
     def record(self) -> dict:
         """The options as the manifest records them (no machine settings)."""
         kept = asdict(self)
-        for name in ("memory_limit", "threads", "temp_dir", "address", "buckets", "progress", "extra"):
+        for name in (
+            "memory_limit",
+            "threads",
+            "temp_dir",
+            "address",
+            "buckets",
+            "progress",
+            "extra",
+            "keep_parent_split",
+        ):
             kept.pop(name)
         kept["fractions"] = list(self.fractions)
         return kept

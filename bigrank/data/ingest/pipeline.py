@@ -572,7 +572,7 @@ def _split(options: IngestOptions, engine, pairs: int, say, parent: ParentVocabu
     a split holds the parent's pairs of it that are still there plus its share of the new ones."""
     kept = None
     if options.split == "random":
-        if parent is not None:
+        if parent is not None and options.keep_parent_split:
             kept = np.sum(engine.map("inherit_labels", parent.split_files()), axis=0).tolist()
             held = ", ".join(f"{n:,} {name}" for name, n in zip(layout.SPLITS, kept, strict=True))
             say(f"pairs of the parent keep its split: {held}")

@@ -25,7 +25,7 @@ _SCHEDULER_KEYS = ("grace_period", "reduction_factor")
 _RESERVED_KEYS = ("run_dir", "eval.splits", "eval.at_end", "train.progress")
 _CONTEXT = "_tune"  # param_space key of what every trial needs besides its config
 _POLL_SECONDS = 1.0
-_METRIC_NAME = re.compile(r"accuracy|recall@\d+|ap@\d+")
+_METRIC_NAME = re.compile(r"accuracy|recall@\d+|ndcg@\d+|ap@\d+")
 
 
 class SpaceError(ConfigError):

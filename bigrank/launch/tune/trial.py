@@ -86,7 +86,7 @@ def completed_evaluations(records: list, split: str = "valid") -> list:
 
 
 def _metrics_of(section: dict, prefix: str) -> dict[str, float]:
-    """The ranking metrics (accuracy, recall@K, ap@K) of an evaluation record, keys prefixed ``prefix/``."""
+    """The ranking metrics (accuracy, recall@K, ndcg@K, ap@K) of an evaluation record, keys prefixed ``prefix/``."""
     return {
         f"{prefix}/{key}": float(value)
         for key, value in section.items()

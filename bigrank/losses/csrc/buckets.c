@@ -1,12 +1,19 @@
 /* Row-wise bucketing of a score block among each row's sorted thresholds (bigrank.losses.buckets).
  *
- * bucket_stats: for every score z[r][c], k = |{j : table[r][j] < z}| (a branchless binary search over the row's
- * 2^m thresholds, ascending, padded with +inf); counts[r][k] += 1, sums[r][k] += z, and k is written to idx.
- * bucket_gather: out[r][c] = prefix[r][idx[r][c]].
+ * The thresholds are one flat table: row r's 2^depth[r] entries (ascending, padded with +inf, 2^depth[r] greater
+ * than its number of thresholds) start at table[start[r]], and its buckets at counts[start[r]], sums[start[r]],
+ * prefix[start[r]]. Each row is searched at its own depth and touches only its own 2^depth[r] buckets: a user with
+ * many positives costs its own row more, not every row of the batch.
+ *
+ * bucket_stats: for every score z[r][c], k = |{j : t_r[j] < z}| (a branchless binary search, depth[r] levels);
+ * counts[start[r] + k] += 1, sums[start[r] + k] += z (in column order, as torch's scatter_add_ adds them), and k is
+ * written to idx.
+ * bucket_gather: out[r][c] = prefix[start[r] + idx[r][c]].
  *
  * Scores are float32 or bfloat16 (the upper half of a float32). With AVX-512 sixteen scores are searched at once
  * (one gather per level); elsewhere one at a time. Rows are split over `threads` OpenMP threads when built with
- * OpenMP. Each call returns 0, or -1 when a thread could not allocate its per-row counters.
+ * OpenMP. bucket_stats returns 0; -1 when a thread could not allocate its counters; -2 when a score is NaN (it
+ * has no bucket: the caller raises, and counts, sums and idx are then undefined).
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -14,6 +21,9 @@
 #ifdef __AVX512F__
 #include <immintrin.h>
 #endif
+
+#define FAILED_ALLOC 1
+#define FAILED_NAN 2
 
 static inline float load_score(const void *z, int bf16, int64_t i) {
     if (bf16) {
@@ -34,31 +44,44 @@ static inline int32_t search(const float *t, int m, float v) {
     return k;
 }
 
+/* A NaN score is above no threshold: it falls in bucket 0 and makes that bucket's sum NaN. So a row's scores are
+ * looked at again only when its sums[0] is NaN (also when +inf and -inf met in it: not an error). */
+static int row_has_nan(const void *z, int bf16, int64_t base, int64_t cols) {
+    for (int64_t c = 0; c < cols; c++) {
+        float v = load_score(z, bf16, base + c);
+        if (v != v) return 1;
+    }
+    return 0;
+}
+
 static inline void store_index(int16_t *idx16, int32_t *idx32, int64_t at, int32_t k) {
     if (idx16) idx16[at] = (int16_t)k;
     else idx32[at] = k;
 }
 
-int bucket_stats(const void *z, int bf16, int64_t rows, int64_t cols, int64_t z_ld, const float *table, int m,
-                 double *counts, double *sums, int16_t *idx16, int32_t *idx32, int64_t idx_ld, int threads) {
-    const int64_t width = (int64_t)1 << m;
+int bucket_stats(const void *z, int bf16, int64_t rows, int64_t cols, int64_t z_ld, const float *table,
+                 const int64_t *start, const int32_t *depth, int max_depth, double *counts, double *sums,
+                 int16_t *idx16, int32_t *idx32, int64_t idx_ld, int threads) {
+    const int64_t max_width = (int64_t)1 << max_depth;
     int failed = 0;
 #ifdef _OPENMP
 #pragma omp parallel num_threads(threads > 0 ? threads : 1) reduction(| : failed)
 #endif
     {
-        /* Two count arrays, alternating, so that runs of one bucket do not chain every increment. */
-        int64_t *count = (int64_t *)malloc(sizeof(int64_t) * 2 * width);
-        double *sum = (double *)malloc(sizeof(double) * width);
-        if (!count || !sum) failed = 1;
+        /* Two count arrays, alternating, so that runs of one bucket do not chain every increment; sized for the
+         * deepest row, of which each row clears and reads back only its own 2^depth entries. */
+        int64_t *count = (int64_t *)malloc(sizeof(int64_t) * 2 * max_width);
+        if (!count) failed |= FAILED_ALLOC;
 #ifdef _OPENMP
 #pragma omp for schedule(static)
 #endif
         for (int64_t r = 0; r < rows; r++) {
-            if (!count || !sum) continue;
-            const float *t = table + r * width;
+            if (!count) continue;
+            const int m = depth[r];
+            const int64_t width = (int64_t)1 << m;
+            const float *t = table + start[r];
+            double *row_sums = sums + start[r];
             memset(count, 0, sizeof(int64_t) * 2 * width);
-            memset(sum, 0, sizeof(double) * width);
             const int64_t base = r * z_ld, out = r * idx_ld;
             int64_t c = 0;
 #ifdef __AVX512F__
@@ -84,7 +107,7 @@ int bucket_stats(const void *z, int bf16, int64_t rows, int64_t cols, int64_t z_
                 else _mm512_storeu_si512(idx32 + out + c, k);
                 for (int j = 0; j < 16; j++) {
                     count[(j & 1) * width + ks[j]] += 1;
-                    sum[ks[j]] += vs[j];
+                    row_sums[ks[j]] += vs[j];
                 }
             }
 #endif
@@ -93,27 +116,25 @@ int bucket_stats(const void *z, int bf16, int64_t rows, int64_t cols, int64_t z_
                 int32_t k = search(t, m, v);
                 store_index(idx16, idx32, out + c, k);
                 count[k] += 1;
-                sum[k] += v;
+                row_sums[k] += v;
             }
-            for (int64_t j = 0; j < width; j++) {
-                counts[r * width + j] += (double)(count[j] + count[width + j]);
-                sums[r * width + j] += sum[j];
-            }
+            if (row_sums[0] != row_sums[0] && row_has_nan(z, bf16, base, cols)) failed |= FAILED_NAN;
+            double *row_counts = counts + start[r];
+            for (int64_t j = 0; j < width; j++) row_counts[j] += (double)(count[j] + count[width + j]);
         }
         free(count);
-        free(sum);
     }
-    return failed ? -1 : 0;
+    if (failed & FAILED_ALLOC) return -1;
+    return (failed & FAILED_NAN) ? -2 : 0;
 }
 
 int bucket_gather(int64_t rows, int64_t cols, const int16_t *idx16, const int32_t *idx32, int64_t idx_ld,
-                  const float *prefix, int m, float *out, int threads) {
-    const int64_t width = (int64_t)1 << m;
+                  const float *prefix, const int64_t *start, float *out, int threads) {
 #ifdef _OPENMP
 #pragma omp parallel for schedule(static) num_threads(threads > 0 ? threads : 1)
 #endif
     for (int64_t r = 0; r < rows; r++) {
-        const float *p = prefix + r * width;
+        const float *p = prefix + start[r];
         float *o = out + r * cols;
         if (idx16) {
             const int16_t *ix = idx16 + r * idx_ld;
