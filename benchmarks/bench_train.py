@@ -19,6 +19,12 @@ ML-1B mode (``--loss``, one or several losses, comma-separated, measured one aft
     .venv/bin/python -m benchmarks.bench_train --data /work/data/ml1b --loss rankmax --batching users \
         --batch 256 --steps 220 --layouts sharded      # user by user (train.batching: users) beside row by row
 
+Product mode (``--product CONFIG``): the shipped config itself, ``bigrank train CONFIG --launcher local`` with its
+own workers, model and settings (only ``data.root``, ``train.max_steps``, the logging cadence and no evaluation
+are set), beside the 3-GEMM floor of one of its steps, the epoch it projects and the workers' peak RSS::
+
+    .venv/bin/python -m benchmarks.bench_train --product configs/ml1b.yaml --data /work/data/ml1b --steps 200
+
 For each loss: bigrank (2 workers, ``--launcher local``, row-wise Adagrad on users and items, d = 64) against
 a plain single-process loop (2 threads) doing the same work the lean way — gather the touched user and item
 rows, one GEMM against the shared negatives plus each row's positive (a dot product), the loss, backward,
@@ -249,8 +255,6 @@ def bigrank_ml1b(
 ) -> tuple[float, list[float], str]:
     """bigrank train with 2 local workers: (examples/s without the first logging window, peak RSS per worker GB,
     the layout the run used)."""
-    import threading
-
     import yaml
 
     log_every = max(1, steps // 6)
@@ -273,26 +277,13 @@ def bigrank_ml1b(
         path = Path(run_dir) / "bench.yaml"
         path.write_text(yaml.safe_dump(config))
         command = [sys.executable, "-m", "bigrank.cli", "train", str(path), "--launcher", "local"]
-        process = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.DEVNULL)
-        peaks: dict[int, float] = {}
-
-        def watch():
-            while process.poll() is None:
-                for pid in _descendants(process.pid):
-                    peak = _peak_rss_gb(pid)
-                    if peak is not None:
-                        peaks[pid] = max(peaks.get(pid, 0.0), peak)
-                time.sleep(0.5)
-
-        watcher = threading.Thread(target=watch, daemon=True)
-        watcher.start()
-        if process.wait() != 0:
-            raise RuntimeError(f"bigrank train failed for {loss_name} (exit {process.returncode})")
-        watcher.join()
+        try:
+            workers = _run_watching_rss(command)
+        except RuntimeError:
+            raise RuntimeError(f"bigrank train failed for {loss_name}") from None
         records = read_metrics(run_dir)
         chosen = chosen_layout(run_dir)
     rates = [r.examples_per_s for r in records if isinstance(r, TrainRecord)][1:]
-    workers = sorted(peaks.values(), reverse=True)[:2]  # the two workers are the largest processes
     return float(np.median(rates)), workers, chosen
 
 
@@ -334,6 +325,69 @@ def run_ml1b(args) -> None:
         extra = f"{bf16:>11,.0f}{bf16 / plain:>15.2f}" if bf16 else ""
         print(f"{loss_name:<20}{label:<46}{floor:>16,.0f}{plain:>12,.0f}{ours:>14,.0f}{ours / plain:>10.2f}"
               f"{floor / ours:>15.2f}{rss:>20}{epoch}{extra}")  # fmt: skip
+
+
+def run_product(args) -> None:
+    """``--product CONFIG``: seconds a step of ``bigrank train CONFIG`` (median of the logging windows after the
+    first; a users step's rows vary, so seconds a step are the step's mean rows over examples/s) beside the floor
+    of the step's 3 GEMMs (``train.batch_size`` x n x d, 2 threads: what the 2 workers' shards add up to)."""
+    import yaml
+
+    config = load_config(ROOT / args.product)
+    data = str(Path(args.data).resolve())
+    manifest = load_manifest(data)
+    train_rows, users = int(manifest["splits"]["train"]["rows"]), int(manifest["num_users"])
+    num_items, batch, dim = int(manifest["num_items"]), config.train.batch_size, config.model.dim
+    steps = args.steps or 200
+    log_every = max(1, steps // 8)
+    with tempfile.TemporaryDirectory() as run_dir:
+        overrides = {
+            "data.root": data, "run_dir": run_dir, "train.max_steps": steps, "train.log_every": log_every,
+            "train.progress": False, "train.checkpoint_every": None, "eval.every_epochs": 0, "eval.at_end": False,
+        }  # fmt: skip
+        command = [sys.executable, "-m", "bigrank.cli", "train", str(ROOT / args.product), "--launcher", "local"]
+        for key, value in overrides.items():
+            command += ["--set", f"{key}={yaml.safe_dump(value).strip().removesuffix('...').strip()}"]
+        peaks = _run_watching_rss(command)
+        records = read_metrics(run_dir)
+        plan = (Path(run_dir) / PLAN_TEXT).read_text()
+    rates = [r.examples_per_s for r in records if isinstance(r, TrainRecord)][1:]
+    rate = float(np.median(rates))
+    rows_per_step = batch * train_rows / users if "batching: users" in plan else batch  # users: mean rows a step
+    seconds = rows_per_step / rate
+    floor = gemm_floor_seconds(batch, num_items, dim)
+    print(f"\n{args.product} on {data}: {num_items:,} items, {users:,} users, {train_rows:,} train rows, d={dim}, "
+          f"batch {batch}, {config.workers} workers, {steps} steps (the first logging window dropped)")  # fmt: skip
+    print("plan: " + " | ".join(line for line in plan.splitlines() if line.startswith(("model", "precision", "batch"))))
+    print(f"machine load (1/5/15 min): {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
+    rss = "/".join(f"{p:.2f}" for p in peaks) or "?"
+    print(f"{'s/step':>8}{'3-GEMM floor s':>16}{'step/floor':>12}{'examples/s':>12}{'epoch h':>9}"
+          f"{'peak RSS GB/worker':>20}")  # fmt: skip
+    print(f"{seconds:>8.2f}{floor:>16.2f}{seconds / floor:>12.2f}{rate:>12,.0f}{train_rows / rate / 3600:>9.1f}"
+          f"{rss:>20}")  # fmt: skip
+
+
+def _run_watching_rss(command: list[str]) -> list[float]:
+    """Run ``command`` (check the exit status) and return the peak RSS in GB of its two largest descendants."""
+    import threading
+
+    process = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.DEVNULL)
+    peaks: dict[int, float] = {}
+
+    def watch():
+        while process.poll() is None:
+            for pid in _descendants(process.pid):
+                peak = _peak_rss_gb(pid)
+                if peak is not None:
+                    peaks[pid] = max(peaks.get(pid, 0.0), peak)
+            time.sleep(0.5)
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    if process.wait() != 0:
+        raise RuntimeError(f"{' '.join(command[:6])} … failed (exit {process.returncode})")
+    watcher.join()
+    return sorted(peaks.values(), reverse=True)[:2]
 
 
 def run_ml1b_users(args, data: str, train_rows: int, num_items: int, manifest: dict) -> None:
@@ -390,8 +444,12 @@ def main() -> None:
     parser.add_argument("--precision", default="bf16", help="ML-1B users mode: train.precision of both runs")
     parser.add_argument("--row-batch", type=int, default=256, help="ML-1B users mode: the row-wise run's batch")
     parser.add_argument("--row-steps", type=int, default=12, help="ML-1B users mode: the row-wise run's steps")
+    parser.add_argument("--product", default=None, help="product mode: a shipped config run as it is (run_product)")
     args = parser.parse_args()
     torch.set_num_threads(2)
+    if args.product is not None:
+        run_product(args)
+        return
     if args.loss is not None:
         run_ml1b(args)
         return

@@ -30,7 +30,9 @@ import yaml
 
 from bigrank.atomic import write_text_atomic
 from bigrank.errors import ConfigError
+from bigrank.losses.fused.select import KERNELS
 from bigrank.losses.registry import CANDIDATE_LOSSES, FULL_CATALOG_LOSSES, LOSSES, parse_params
+from bigrank.model.layouts import LAYOUT_TABLES, LAYOUTS
 from bigrank.model.registry import DEFAULT_KIND, model_spec, parse_model_params, upgrade_model_keys
 from bigrank.scalars import EXPONENT_NUMBER, SCALAR_TYPES, convert_scalar
 
@@ -57,14 +59,10 @@ __all__ = [
 
 
 # ``train.device`` and ``train.precision``: the one list of each (``bigrank.devices`` imports them: it imports
-# torch, which this module must not).
+# torch, which this module must not). ``train.kernel``'s choices are the losses' (``KERNELS``), ``model.layout``'s
+# the model's (``LAYOUT_TABLES``, ``LAYOUTS``): imported from below, where they are decided.
 DEVICES = ("auto", "cpu", "cuda")
 PRECISIONS = ("auto", "fp32", "tf32", "bf16")
-KERNELS = ("auto", "fused", "chunked")  # train.kernel (bigrank.losses.fused.select)
-
-# The tables whose layout ``model.layout`` sets, and the layouts (bigrank.model.layout decides "auto").
-LAYOUT_TABLES = ("catalog", "user_table", "history_table")
-LAYOUTS = ("replicated", "sharded")
 
 
 def _choices(*values: str, doc: str = "") -> dict:
@@ -212,28 +210,26 @@ class EarlyStoppingConfig:
     metric: str = field(
         default="ap@10",
         metadata={
-            "doc": "a metric the evaluation of eval.splits[0] reports (accuracy, recall@K, ap@K, ndcg@K with K in "
-            "eval.ks); higher is better"
+            "doc": "a metric of the evaluations of eval.splits[0] while training (accuracy, recall@K, ap@K or ndcg@K; "
+            "its K is evaluated beside eval.ks); higher is better"
         },
     )
     patience: int = field(default=2, metadata={"doc": "evaluations without a better value before the run stops"})
     min_delta: float = field(default=0.0, metadata={"doc": "how much better a value must be to count as better"})
 
+    @property
+    def k(self) -> int | None:
+        """The cut-off the metric reads (None: accuracy)."""
+        return int(self.metric.split("@")[1]) if "@" in self.metric else None
+
     def check(self, eval_config: EvalConfig) -> None:
         import re
 
-        match = re.fullmatch(r"(recall|ap|ndcg)@(\d+)|accuracy", self.metric)
         _check(
-            match is not None,
+            re.fullmatch(r"(recall|ap|ndcg)@[1-9]\d*|accuracy", self.metric) is not None,
             "train.early_stopping.metric",
             f"must be accuracy, recall@K, ap@K or ndcg@K, got {self.metric!r}",
         )
-        if match is not None and match.group(2) is not None:
-            _check(
-                int(match.group(2)) in eval_config.ks,
-                "train.early_stopping.metric",
-                f"reads K = {match.group(2)}, which eval.ks {eval_config.ks} does not compute",
-            )
         _check(self.patience >= 1, "train.early_stopping.patience", "must be >= 1")
         _check(self.min_delta >= 0, "train.early_stopping.min_delta", "must be >= 0")
         _check(
@@ -668,11 +664,16 @@ def parse_override(text: str) -> tuple[list[str], Any]:
 
 
 def load_run_config(run_dir: str | os.PathLike) -> Config:
-    """The resolved config a run saved (``RUN_DIR/config.yaml``); FileNotFoundError when there is none."""
+    """The resolved config a run saved (``RUN_DIR/config.yaml``), with ``run_dir`` the directory named here (made
+    absolute): a copied or moved run reads its own checkpoints and gets its own results (``eval.json``), and the
+    run it was copied from is left alone. The ``run_dir`` the file records is where the run was trained: history,
+    not a destination. FileNotFoundError when there is no config.yaml."""
     path = Path(run_dir) / "config.yaml"
     if not path.is_file():
         raise FileNotFoundError(f"{run_dir} is not a run directory (no config.yaml)")
-    return load_config(path)
+    config = load_config(path)
+    config.run_dir = _absolute(str(run_dir), Path.cwd())
+    return config
 
 
 def add_override_argument(parser) -> None:

@@ -10,9 +10,10 @@
                                           (bigrank.train.launcher) running bigrank.train.workers's worker
     evaluate(...), export(...)            a run's checkpoint in local processes
 
-Callers: the ``bigrank train | evaluate | export`` commands (``bigrank.train.commands``), a job submitted with
-``bigrank submit`` (``python -m bigrank.run``, :func:`main`), and ``pipelines/demo.py``. The launchers are
-leaves: they take the worker function and know nothing of commands.
+Callers: the ``bigrank train | evaluate | export`` commands (``bigrank.cli.train``), each trial of ``bigrank tune``
+(``bigrank.tune.trial``: the pre-flight), a job submitted with ``bigrank submit`` (``python -m bigrank.run``,
+:func:`main`), and ``pipelines/demo.py``. The launchers are leaves: they take the worker function and know nothing
+of commands.
 """
 
 from __future__ import annotations

@@ -7,6 +7,13 @@ reports it. A second signal while the stop runs raises at once (KeyboardInterrup
 :class:`~bigrank.errors.Terminated` for SIGTERM: :func:`stop_exception`), as torchrun and Ray Tune do on a
 second Ctrl+C.
 
+A loop that runs until it is stopped (following a job's log, serving, ingesting, training) looks at the request's
+``event`` between its waits; none relies on an exception raised from the handler for its first signal. A handler
+runs between two bytecodes of whatever the main thread executes, a finaliser included (garbage collection runs
+them anywhere: urllib3's connection pools are finalised so), and an exception raised there is swallowed: Python
+prints "Exception ignored in: <finalize object>" and goes on (``bigrank submit --wait`` once followed a job to its
+end after a SIGTERM so).
+
 Stopping at once inside Ray. While ``ray.get`` waits (inside ``ray.init``, ``serve.start``, ``serve.run``,
 ``TorchTrainer.fit``, ``Tuner.fit``), Ray runs the Python signal handlers from its ``check_signals`` and lets only
 KeyboardInterrupt and SystemExit through: it swallows any other exception, so a Terminated raised there waits

@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import math
 import os
+import secrets
+import shutil
 import subprocess
 import sys
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -41,6 +44,28 @@ def ray_train_polls_its_workers_often():
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.2")
         yield
+
+
+@pytest.fixture(scope="session", autouse=True)
+def ray_keeps_its_files_in_a_directory_of_the_suite():
+    """Ray writes outside the tests' directories unless told otherwise: every new local runtime (``ray.init``)
+    turns token authentication on and, finding no token, writes one to ``~/.ray/auth_token`` in the real home;
+    its sessions, logs and sockets go to ``/tmp/ray``, where ``ray start`` also records the cluster it started
+    (``ray_current_cluster``), which any later ``ray.init(address="auto")`` on the machine reads (a test run
+    once met "multiple active Ray instances" there). For the whole session, in this process, the commands it
+    starts and the Ray processes they start (they inherit the environment), Ray's temporary directory is one of
+    the suite's own (``RAY_TMPDIR``; short, for Ray's socket paths) and the token a file in it
+    (``RAY_AUTH_TOKEN_PATH``). Tests that give a Ray head a home of its own (the token tests) drop the token."""
+    directory = Path(tempfile.mkdtemp(prefix="bigrank-ray-", dir="/tmp"))
+    token = directory / "auth_token"
+    token.write_text(secrets.token_hex(32))  # as `ray get-auth-token --generate` makes one
+    try:
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setenv("RAY_TMPDIR", str(directory))
+            patch.setenv("RAY_AUTH_TOKEN_PATH", str(token))
+            yield directory
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
 
 
 TINY_USERS, TINY_ITEMS, TINY_TOPICS = 120, 101, 8  # 101 items: uneven catalog shards [0, 51) and [51, 101)

@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 from bigrank.cli import main
 from bigrank.config import ConfigError, config_from_dict
-from bigrank.launch.tune.space import DOMAINS, SearchSpace, SpaceError, load_space, search_base, validate_space
+from bigrank.tune.space import DOMAINS, SearchSpace, SpaceError, load_space, search_base, validate_space
 
 NUMBERS = st.one_of(
     st.integers(min_value=-2, max_value=20),

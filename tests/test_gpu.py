@@ -305,7 +305,6 @@ print("ok")
 def test_fused_kernels_on_cuda_equal_chunked(name, dtype, tolerance):
     """train.kernel=fused compiled for the GPU (not interpreted) against the chunked path, on the same device
     (tolerances as in tests/test_fused_losses.py: relative to the largest gradient entry; TF32 off)."""
-    pytest.importorskip("triton")
     from bigrank.losses.fused.source import kernel_scores
 
     users, items, target = factors(device="cuda")

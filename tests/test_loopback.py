@@ -68,16 +68,31 @@ def _assert_loopback_only(ray, minimum: int) -> None:
     assert not exposed, "listening outside loopback:\n" + "\n".join(map(str, exposed))
 
 
-def test_the_training_and_tuning_runtime_listens_on_loopback_only(tiny_dataset, tmp_path):
+def test_the_training_and_tuning_runtime_listens_on_loopback_only_and_writes_nothing_home(
+    tiny_dataset, tmp_path, monkeypatch
+):
+    """Also: the runtime keeps its files in the suite's directory (conftest's
+    ``ray_keeps_its_files_in_a_directory_of_the_suite``). Started with an empty home, it writes nothing there (a new
+    runtime that finds no token writes one to ``~/.ray/auth_token``), and its session lies outside ``/tmp/ray``."""
+    import tempfile
+    from pathlib import Path
+
     import ray
 
     from bigrank.launch.ray_train import init_ray
 
     if ray.is_initialized():
         ray.shutdown()
+    home = tmp_path / "home"
+    home.mkdir()
+    monkeypatch.setenv("HOME", str(home))
     config = config_from_dict({"data": {"root": str(tiny_dataset)}, "run_dir": str(tmp_path), "workers": 1})
     assert init_ray(config)
     try:
+        assert sorted(home.rglob("*")) == [], sorted(home.rglob("*"))
+        session = Path(ray._private.worker._global_node.get_session_dir_path())
+        assert not session.is_relative_to(Path(tempfile.gettempdir()) / "ray"), session
+        assert session.is_relative_to(os.environ.get("RAY_TMPDIR", "/nowhere")), session
 
         @ray.remote(num_cpus=0)
         class Probe:  # one more worker process with its own gRPC server
@@ -197,7 +212,6 @@ def test_an_embedded_training_run_listens_on_loopback_only_at_every_sample(tiny_
     the run — driver, GCS, raylet, agents, the Ray Train controller and workers with their process group's store
     and gloo pairs — listens outside 127.0.0.0/8 at any sample, from start to exit. (Before the workers started
     their own group, rank 0's TCPStore of Ray Train's TorchConfig listened on *:PORT.)"""
-    pytest.importorskip("ray")
     sampler, output = _run_sampled(["train", _small_config(tmp_path, tiny_dataset), "--launcher", "ray"], tmp_path)
     assert "examples/s" in output, output[-3000:]  # the run finished (its summary)
     print(sampler.summary())
@@ -209,7 +223,6 @@ def test_an_embedded_training_run_listens_on_loopback_only_at_every_sample(tiny_
 def test_an_embedded_search_listens_on_loopback_only_at_every_sample(tiny_dataset, tmp_path):
     """`bigrank tune` (embedded runtime, one trial of 1 epoch on 2 local workers): the same check over the whole
     search — Ray Tune's controller and trial actor, and the trial's local launcher with its workers."""
-    pytest.importorskip("ray")
     space = tmp_path / "space.yaml"
     space.write_text("metric: recall@10\ntrials: 1\nspace:\n  optim.item_lr: {choice: [0.05]}\n")
     config = _small_config(tmp_path, tiny_dataset, epochs=1)
@@ -229,7 +242,6 @@ def test_an_embedded_ray_server_listens_on_loopback_only_at_every_sample(tiny_da
 
     import torch
 
-    pytest.importorskip("ray")
     from bigrank.export.writer import export_embeddings
     from bigrank.train.launcher import free_port
     from tests.conftest import TINY_ITEMS, TINY_USERS

@@ -57,7 +57,7 @@ class ToyModel:
     def user_vectors(self, user_ids: torch.Tensor) -> torch.Tensor:
         return self.users.detach()[torch.as_tensor(user_ids, dtype=torch.int64)] * self.scale
 
-    def ranking_view(self):
+    def ranking_view(self, known_splits=("train",)):
         from bigrank.model.catalog import CatalogView
 
         start, stop = self.owned

@@ -6,6 +6,7 @@ missing token and an address where nothing listens give errors that say what to 
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import re
@@ -336,7 +337,7 @@ def test_the_shipped_working_dir_has_the_code_and_configs_but_not_venv_data_or_r
     package = tmp_path / "working_dir.zip"
     create_package(str(project_dir()), package, include_gitignore=True, excludes=WORKING_DIR_EXCLUDES)
     names = set(zipfile.ZipFile(package).namelist())
-    for needed in ("bigrank/data/stream.py", "bigrank/launch/jobs.py", "bigrank/cli.py", "configs/demo.yaml"):
+    for needed in ("bigrank/data/stream.py", "bigrank/launch/jobs.py", "bigrank/cli/__init__.py", "configs/demo.yaml"):
         assert needed in names, needed
     for name in names:
         assert not name.startswith((".venv/", "data/", "runs/", ".git/")) and "__pycache__" not in name, name
@@ -363,3 +364,41 @@ def test_sigterm_or_ctrl_c_while_waiting_stops_following_and_the_job_keeps_runni
         state = _bigrank("status", job_id, "--address", ray_head.dashboard)
         assert state.returncode == 0 and ("RUNNING" in state.stdout or "PENDING" in state.stdout), state.stdout
         assert _bigrank("stop", job_id, "--address", ray_head.dashboard).returncode == 0
+
+
+def test_a_sigterm_inside_a_finaliser_still_stops_submit_wait(ray_head, demo_data, tmp_path, monkeypatch, capsys):
+    """A signal handler that raises loses its exception when the signal lands while a finaliser runs (Python prints
+    "Exception ignored in: <finalize object>" and goes on): CI once saw `submit --wait` ignore SIGTERM so, while
+    urllib3's connection pools were finalised during garbage collection, and follow the job to its end. The handler
+    only sets the stop event that the follow and the wait look at. Here the SIGTERM is raised inside a ``__del__``
+    run from the first write of the job's log: the command stops following at once (143) and the job runs on."""
+    from bigrank.cli import main
+    from bigrank.launch import jobs
+
+    monkeypatch.setenv("RAY_AUTH_TOKEN_PATH", str(HOME / ".ray" / "auth_token"))  # the head's token
+    fired = []
+
+    class Finaliser:
+        def __del__(self):
+            signal.raise_signal(signal.SIGTERM)  # the handler runs here, inside the finaliser
+
+    class JobLog(io.StringIO):
+        def write(self, text):
+            so_far = self.getvalue()
+            if "submitted job " in so_far and so_far.endswith("\n") and not fired:  # the job's log, being followed
+                fired.append(text)
+                Finaliser()  # dropped at once: its __del__ runs now
+            return super().write(text)
+
+    log = JobLog()
+    monkeypatch.setattr(sys, "stdout", log)
+    args = _submit_args(ray_head, demo_data, tmp_path / "run", "--wait", "train.max_steps=8", "eval.sample_users=100")
+    args[1] = str(REPO / args[1])
+    code = main(args)
+    job_id = next(line for line in log.getvalue().splitlines() if line.startswith("submitted job ")).split()[2]
+    try:
+        assert fired and code == 143, log.getvalue()[-3000:]
+        assert "stopped by SIGTERM; stopped following job" in capsys.readouterr().err
+        assert jobs.job_status(ray_head.dashboard, job_id)["status"] in ("PENDING", "RUNNING")
+    finally:
+        jobs.stop_job(ray_head.dashboard, job_id)

@@ -9,6 +9,7 @@ from functools import partial
 import pytest
 import torch
 
+from bigrank.config import LossConfig
 from bigrank.data.samplers import candidate_labels
 from bigrank.losses.sampled import accidental_hits, sampled_softmax_loss
 from bigrank.losses.softrank import smooth_ap_loss
@@ -126,3 +127,32 @@ def test_sparse_row_updates_equal_dense_torch_optim_steps(loss_name, optimizer, 
         reference.backward()
         dense.step()
     torch.testing.assert_close(sparse_weight.detach(), dense_weight.detach(), rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize(("loss_name", "batch"), [("sampled_softmax", 512), ("smooth_ap", 512), ("softrank_ndcg", 64)])
+def test_a_sampled_steps_gradients_are_the_same_bits_on_every_call(loss_name, batch):
+    """The fused sampled softmax, the fused soft-rank losses and the materialised columns (SoftNDCG) take each
+    touched row once per draw (``bigrank.train.losses.repeat_rows``): the backward adds a repeated row's gradients
+    in the same order every time. 1,024 negatives of 64-d rows from 101 items and 512 positives repeat every row,
+    in gathers large enough for torch's parallel backward of ``rows[index]`` (atomic adds, whose order changed from
+    call to call: issue 49); 4 threads, so that the adds race even on 2 cores. SoftNDCG's materialised [B, C] columns
+    cost B C^2: a smaller batch, whose gather of the candidate columns is still large enough."""
+    from bigrank.train.losses import StepLoss
+
+    generator = torch.Generator().manual_seed(0)
+    users, catalog = torch.randn(batch, 64, generator=generator), torch.randn(101, 64, generator=generator)
+    target = torch.randint(0, 101, (batch,), generator=generator)
+    config = LossConfig(name=loss_name, candidates="sampled", num_negatives=1024)
+    step_loss = StepLoss(config, num_items=101, shard_start=0, shard_stop=101, seed=7)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(4)
+    try:
+        grads = []
+        for _ in range(8):
+            u = users.clone().requires_grad_()
+            step_loss(u, target, catalog, step=3).backward()
+            grads.append((step_loss.last_rows.grad, u.grad))
+    finally:
+        torch.set_num_threads(threads)
+    for rows, user_grads in grads[1:]:
+        assert torch.equal(rows, grads[0][0]) and torch.equal(user_grads, grads[0][1])

@@ -220,6 +220,41 @@ def test_every_configured_loss_learns(tiny_dataset, tmp_path):
     assert not failures, "\n".join(failures)
 
 
+def test_two_sampled_softmax_runs_of_one_config_end_with_the_same_bits(tiny_dataset, tmp_path):
+    """The same config on the same worker count, twice: the same loss at every step and the same parameters and
+    optimizer states to the last bit, as for the full-catalog losses. 1,024 negatives of 64-d rows drawn from 101
+    items repeat every row many times, in a gather large enough (65,536 elements) for torch's parallel backward of
+    ``rows[index]``, whose atomic adds once summed a repeated row's gradients in a new order every run (issue 49:
+    two ML-1M runs parted after their first step); 4 torch threads, so that the adds race even on 2 cores."""
+    sections = {
+        "workers": 1,
+        "model": {"dim": 64},
+        "loss": {"name": "sampled_softmax", "num_negatives": 1024},
+        "optim": {"item_optimizer": "adagrad"},
+        "train": {"batch_size": 512, "max_steps": 5},
+    }
+    runs = [tmp_path / "first", tmp_path / "second"]
+    launch_local(_train_each, 1, ([_config(tiny_dataset, run, **sections) for run in runs],), threads=4, timeout=240)
+    first, second = ([r["loss"] for r in _train_records(run)] for run in runs)
+    assert len(first) == 5 and first == second
+    states = [checkpoint_parameters(run / "checkpoints" / "step-00000005") for run in runs]
+    for name, a, b in zip(("catalog", "user table"), states[0][:2], states[1][:2], strict=True):
+        assert torch.equal(a, b), name
+    for a, b in zip(states[0][2:4], states[1][2:4], strict=True):  # the user and item optimizers' states
+        flat_a, flat_b = (dict(pairs) for pairs in (_tensors(a), _tensors(b)))
+        assert flat_a.keys() == flat_b.keys() and all(torch.equal(flat_a[k], flat_b[k]) for k in flat_a), flat_a.keys()
+
+
+def _tensors(tree, prefix=""):
+    """``(dotted key, tensor)`` of every tensor in a nest of dicts and lists."""
+    items = tree.items() if isinstance(tree, dict) else enumerate(tree)
+    for key, value in items:
+        if isinstance(value, dict | list):
+            yield from _tensors(value, f"{prefix}{key}.")
+        elif isinstance(value, torch.Tensor):
+            yield f"{prefix}{key}", value
+
+
 def _first_batch_positives(config):
     """On each rank: the train-item counts the trainer hands the loss for its first global batch, the users of
     that batch's rows (gathered the way the batch is), and the loss of one step on it."""

@@ -59,7 +59,7 @@ def _space(tmp_path, text: str) -> Path:
 
 def test_a_bad_space_key_is_an_error_naming_it(tmp_path, demo_data, capsys):
     from bigrank.cli import main
-    from bigrank.launch.tune import SpaceError, load_space, search_base, validate_space
+    from bigrank.tune import SpaceError, load_space, search_base, validate_space
 
     base = search_base(load_config(_base_config(tmp_path, demo_data)))
     cases = {
@@ -99,7 +99,7 @@ def test_a_tiny_search_writes_the_trials_table_and_a_best_config_that_train_acce
     ray_runtime, tmp_path, demo_data, capsys
 ):
     from bigrank.cli import main
-    from bigrank.launch.tune import load_space, run_search
+    from bigrank.tune import load_space, run_search
 
     # item_lr is sampled, but the first (here: only) sample is the base config's own value; Tune runs it with
     # every grid value of user_lr.
@@ -149,7 +149,7 @@ class InterruptOnce(Callback):
 
 
 def test_an_interrupted_search_resumes_where_it_stopped(ray_runtime, tmp_path, demo_data):
-    from bigrank.launch.tune import load_space, run_search
+    from bigrank.tune import load_space, run_search
 
     # grace_period = epochs: ASHA stops no trial here (it would stop the worse of the two after epoch 1).
     text = "scheduler: {grace_period: 2}\nspace:\n  optim.user_lr: {grid: [0.05, 0.2]}\n  train.epochs: 2\n"
@@ -208,8 +208,8 @@ def test_a_search_whose_every_trial_fails_exits_non_zero_naming_the_error(ray_ru
 def test_a_trials_error_is_summarised_by_its_cause():
     from ray.exceptions import RayTaskError
 
-    from bigrank.launch.tune.results import _error_summary
     from bigrank.train.launcher import WorkerError
+    from bigrank.tune.results import _error_summary
 
     worker = WorkerError(0, "RuntimeError", "CUDA error: oops\nCompile with TORCH_USE_CUDA_DSA", "Traceback ...")
     wrapped = RayTaskError("train", "Traceback (most recent call last):\n  ...", worker).as_instanceof_cause()

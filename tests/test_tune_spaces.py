@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from bigrank.config import load_config
-from bigrank.launch.tune import Domain, SearchSpace, base_point, get_key, load_space, search_base, validate_space
+from bigrank.tune import Domain, SearchSpace, base_point, get_key, load_space, search_base, validate_space
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 SHIPPED = sorted(path.name.removesuffix(".space.yaml") for path in (CONFIGS / "tune").glob("*.space.yaml"))

@@ -109,6 +109,21 @@ def test_training_learns_and_evaluate_with_three_workers_finds_the_same_figures(
         assert evaluated[split]["checkpoint"] == str(latest_checkpoint(run))
 
 
+def test_evaluating_a_copied_run_reads_and_writes_the_copy_and_leaves_the_original(workflow_run, tmp_path):
+    """`bigrank evaluate COPY`: the copy's checkpoint, and eval.json written into COPY. The run_dir recorded in
+    COPY/config.yaml is the original's: it is history, and the original's results stay as they were."""
+    copy = tmp_path / "copy"
+    shutil.copytree(workflow_run.run, copy)
+    original = (workflow_run.run / "eval.json").read_bytes()
+    (copy / "eval.json").unlink()
+    out = bigrank("evaluate", copy, "--split", "valid", "--workers", 1, "--no-index")
+    assert f"written to {copy / 'eval.json'}" in out.stdout, out.stdout
+    evaluated = json.loads((copy / "eval.json").read_text())
+    assert evaluated["valid"]["checkpoint"] == str(latest_checkpoint(copy))
+    assert evaluated["valid"]["recall@10"] == pytest.approx(workflow_run.train_eval["valid"]["recall@10"], abs=1e-6)
+    assert (workflow_run.run / "eval.json").read_bytes() == original
+
+
 def test_evaluation_equals_brute_force_over_the_checkpoint(workflow_run):
     """The real sharded TorchRec tower and catalog, evaluated by `bigrank evaluate`, against a numpy ranking of
     the checkpoint's tables."""

@@ -478,7 +478,7 @@ def drain_bound_s(haproxy: bool) -> float:
 def start_local_ray(host: str = "127.0.0.1") -> None:
     """The embedded Ray runtime of ``bigrank serve --ray`` without ``--address``: on loopback only, and with the
     HAProxy ingress its statistics page and Prometheus exporter on ``host`` (the serve address) too."""
-    from bigrank.launch.loopback import init_local_ray
+    from bigrank.ray_runtime import init_local_ray
 
     if os.environ.get("RAY_SERVE_ENABLE_HA_PROXY") == "1":
         _haproxy_listeners_on(host)

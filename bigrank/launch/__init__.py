@@ -1,5 +1,6 @@
-"""Ray glue, called by the run layer (``bigrank.run``): Ray Train launching (``ray_train``) and Ray Jobs
-submission (``jobs``). Both are leaves: they import nothing of the trainer or the commands.
+"""Ray glue, called by the run layer (``bigrank.run``) and the commands: Ray Train launching (``ray_train``) and
+Ray Jobs submission (``jobs``). Both are leaves: they import nothing of the trainer or the commands (``ray_train``
+only the worker bootstrap); Ray's start-up is ``bigrank.ray_runtime``, below every package that uses it.
 
 Ray is imported inside the functions (a heavy optional dependency), so importing this package stays cheap.
 """

@@ -22,11 +22,13 @@ becomes an error that says where to put the token.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import re
 import shlex
 import socket
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -34,6 +36,7 @@ from urllib.parse import urlparse
 
 from bigrank.config import dump_config
 from bigrank.errors import CommandError
+from bigrank.ray_runtime import read_auth_token
 from bigrank.signals import STOP_GRACE_SECONDS, held_stop_signals
 
 __all__ = [
@@ -48,7 +51,6 @@ __all__ = [
     "job_status",
     "normalize_address",
     "project_dir",
-    "read_auth_token",
     "stop_job",
     "submit_training",
     "wait_for_job",
@@ -76,6 +78,7 @@ WORKING_DIR_EXCLUDES = [
 _SUBMISSION_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
 _CONNECT_TIMEOUT_S = 5.0
 _AGENT_WAIT_S = 60.0
+_STOP_POLL_S = 0.1  # how often following a job's log looks at its stop event
 # `bigrank stop` (Ray Jobs) SIGTERMs the entrypoint and SIGKILLs it RAY_JOB_STOP_WAIT_TIME_S later (Ray's default:
 # 3 s). The entrypoint's workers stop at a step boundary with a final checkpoint and get STOP_GRACE_SECONDS for
 # it (bigrank.launch.ray_train): the job's supervisor, which reads this from the job's env_vars, waits that long
@@ -123,17 +126,6 @@ def check_submission_id(job_id: str) -> str:
             f"job id {job_id!r} must be letters, digits, '.', '_' and '-' (it names the job's log file and URL)"
         )
     return job_id
-
-
-def read_auth_token() -> str | None:
-    """The Ray token: ``RAY_AUTH_TOKEN``, else the file ``RAY_AUTH_TOKEN_PATH``, else ``~/.ray/auth_token``."""
-    token = os.environ.get("RAY_AUTH_TOKEN", "").strip()
-    if token:
-        return token
-    path = Path(os.environ.get("RAY_AUTH_TOKEN_PATH") or Path.home() / ".ray" / "auth_token").expanduser()
-    if path.is_file():
-        return path.read_text().strip() or None
-    return None
 
 
 def _token_help(address: str) -> str:
@@ -266,8 +258,14 @@ def job_logs(address: str | None, job_id: str) -> str:
     return _call(client, f"logs of {job_id}", client.get_job_logs, job_id)
 
 
-def follow_logs(address: str | None, job_id: str, out=None) -> None:
-    """Print the job's log as it grows until the job ends (the Jobs API's log stream)."""
+def follow_logs(address: str | None, job_id: str, out=None, stop: threading.Event | None = None) -> bool:
+    """Print the job's log as it grows until the job ends (the Jobs API's log stream), or until ``stop`` is set
+    (looked at every ``_STOP_POLL_S``): True when the log ended, False when ``stop`` ended the following.
+
+    A command stops it through ``stop``, the event its signal handler sets (``bigrank.signals.graceful_stop``),
+    never through an exception raised from the handler: a signal that lands while a finaliser runs (urllib3's
+    connection pools are finalised during garbage collection) has that exception swallowed by Python ("Exception
+    ignored in: <finalize object>"), and the following went on until the job ended."""
     out = out or sys.stdout
     client = connect(address)
     _call(client, f"logs of {job_id}", client.get_job_info, job_id)  # unknown job → clear error
@@ -277,28 +275,50 @@ def follow_logs(address: str | None, job_id: str, out=None) -> None:
             out.write(lines)
             out.flush()
 
-    # `submit --wait` stops on a signal's exception: never inside the loop's set-up, so the loop is built in a
-    # held block (entering `with asyncio.Runner()` would build it before the block).
+    async def follow() -> bool:
+        tailing = asyncio.ensure_future(tail())
+        while stop is None or not stop.is_set():
+            done, _ = await asyncio.wait({tailing}, timeout=_STOP_POLL_S)
+            if done:
+                tailing.result()  # the stream's error, if it failed
+                return True
+        tailing.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await tailing
+        return False
+
+    # A second signal stops at once with its exception (graceful_stop): never inside the loop's set-up, so the
+    # loop is built in a held block (entering `with asyncio.Runner()` would build it before the block).
     runner = asyncio.Runner()
     try:
         with held_stop_signals():
             runner.get_loop()
-        runner.run(tail())
+        return runner.run(follow())
     finally:
         runner.close()  # closes the loop and its log stream however the follow ends
 
 
-def wait_for_job(address: str | None, job_id: str, *, poll_s: float = 2.0, timeout_s: float | None = None) -> str:
-    """Poll until the job is SUCCEEDED, FAILED or STOPPED; returns that status (TimeoutError after timeout_s)."""
+def wait_for_job(
+    address: str | None,
+    job_id: str,
+    *,
+    poll_s: float = 2.0,
+    timeout_s: float | None = None,
+    stop: threading.Event | None = None,
+) -> str | None:
+    """Poll until the job is SUCCEEDED, FAILED or STOPPED; returns that status (TimeoutError after timeout_s),
+    or None once ``stop`` is set (see :func:`follow_logs`)."""
     client = connect(address)
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
-    while True:
+    stop = stop or threading.Event()
+    while not stop.is_set():
         status = str(getattr(_call(client, job_id, client.get_job_status, job_id), "value", ""))
         if status in TERMINAL_STATUSES:
             return status
         if deadline is not None and time.monotonic() > deadline:
             raise TimeoutError(f"job {job_id} is still {status} after {timeout_s} s")
-        time.sleep(poll_s)
+        stop.wait(poll_s)
+    return None
 
 
 def stop_job(address: str | None, job_id: str) -> bool:

@@ -4,7 +4,7 @@ Ray Train's ``TorchConfig`` starts the process group from its controller: rank 0
 whose server listens on every interface whatever host name it is given (measured 2026-11-27 with ``ss -ltnup``
 every 0.5 s over an embedded ``bigrank train`` of ``configs/demo.yaml``: a ``RayTrainWorker`` on ``*:PORT`` for
 about a third of the run). When every node of the runtime is this machine's loopback (the embedded runtime of
-``bigrank.launch.loopback``), ``bigrank.launch.ray_train`` hands Ray Train :class:`WorkerProcessGroup` instead:
+``bigrank.ray_runtime``), ``bigrank.launch.ray_train`` hands Ray Train :class:`WorkerProcessGroup` instead:
 the same ``TorchConfig`` but for a backend that starts nothing, and each worker joins the group itself
 (``bigrank.train.bootstrap.start_ray_process``), on a store bound to 127.0.0.1 as the local launcher's workers
 do. A run that joins a cluster keeps Ray Train's own ``TorchConfig``: its workers may be on other machines.

@@ -45,7 +45,6 @@ from __future__ import annotations
 
 import functools
 import os
-import socket
 import threading
 import time
 from collections.abc import Callable
@@ -55,7 +54,7 @@ from typing import Any
 from bigrank.atomic import write_text_atomic
 from bigrank.config import Config
 from bigrank.errors import CommandError
-from bigrank.launch.jobs import read_auth_token
+from bigrank.ray_runtime import RayConnectionError, start_ray
 from bigrank.signals import STOP_GRACE_SECONDS, Stopped, graceful_stop, raise_in_ray, stop_exception, watch_stop_file
 
 __all__ = [
@@ -75,10 +74,6 @@ _LOCAL_ENV = {"GLOO_SOCKET_IFNAME": "lo"}
 STOP_FILE = "stop-request"
 
 
-class RayConnectionError(CommandError):
-    """Ray could not be started or reached; the message names the address."""
-
-
 class RayTrainingError(CommandError):
     """The training failed on Ray after its allowed restarts; the message holds the worker's error."""
 
@@ -91,91 +86,17 @@ def resolve_address(config: Config, address: str | None = None) -> str | None:
     return None
 
 
-def _check_reachable(address: str, timeout: float = 5.0) -> None:
-    """Fail within ``timeout`` seconds when nothing listens at a ``HOST:PORT`` / ``ray://HOST:PORT`` address
-    (``ray.init`` itself retries for a minute or more before giving up)."""
-    if address == "auto":
-        return
-    if address.startswith(("http://", "https://")):
-        raise RayConnectionError(
-            f"{address} is a dashboard (Jobs API) address: submit with `bigrank submit CONFIG --address "
-            f"{address}`, or give --launcher ray the cluster's GCS address (HOST:6379) or ray://HOST:10001"
-        )
-    target = address.split("://", 1)[-1].rstrip("/")
-    host, sep, port = target.rpartition(":")
-    if not sep or not port.isdigit():
-        return  # let Ray interpret it
-    try:
-        with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout):
-            pass
-    except OSError as error:
-        raise RayConnectionError(
-            f"cannot reach the Ray cluster at {address}: {error.strerror or error}. Start one (cluster/"
-            "local_cluster.sh start) or pass the head's address (HOST:6379 or ray://HOST:10001); without "
-            "--address and RAY_ADDRESS, bigrank starts an embedded local Ray runtime."
-        ) from None
-
-
 def init_ray(config: Config, address: str | None = None) -> bool:
-    """Start an embedded local Ray runtime sized for ``config`` (``address`` None) or join ``address``.
-
-    Does nothing when Ray is already initialised in this process (returns False); otherwise returns True
-    (the caller owns the runtime and shuts it down). The embedded runtime listens on 127.0.0.1 only, without a
-    dashboard and gets at least ``workers * ray.cpus_per_worker`` CPUs, so a 2-worker run never waits for
-    resources on a smaller machine (the processes then share the cores).
-    """
-    import ray
-
-    from bigrank.launch.loopback import init_local_ray
-
-    if address is not None:
-        _check_reachable(address)
-    if ray.is_initialized():
-        return False
-    if address is None:
-        need = config.workers * config.ray.cpus_per_worker
-        num_cpus = max(os.cpu_count() or 1, int(need + 0.999))
-        init_local_ray(  # every listener on 127.0.0.1 (bigrank.launch.loopback)
-            num_cpus=num_cpus,
-            num_gpus=int(config.workers * config.ray.gpus_per_worker + 0.999) or None,
-            runtime_env={"env_vars": dict(_LOCAL_ENV)},
-            log_to_driver=True,
-            # Without a dashboard Ray Train's placement-group cleaner warns every second that the State API
-            # is unavailable; Ray's own loggers keep their errors only (the trainer prints its progress).
-            logging_config=ray.LoggingConfig(log_level="ERROR"),
-        )
-        return True
-    token_mode = _use_token_auth()
-    try:
-        ray.init(address=address, log_to_driver=True)
-    except (ConnectionError, RuntimeError, ValueError) as error:
-        hint = (
-            "the cluster may require token authentication: put the head's token (`ray get-auth-token` on the "
-            "head, or its ~/.ray/auth_token) in ~/.ray/auth_token here or set RAY_AUTH_TOKEN"
-            if not token_mode
-            else "check that ~/.ray/auth_token (or RAY_AUTH_TOKEN) holds the head's token"
-        )
-        raise RayConnectionError(f"cannot connect to the Ray cluster at {address}: {error}; {hint}") from None
-    return True
-
-
-def _use_token_auth() -> bool:
-    """Turn on Ray's token authentication for joining a cluster when a token is at hand and RAY_AUTH_MODE is
-    unset: Ray 2.60 heads started with `ray start` require it, and ray.init does not switch it on by itself
-    for an existing cluster. Returns whether token mode is on."""
-    mode = os.environ.get("RAY_AUTH_MODE")
-    if mode is not None:
-        return mode.lower() == "token"
-    if read_auth_token() is None:
-        return False
-    os.environ["RAY_AUTH_MODE"] = "token"
-    try:  # refresh the configuration Ray's core read when it was imported
-        from ray._raylet import Config as RayCoreConfig
-
-        RayCoreConfig.initialize("")
-    except (ImportError, AttributeError):
-        pass
-    return True
+    """Start an embedded local Ray runtime sized for ``config`` (``address`` None) or join ``address``
+    (``bigrank.ray_runtime.start_ray``): at least ``workers * ray.cpus_per_worker`` CPUs, so that a 2-worker run
+    never waits for resources on a smaller machine (the processes then share the cores), its workers' gloo on
+    the loopback interface. Returns whether this call started or joined Ray (the caller then shuts it down)."""
+    return start_ray(
+        address,
+        cpus=config.workers * config.ray.cpus_per_worker,
+        gpus=config.workers * config.ray.gpus_per_worker,
+        env=_LOCAL_ENV,
+    )
 
 
 def ray_worker_loop(worker: Callable[[dict], dict], backend: str | None, config_dict: dict[str, Any]) -> None:
@@ -220,11 +141,11 @@ def _run_and_report(worker: Callable[[dict], dict], config_dict: dict[str, Any])
 
 def nodes_on_loopback() -> bool:
     """Whether every live node of the connected Ray runtime has this machine's loopback address (the embedded
-    runtime of ``bigrank.launch.loopback``, a local cluster started on 127.0.0.1): then every worker runs here and
+    runtime of ``bigrank.ray_runtime``, a local cluster started on 127.0.0.1): then every worker runs here and
     the process group can listen on 127.0.0.1 only."""
     import ray
 
-    from bigrank.launch.loopback import LOOPBACK
+    from bigrank.ray_runtime import LOOPBACK
 
     nodes = [node for node in ray.nodes() if node.get("Alive")]
     return bool(nodes) and all(node.get("NodeManagerAddress") == LOOPBACK for node in nodes)

@@ -14,7 +14,7 @@ its ``*Params`` check, ``tests/test_loss_registry.py``) is still a ConfigError n
 from __future__ import annotations
 
 import inspect
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 from torch import nn
 
@@ -22,10 +22,18 @@ from bigrank.errors import ConfigError
 from bigrank.losses.registry import CANDIDATE, FULL_CATALOG, LOSSES
 from bigrank.losses.warmup import LossWarmupWrapper
 
-if TYPE_CHECKING:  # annotations only: bigrank.config imports the registry, which this module imports
-    from bigrank.config import LossConfig
+__all__ = ["CandidateLoss", "LossSection", "build_loss", "check_loss_config"]
 
-__all__ = ["CandidateLoss", "build_loss", "check_loss_config"]
+
+class LossSection(Protocol):
+    """What the builders read of a config's ``loss`` section (``bigrank.config.LossConfig``, which sits above the
+    losses and is not imported here): the loss's ``name`` and ``params``, and ``warmup``, None or a section with
+    the warm-up loss's ``loss`` and ``params`` and its schedule (``steps``, ``temp_start``, ``temp_end``,
+    ``temp_decay_steps``, ``blend_steps``)."""
+
+    name: str
+    params: dict
+    warmup: Any
 
 
 class CandidateLoss(nn.Module):
@@ -67,7 +75,7 @@ def _module(name: str, params: dict, key: str) -> nn.Module:
         raise ConfigError(f"{key} ({name}): {error}") from None
 
 
-def build_loss(config: LossConfig) -> nn.Module:
+def build_loss(config: LossSection) -> nn.Module:
     """The loss module of the ``loss`` config section (its parameters as a loaded config holds them: merged over
     the defaults and checked), wrapped in ``LossWarmupWrapper`` when ``loss.warmup`` is set. Errors are
     ConfigErrors naming the key."""
@@ -90,6 +98,6 @@ def build_loss(config: LossConfig) -> nn.Module:
         raise ConfigError(f"loss.warmup: {error}") from None
 
 
-def check_loss_config(config: LossConfig) -> None:
+def check_loss_config(config: LossSection) -> None:
     """Build the loss once, so that any bad value is a ConfigError naming the key before a process starts."""
     build_loss(config)

@@ -216,7 +216,7 @@ class PatchedScores:
 
     The patch is how a model corrects a few scores of a row that a dot product cannot express: the item-bag
     model's user vector pools the very items it scores, and each of a user's items loses its own term there
-    (``bigrank.model.item_bag``: EASE's zero diagonal, one entry per item of the bag).
+    (EASE's zero diagonal: one entry per item of the bag).
 
     Args:
         base: the score source (a tensor [B, n_local] reads as ``DenseScores``);

@@ -38,8 +38,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from bigrank.config import LAYOUT_TABLES, LAYOUTS
 from bigrank.distributed.collectives import group_size, is_distributed
+from bigrank.model.layouts import LAYOUT_TABLES, LAYOUTS
 
 __all__ = [
     "LAYOUTS",

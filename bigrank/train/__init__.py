@@ -12,7 +12,8 @@
 * ``launcher.launch_local(fn, world_size, args)`` — N local processes on torch elastic (``elastic_launch``),
   failures reported with the rank's traceback; ``bootstrap`` — what every worker process and job sets up first.
 * ``losses.StepLoss`` — the configured loss (full-catalog or candidate losses, samplers, warm-up).
-* ``commands`` — ``bigrank train | evaluate | export``.
+* ``plot`` — loss and metrics over epochs (``bigrank plot``). The commands that drive this package live in
+  ``bigrank.cli`` (``bigrank train | evaluate | export``: ``bigrank.cli.train``).
 
 Submodules import torch and torchrec; this package itself imports nothing heavy.
 """

@@ -22,12 +22,17 @@ class RankingModel(Protocol):
     counts and ``ranking_view()``, ``(user_vectors_fn, catalog)`` — ``user_vectors_fn(user_ids int64[b]) ->
     float[b, d]`` (collective: every rank calls it with the same ``b``; no grad) and the
     :class:`~bigrank.model.catalog.CatalogView` of the item vectors float[stop - start, d] of the rows this rank
-    owns (together the ranks own the catalog once). A user's score of item ``j`` is their dot product."""
+    owns (together the ranks own the catalog once). A user's score of item ``j`` is their dot product.
+    ``known_splits``: the splits whose items the evaluation leaves out of the ranking, i.e. what the evaluated users
+    are known by (``DatasetManifest.excluded_splits``: train, and for a given split's test also valid); a kind
+    whose user vectors are made of the user's items pools them all, the others may ignore it."""
 
     num_users: int
     num_items: int
 
-    def ranking_view(self) -> tuple[Callable[[torch.Tensor], torch.Tensor], CatalogView]: ...
+    def ranking_view(
+        self, known_splits: tuple[str, ...] = ("train",)
+    ) -> tuple[Callable[[torch.Tensor], torch.Tensor], CatalogView]: ...
 
 
 class Evaluator:
@@ -43,6 +48,11 @@ class Evaluator:
 
     def __init__(self, config: Config, model: RankingModel, group, manifest: DatasetManifest, use_index: bool = True):
         self.config, self.model, self.group = config, model, group
+        # eval.ks, and the cut-off train.early_stopping's metric reads (a config whose eval.ks are changed keeps
+        # stopping on the metric it was tuned with).
+        stopping = config.train.early_stopping
+        extra = [stopping.k] if stopping is not None and stopping.k is not None else []
+        self.ks = sorted(set(config.eval.ks) | set(extra))
         self.manifest = manifest
         self.use_index = use_index
         self._data: dict[tuple[str, int | None], EvaluationData] = {}
@@ -71,13 +81,15 @@ class Evaluator:
     def evaluate(self, split: str, sample_users: int | None | str = "config") -> dict[str, Any]:
         """Recall@K, NDCG@K, AP@K and Accuracy of ``split`` (``eval.sample_users`` unless given)."""
         sample = self.config.eval.sample_users if sample_users == "config" else sample_users
-        vectors_fn, catalog = self.model.ranking_view()  # whatever the layout, each rank ranks the rows it owns
+        # Whatever the layout, each rank ranks the rows it owns. The splits left out of the ranking are what the users
+        # are known by: a model whose user vectors are made of the user's items pools them all.
+        vectors_fn, catalog = self.model.ranking_view(self.manifest.excluded_splits(split))
         return evaluate_model(
             vectors_fn,
             catalog,
             self.manifest,
             split,
-            list(self.config.eval.ks),
+            self.ks,
             group=self.group,
             batch_size=self.config.eval.batch_size,
             data=self.data(split, sample, (catalog.start, catalog.stop)),

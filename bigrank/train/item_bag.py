@@ -40,7 +40,8 @@ The loss is the mean over the step's rows, as the towers' users step, so an epoc
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -57,7 +58,7 @@ from bigrank.records import PLAN_TEXT
 from bigrank.train.item_optim import RowOptimizer
 from bigrank.train.kind import ExportRows, ModelKind, StepContext, StepResult, TrainingRun
 from bigrank.train.state import CatalogState, CatalogWeights
-from bigrank.train.user_steps import gather_lists, shared_loss_fn, train_items
+from bigrank.train.user_steps import gather_lists, shared_loss_fn, split_items, train_items
 
 __all__ = ["ITEM_BAG", "ItemBagKind", "ItemBagRun", "ItemBagTraining", "build_item_bag", "item_bag_identity"]
 
@@ -118,7 +119,9 @@ class LocalBags:
 class ItemBagRun:
     """A built item-bag model on this rank: its input rows ``inputs`` (P) and output rows ``outputs`` (Q, the
     catalog), both holding this rank's rows ``[start, stop)``; ``read_items(users int64[b]) -> (indptr, items)``
-    the train items of any users (the split's per-user index). What training, evaluation and export share."""
+    the train items of any users (the split's per-user index). What training, evaluation and export share.
+    Evaluation makes a user of its items in every split it leaves out of the ranking (``ranking_view``): with a
+    given split's test, the items carved into valid are known too, and pooled without retraining."""
 
     inputs: CatalogShard
     outputs: CatalogShard
@@ -126,25 +129,47 @@ class ItemBagRun:
     users_with_items: np.ndarray
     num_users: int
     num_items: int
+    manifest: DatasetManifest | None = None
     group: Any = None
     device: torch.device = torch.device("cpu")
+    readers: dict = field(default_factory=dict)  # the other splits' item readers (known_items), opened once
 
     @property
     def dim(self) -> int:
         return self.outputs.dim
 
-    def user_vectors(self, user_ids) -> torch.Tensor:
-        """``s(x) x P`` float32[b, d] of ``user_ids`` int64[b] from their train items (no grad; collective: every
-        rank calls it with the same users and pools the items it holds)."""
+    def user_vectors(self, user_ids, known_splits: tuple[str, ...] = ("train",)) -> torch.Tensor:
+        """``s(x) x P`` float32[b, d] of ``user_ids`` int64[b] from their items in ``known_splits`` (no grad;
+        collective: every rank calls it with the same users and pools the items it holds)."""
         ids = torch.as_tensor(user_ids, dtype=torch.int64).cpu().numpy()
-        indptr, items = (torch.from_numpy(a).to(self.device) for a in self.read_items(ids))
+        indptr, items = (torch.from_numpy(a).to(self.device) for a in self.known_items(ids, known_splits))
         bags = LocalBags.of(indptr, items, self.inputs.start, self.inputs.stop)
         with torch.no_grad():
             return all_reduce_no_grad(bags.pool(self.inputs.weight.detach()[bags.column], len(ids)), self.group)
 
-    def ranking_view(self):
-        """``(user_vectors_fn, CatalogView)`` evaluation ranks with: the output rows this rank owns."""
-        return self.user_vectors, self.outputs.owned()
+    def known_items(self, users: np.ndarray, splits: tuple[str, ...]) -> tuple[np.ndarray, np.ndarray]:
+        """The items of ``users`` in ``splits``: ``(indptr int64[b + 1], items int64)``, each user's items of the
+        splits one after the other (their per-user indexes, opened once)."""
+        parts = [self.read_items(users) if split == "train" else self._reader(split)(users) for split in splits]
+        if len(parts) == 1:
+            return parts[0]
+        lengths = sum(np.diff(indptr) for indptr, _ in parts)
+        indptr = np.zeros(len(users) + 1, dtype=np.int64)
+        np.cumsum(lengths, out=indptr[1:])
+        # Each split's items of a user go after the earlier splits' items of that user.
+        rows = np.concatenate([np.repeat(np.arange(len(users)), np.diff(part)) for part, _ in parts])
+        order = np.argsort(rows, kind="stable")
+        return indptr, np.concatenate([items for _, items in parts])[order]
+
+    def _reader(self, split: str):
+        if split not in self.readers:
+            self.readers[split] = split_items(self.manifest, split)[1]
+        return self.readers[split]
+
+    def ranking_view(self, known_splits: tuple[str, ...] = ("train",)):
+        """``(user_vectors_fn, CatalogView)`` evaluation ranks with: the users made of their items in
+        ``known_splits`` (what the evaluation leaves out of the ranking), the output rows this rank owns."""
+        return partial(self.user_vectors, known_splits=tuple(known_splits)), self.outputs.owned()
 
 
 def build_item_bag(
@@ -168,7 +193,7 @@ def build_item_bag(
         for offset in (2, 1)  # the output rows draw what the towers' catalog draws (seed + 1)
     ]
     users, read = train_items(manifest)
-    return ItemBagRun(*tables, read, users, manifest.num_users, manifest.num_items, group, device)
+    return ItemBagRun(*tables, read, users, manifest.num_users, manifest.num_items, manifest, group, device)
 
 
 def item_bag_identity(config: Config, run: ItemBagRun) -> dict[str, Any]:

@@ -136,9 +136,9 @@ class ItemItemRun:
         with torch.no_grad():
             return self.module.user_vectors(self.inputs(user_ids))
 
-    def ranking_view(self):
+    def ranking_view(self, known_splits: tuple[str, ...] = ("train",)):
         """``(user_vectors_fn, CatalogView)`` evaluation ranks with: the item vectors ``[Q_j, e_j]`` of the rows
-        this rank owns."""
+        this rank owns (the user vectors read the train items the model holds, whatever ``known_splits``)."""
         start, stop = self.owned_start, self.owned_stop
         with torch.no_grad():
             rows = self.module.item_vectors(start, stop)

@@ -272,7 +272,7 @@ class StepLoss:
         inner = module.inner
         temperature = float(inner.temperature)
         count = draw.positives.numel()
-        positive_rows, negative_rows = rows[inverse[:count]], rows[inverse[count:]]
+        positive_rows, negative_rows = repeat_rows(rows, inverse[:count]), repeat_rows(rows, inverse[count:])
         dtype = user_vectors.dtype
         owned_logits = (user_vectors[draw.owned_rows] * positive_rows).sum(dim=1) / temperature
         owned_logits = owned_logits - draw.pos_log_q.to(dtype)
@@ -292,7 +292,7 @@ class StepLoss:
 
         inner = module.inner
         count = draw.positives.numel()
-        positive_rows, negative_rows = rows[inverse[:count]], rows[inverse[count:]]
+        positive_rows, negative_rows = repeat_rows(rows, inverse[:count]), repeat_rows(rows, inverse[count:])
         owned_scores = (user_vectors[draw.owned_rows] * positive_rows).sum(dim=1)
         positive_scores = user_vectors.new_zeros(target.numel()).index_add(0, draw.owned_rows, owned_scores)
         params = {"temperature": float(inner.temperature), "reduction": inner.reduction}
@@ -323,7 +323,7 @@ class StepLoss:
         count = draw.positives.numel()
         columns = torch.cat([inverse[first], inverse[count:]])
         ids = torch.cat([positives, draw.negatives])
-        scores = user_vectors @ rows[columns].T
+        scores = user_vectors @ repeat_rows(rows, columns).T
         labels = candidate_labels(target, ids)
         # A positive column counts only in its own row: the other rows never drew it.
         mask = torch.ones_like(labels)
@@ -346,6 +346,17 @@ class StepLoss:
     def load_state_dict(self, state: dict) -> None:
         if "schedule" in state:
             self.module.set_extra_state(state["schedule"])
+
+
+def repeat_rows(rows: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """``rows[index]`` (float[len(index), d]) whose backward adds the gradients of a row taken several times in a
+    fixed order. A step's candidates repeat rows (negatives are drawn with replacement, a positive may be drawn
+    again), and the backward of ``rows[index]`` (``index_put_`` with accumulation) runs in parallel on the CPU
+    with atomic float adds once it covers 32,768 elements and torch has more than one thread: the order of the
+    adds into a repeated row, and so the last bits of its gradient, changed from run to run (two ML-1M sampled
+    softmax runs with the same seed parted after their first step; issue 49). ``index_select``'s backward,
+    ``index_add_``, adds in the order of ``index``."""
+    return rows.index_select(0, index)
 
 
 def _step_seed(seed: int, rank: int, step: int) -> int:

@@ -57,8 +57,9 @@ class TowersModel:
     def user_module(self):
         return self.tower.module
 
-    def ranking_view(self):
-        """``(user_vectors_fn, CatalogView)`` that evaluation ranks with: this rank's owned catalog rows."""
+    def ranking_view(self, known_splits: tuple[str, ...] = ("train",)):
+        """``(user_vectors_fn, CatalogView)`` that evaluation ranks with: this rank's owned catalog rows (the user
+        vectors are the trained rows, whatever ``known_splits``)."""
         return user_vectors_fn(self), self.shard.owned()
 
 

@@ -1,4 +1,4 @@
-"""``bigrank plot RUN_DIR [RUN_DIR ...] --out FIG.png``: loss and evaluation metrics over epochs for several runs.
+"""Loss and evaluation metrics over epochs for several runs, on one figure (``bigrank plot``: ``bigrank.cli.plot``).
 
 One figure, like the Rankmax paper's Figure 2 (metrics as a function of the number of epochs): a panel with the
 training loss, then one panel per evaluation metric found in the runs (``ap@K``, ``accuracy``, ``recall@K``,
@@ -26,26 +26,6 @@ from bigrank.records import TrainRecord, read_metrics
 
 CONFIG_NAME = "config.yaml"
 SPLIT_STYLES = {"valid": "-", "test": "--"}
-
-
-def register(subparsers) -> None:
-    """Add ``bigrank plot`` to the ``bigrank`` parser."""
-    parser = subparsers.add_parser(
-        "plot",
-        help="plot loss and evaluation metrics over epochs for one or more runs",
-        description="Draw the training loss and the evaluation metrics (Recall@K, AP@K, Accuracy) of each run's "
-        "metrics.jsonl over epochs, all runs on one figure (PNG, PDF or SVG by the --out suffix).",
-    )
-    parser.add_argument("run_dirs", metavar="RUN_DIR", nargs="+", help="run directories holding metrics.jsonl")
-    parser.add_argument("--out", required=True, metavar="FIG.png", help="output image file")
-    parser.add_argument("--title", default=None, help="figure title (default: none)")
-    parser.set_defaults(func=run_plot)
-
-
-def run_plot(args) -> int:
-    path = plot_runs(args.run_dirs, args.out, title=args.title)
-    print(f"wrote {path}")
-    return 0
 
 
 def read_run(run_dir: str | Path) -> dict:

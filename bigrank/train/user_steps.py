@@ -45,6 +45,7 @@ __all__ = [
     "gather_users",
     "shared_loss_fn",
     "split_bags",
+    "split_items",
     "train_items",
 ]
 
@@ -104,18 +105,24 @@ def shared_loss_fn(config: Config) -> Callable[..., torch.Tensor]:
 def train_items(manifest: DatasetManifest, history=None) -> tuple[np.ndarray, Callable[[np.ndarray], tuple]]:
     """``(users, read)``: the ids of the users with a train item (int64, ascending) and ``read(users int64[b]) ->
     (indptr int64[b + 1], items int64)``, the train items of ``users`` (any order). From the in-memory history
-    CSR when the model holds one, else from the train split's per-user index (built on first use; the split's
-    files when the dataset's directory cannot hold it)."""
+    CSR when the model holds one, else as :func:`split_items` reads them."""
     if history is None:
-        from bigrank.data.user_index import ensure_index
-
-        index = ensure_index(manifest, "train")
-        if index is not None:
-            return index.users_with_items(), _sorted_reader(index.items_of)
-        from bigrank.data.stream import read_user_items
-
-        history = read_user_items(manifest, "train", manifest.num_users)
+        return split_items(manifest, "train")
     indptr, items = history
+    return np.flatnonzero(np.diff(indptr)).astype(np.int64), lambda users: csr_rows(indptr, items, users)
+
+
+def split_items(manifest: DatasetManifest, split: str) -> tuple[np.ndarray, Callable[[np.ndarray], tuple]]:
+    """``(users, read)`` of ``split`` as :func:`train_items` gives train's: from the split's per-user index (built on
+    first use), or from the split's files when the dataset's directory cannot hold it."""
+    from bigrank.data.user_index import ensure_index
+
+    index = ensure_index(manifest, split)
+    if index is not None:
+        return index.users_with_items(), _sorted_reader(index.items_of)
+    from bigrank.data.stream import read_user_items
+
+    indptr, items = read_user_items(manifest, split, manifest.num_users)
     return np.flatnonzero(np.diff(indptr)).astype(np.int64), lambda users: csr_rows(indptr, items, users)
 
 

@@ -557,14 +557,13 @@ def _is_bulk(value) -> bool:
 
 
 def _connect(address: str) -> bool:
-    """Join the cluster at ``address`` as training does (``bigrank.launch.ray_train.init_ray``: a token from
+    """Join the cluster at ``address`` as training does (``bigrank.ray_runtime.start_ray``: a token from
     ``~/.ray/auth_token`` or ``RAY_AUTH_TOKEN`` when the cluster wants one), or start an embedded runtime on
     loopback for ``local``; returns whether this call did (the engine then shuts it down)."""
     import ray
 
-    from bigrank.config import Config
-    from bigrank.launch.ray_train import init_ray
+    from bigrank.ray_runtime import start_ray
 
     if ray.is_initialized():
         return False
-    return init_ray(Config(), None if address == "local" else address)
+    return start_ray(None if address == "local" else address)

@@ -16,10 +16,12 @@ from __future__ import annotations
 import importlib.util
 from dataclasses import dataclass
 
-from bigrank.config import KERNELS
 from bigrank.errors import ConfigError
 
-__all__ = ["KernelChoice", "loss_without_fused_kernel", "resolve_kernel", "triton_missing"]
+__all__ = ["KERNELS", "KernelChoice", "loss_without_fused_kernel", "resolve_kernel", "triton_missing"]
+
+# train.kernel's choices, checked here and by the config (bigrank.config imports them: this module imports no torch).
+KERNELS = ("auto", "fused", "chunked")
 
 
 @dataclass(frozen=True)

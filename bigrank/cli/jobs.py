@@ -77,20 +77,24 @@ def run_submit(args: argparse.Namespace) -> int:
     if not args.wait:
         print(f"follow it with: bigrank logs {job_id} --follow{at}")
         return 0
+    # The first SIGINT / SIGTERM only sets the stop event, which the follow and the wait look at (an exception
+    # raised from the handler can be swallowed: bigrank.launch.jobs.follow_logs); a second one stops at once.
     try:
-        with graceful_stop(raise_for):  # SIGTERM as Ctrl+C: stop following at once
-            jobs.follow_logs(address, job_id)
-            status = jobs.wait_for_job(address, job_id)
-    except (KeyboardInterrupt, Terminated) as stop:
+        with graceful_stop() as stop:
+            if jobs.follow_logs(address, job_id, stop=stop.event):
+                status = jobs.wait_for_job(address, job_id, stop=stop.event)
+        if stop.signum is not None:
+            raise_for(stop.signum)
+    except (KeyboardInterrupt, Terminated) as stopped:
         # As `ray job submit` does: the job is the cluster's; only the following stops. Say how to go on.
-        why = "interrupted" if isinstance(stop, KeyboardInterrupt) else "stopped by SIGTERM"
+        why = "interrupted" if isinstance(stopped, KeyboardInterrupt) else "stopped by SIGTERM"
         print(
             f"\nbigrank submit: {why}; stopped following job {job_id}, which keeps running on the cluster:\n"
             f"  follow it: bigrank logs {job_id} --follow{at}\n"
             f"  stop it:   bigrank stop {job_id}{at}",
             file=sys.stderr,
         )
-        return 130 if isinstance(stop, KeyboardInterrupt) else 143
+        return 130 if isinstance(stopped, KeyboardInterrupt) else 143
     print(f"job {job_id} {status}")
     return 0 if status == "SUCCEEDED" else 1
 
@@ -109,8 +113,11 @@ def run_status(args: argparse.Namespace) -> int:
 
 
 def run_logs(args: argparse.Namespace) -> int:
-    if args.follow:
-        jobs.follow_logs(args.address, args.job)
+    if args.follow:  # until the job ends; SIGINT / SIGTERM stop following (exit 130 / 143), not the job
+        with graceful_stop() as stop:
+            jobs.follow_logs(args.address, args.job, stop=stop.event)
+        if stop.signum is not None:
+            raise_for(stop.signum)
     else:
         sys.stdout.write(jobs.job_logs(args.address, args.job))
     return 0

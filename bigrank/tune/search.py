@@ -18,14 +18,15 @@ from bigrank.config import (
     ConfigError,
     get_key,
 )
-from bigrank.launch.tune.results import (
+from bigrank.signals import graceful_stop, raise_in_ray, signal_name
+from bigrank.tune.results import (
     SearchResult,
     _csv_text,
     _trial_rows,
     format_table,
     write_best_config,
 )
-from bigrank.launch.tune.space import (
+from bigrank.tune.space import (
     _CONTEXT,
     SearchSpace,
     _max_epochs,
@@ -33,8 +34,7 @@ from bigrank.launch.tune.space import (
     set_space_key,
     validate_space,
 )
-from bigrank.launch.tune.trial import bigrank_trial
-from bigrank.signals import graceful_stop, raise_in_ray, signal_name
+from bigrank.tune.trial import bigrank_trial
 
 
 def base_point(space: SearchSpace, base: dict) -> dict | None:

@@ -11,11 +11,11 @@ from bigrank.config import (
     add_override_argument,
     load_config,
 )
-from bigrank.launch.tune.search import run_search
-from bigrank.launch.tune.space import (
+from bigrank.signals import raise_for
+from bigrank.tune.search import run_search
+from bigrank.tune.space import (
     load_space,
 )
-from bigrank.signals import raise_for
 
 
 def register(subparsers) -> None:

@@ -45,13 +45,15 @@ trials ended how (and, when every trial failed, the first trial's error).
 Where Ray runs: no ``--address`` (nor ``ray.address`` / ``RAY_ADDRESS``): an embedded local runtime with the
 machine's CPUs; otherwise the cluster at that address (``DIR`` must then be on storage every node sees, and
 the data too, as for ``bigrank train --address``).
+
+Where it sits: above the run layer (``bigrank.run``), whose pre-flight each trial runs as a command does, and below
+the command (``bigrank.cli.tune``). Ray's start-up is ``bigrank.launch.ray_train.init_ray``'s, as for training.
 """
 
 from bigrank.config import get_key
-from bigrank.launch.tune.commands import register, run_tune
-from bigrank.launch.tune.results import SearchResult, format_table, write_best_config
-from bigrank.launch.tune.search import base_point, param_space, run_search
-from bigrank.launch.tune.space import (
+from bigrank.tune.results import SearchResult, format_table, write_best_config
+from bigrank.tune.search import base_point, param_space, run_search
+from bigrank.tune.space import (
     DOMAINS,
     Domain,
     SearchSpace,
@@ -60,7 +62,7 @@ from bigrank.launch.tune.space import (
     search_base,
     validate_space,
 )
-from bigrank.launch.tune.trial import bigrank_trial, completed_evaluations
+from bigrank.tune.trial import bigrank_trial, completed_evaluations
 
 __all__ = [
     "DOMAINS",
@@ -75,9 +77,7 @@ __all__ = [
     "get_key",
     "load_space",
     "param_space",
-    "register",
     "run_search",
-    "run_tune",
     "search_base",
     "validate_space",
     "write_best_config",

@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 from bigrank.config import Config, config_from_dict
-from bigrank.launch.tune.space import (
+from bigrank.tune.space import (
     _CONTEXT,
     _METRIC_NAME,
     _POLL_SECONDS,

@@ -1,8 +1,10 @@
 """The `bigrank` command.
 
-Each part of bigrank registers its own sub-commands: a module listed in ``COMMAND_MODULES`` exposes
-``register(subparsers)``, which adds parsers whose ``func`` attribute runs the command and returns an exit
-code. The commands that start work call the run layer (``bigrank.run``), imported when the command runs:
+Every command lives here, at the top of the package: the argument parsing and the function that runs each one. A
+module of this package listed in ``COMMAND_MODULES`` (``data``, ``plot``, ``train``, ``export``, ``jobs``, ``tune``,
+``verify``) exposes ``register(subparsers)``, which adds parsers whose ``func`` attribute runs the command and
+returns an exit code; nothing below imports this package. The commands that start work call the run layer
+(``bigrank.run``), or the search (``bigrank.tune``, above the run layer), imported when the command runs:
 registering the commands imports no torch, ray or pyarrow, so ``bigrank --help`` starts at once. Errors a user
 can fix (``bigrank.errors``) print one line and exit with status 2. A command stopped by SIGINT (Ctrl+C) exits
 with status 130, by SIGTERM (the local launcher, tune, submit --wait: ``bigrank.signals``) with 143, as a shell
@@ -21,13 +23,13 @@ import sys
 from bigrank.errors import CommandError, Terminated
 
 COMMAND_MODULES = [
-    "bigrank.data.commands",
-    "bigrank.train.plot",
-    "bigrank.train.commands",
-    "bigrank.export.commands",
-    "bigrank.launch.commands",
-    "bigrank.launch.tune",
-    "bigrank.verify",
+    "bigrank.cli.data",
+    "bigrank.cli.plot",
+    "bigrank.cli.train",
+    "bigrank.cli.export",
+    "bigrank.cli.jobs",
+    "bigrank.cli.tune",
+    "bigrank.cli.verify",
 ]
 
 
@@ -81,7 +83,3 @@ def _ignore_interrupts_while_exiting() -> None:
             return
         except KeyboardInterrupt:
             continue
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -15,7 +15,7 @@ from bigrank.config import (
     dump_config,
     get_key,
 )
-from bigrank.launch.tune.space import (
+from bigrank.tune.space import (
     _CONTEXT,
     SearchSpace,
     _check_trial_config,
