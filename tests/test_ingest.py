@@ -2,8 +2,8 @@
 
 The reference (:func:`reference_ingest`) does every step the slow obvious way — dicts of pairs, a k-core loop, ids
 ranked by ``(xxh64(text), id)``, splits by sorting — and the tests compare whole datasets with it: vocabularies,
-every row of every split and the manifest's counts. The random split's key is DuckDB's ``hash(user_id, item_id,
-seed)``; the reference asks DuckDB for those hashes only.
+every row of every split and the manifest's counts. The random split's key is XXH64's avalanche of the pair's
+dense ids and the seed (:func:`split_key`, written here from the specification with Python integers).
 """
 
 from __future__ import annotations
@@ -26,6 +26,19 @@ from bigrank.data.stream import iter_row_groups
 from bigrank.data.user_index import open_index
 
 START_MS = 1_700_000_000_000
+PRIME64_1, PRIME64_2, PRIME64_3 = 0x9E3779B185EBCA87, 0xC2B2AE3D27D4EB4F, 0x165667B19E3779F9  # XXH64's
+MASK64 = (1 << 64) - 1
+
+
+def split_key(user_id: int, item_id: int, seed: int) -> int:
+    """The random split's key of a pair, from its definition: ``(user_id << 32 | item_id) XOR (seed * PRIME64_1)``
+    through XXH64's avalanche, mod 2^64."""
+    x = ((user_id << 32) | item_id) ^ ((seed * PRIME64_1) & MASK64)
+    x ^= x >> 33
+    x = (x * PRIME64_2) & MASK64
+    x ^= x >> 29
+    x = (x * PRIME64_3) & MASK64
+    return x ^ (x >> 32)
 
 
 def make_log(seed: int = 0, rows: int = 3000, users: int = 120, items: int = 80, nulls: bool = True) -> list[dict]:
@@ -60,8 +73,6 @@ def write_parquet_parts(directory: Path, log: list[dict], parts: int = 3) -> Pat
 def reference_ingest(log: list[dict], options: IngestOptions, text_ids: bool = True) -> dict:
     """Every step of an ingest, done the obvious way (see the module docstring)."""
     rows = [r for r in log if r["user"] not in (None, "") and r["item"] not in (None, "")]
-    if options.min_rating is not None:
-        rows = [r for r in rows if r["rating"] >= options.min_rating]
     pairs: dict[tuple, list] = {}
     for r in rows:
         pairs.setdefault((r["user"], r["item"]), []).append((r["ts"], r["rating"]))
@@ -75,6 +86,9 @@ def reference_ingest(log: list[dict], options: IngestOptions, text_ids: bool = T
             merged[key] = (max(t for t, _ in values), sum(v for _, v in values))
         else:
             merged[key] = (max(t for t, _ in values), max(v for _, v in values))
+    num_merged = len(merged)
+    if options.min_rating is not None:  # on the merged rating
+        merged = {key: (t, v) for key, (t, v) in merged.items() if v >= options.min_rating}
     rounds, before = 0, dict(merged)
     while True:
         per_user: dict = {}
@@ -97,13 +111,7 @@ def reference_ingest(log: list[dict], options: IngestOptions, text_ids: bool = T
     table = [(user_id[u], item_id[i], t, v, u, i) for (u, i), (t, v) in merged.items()]
     labels = {}
     if options.split == "random":
-        import duckdb
-
-        con = duckdb.connect()
-        keyed = con.execute(
-            "SELECT u, i, hash(u, i, ?::BIGINT) FROM (SELECT unnest(?::INTEGER[]) AS u, unnest(?::INTEGER[]) AS i)",
-            [options.seed, [r[0] for r in table], [r[1] for r in table]],
-        ).fetchall()
+        keyed = [(r[0], r[1], split_key(r[0], r[1], options.seed)) for r in table]
         ranked = sorted(keyed, key=lambda x: (x[2], x[0], x[1]))
         n_train, n_valid = round(options.fractions[0] * len(table)), round(options.fractions[1] * len(table))
         for rank, (u, i, _) in enumerate(ranked):
@@ -138,7 +146,8 @@ def reference_ingest(log: list[dict], options: IngestOptions, text_ids: bool = T
         "k_core_dropped_rows": len(before) - len(merged),
         "k_core_dropped_users": len({u for u, _ in before}) - len(users),
         "k_core_dropped_items": len({i for _, i in before}) - len(items),
-        "merged_duplicates": len(rows) - len(before),
+        "merged_duplicates": len(rows) - num_merged,
+        "dropped_below_min_rating": num_merged - len(before),
     }
     return {"users": users, "items": items, "splits": splits, "rounds": rounds, "user_counts": counts, "first": first,
             "dropped": dropped}  # fmt: skip

@@ -337,13 +337,31 @@ def test_a_file_a_read_task_cannot_read_is_one_line_naming_it(cluster, tmp_path)
     assert not (tmp_path / "out" / "manifest.json").exists()
 
 
+@pytest.mark.slow
+def test_one_large_parquet_file_is_read_by_both_nodes_with_the_same_result(cluster, tmp_path, capsys):
+    """A single Parquet file of many row groups (one task read it all before, on one core): cut into ranges of
+    row groups, read by a task on each node, and the dataset is the one one machine writes."""
+    log = write_log(tmp_path / "parts", "parquet", chain=3)
+    table = pa.concat_tables([pq.read_table(part) for part in sorted(log.glob("*.parquet"))])
+    (tmp_path / "one").mkdir()
+    pq.write_table(table, tmp_path / "one" / "log.parquet", row_group_size=300)
+    args = [str(tmp_path / "one" / "log.parquet"), *COLUMNS, "--min-user-items", "2", "--split", "random"]
+    assert main(["ingest", *args, "--out", str(tmp_path / "local"), "--no-progress"]) == 0
+    capsys.readouterr()
+    done = _ray_ingest(cluster, [*args, "--out", str(tmp_path / "ray")])
+    assert done.returncode == 0, done.stderr[-4000:]
+    cut = r"from 1 file\(s\) \(large Parquet files cut into 2 ranges of row groups\) in 2 task\(s\) on 2 node"
+    assert re.search(cut, done.stderr), done.stderr
+    assert_same_dataset(tmp_path / "local", tmp_path / "ray")
+
+
 # ------------------------------------------------------------------------------------------------ no Ray
 def test_a_read_puts_every_user_in_the_bucket_of_its_hash(tmp_path):
     """read_into_buckets (the read tasks' body, run here): every row lands in exactly one piece, a user's rows all
     in bucket ``bucket_of(xxh64(id), B)``, the null user's in bucket 0; a bucket without rows still gets a piece."""
     log = write_log(tmp_path / "log", "parquet", parts=2)
     source = open_source([str(log)])
-    columns = Columns(source, "user", "item", "ts", "rating", 1000)
+    columns = Columns(source, "user", "item", "ts", "rating", "s")
     buckets = 40  # more buckets than some pieces have users: empty pieces
     done = read_into_buckets(columns, list(source.files), buckets, str(tmp_path / "work"), 0, 1 << 28)
     assert done["rows"] == pq.read_table(log).num_rows and done["node"] is None

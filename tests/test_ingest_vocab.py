@@ -130,3 +130,73 @@ def test_other_splits_keep_the_ids_too(tmp_path, split):
     old, new = _vocabulary(tmp_path / "d1", "items"), _vocabulary(tmp_path / "d2", "items")
     assert all(new[original] == dense for original, dense in old.items())
     read_dataset(tmp_path / "d2")  # sorted splits, dense ids in order
+
+
+def _split_of_pairs(root) -> dict[tuple, str]:
+    """(original user, original item) -> the split holding the pair, in the dataset ``root``."""
+    got = read_dataset(root)
+    users = got["users"].column("original_id").to_pylist()
+    items = got["items"].column("original_id").to_pylist()
+    return {(users[u], items[i]): name for name, rows in got["splits"].items() for u, i, *_ in rows}
+
+
+def test_a_pair_keeps_its_random_split_across_a_lineage_and_new_pairs_get_exact_sizes(tmp_path):
+    """The issue's measurement: 12,000 pairs, then the same with 5,000 more (38 of 12,000 moved before), then a
+    third day with pairs removed and 3,000 more. No pair of a parent changes split; the new pairs of each day are
+    cut 80/10/10 exactly among themselves."""
+    import random
+
+    import pyarrow as pa
+
+    rng = random.Random(0)
+    pairs: set = set()
+    while len(pairs) < 20_000:
+        pairs.add((f"u{rng.randrange(3000)}", f"i{rng.randrange(2000)}"))
+    pairs = sorted(pairs)
+    rng.shuffle(pairs)
+    days = [pairs[:12_000], pairs[:17_000], pairs[1_000:17_000] + pairs[17_000:]]
+    options = IngestOptions(user="user", item="item", seed=4, progress=False)
+    previous = None
+    for day, rows in enumerate(days):
+        log = tmp_path / f"log{day}"
+        log.mkdir()
+        table = pa.table({"user": [u for u, _ in rows], "item": [i for _, i in rows]})
+        pq.write_table(table, log / "part-0.parquet")
+        out = tmp_path / f"d{day}"
+        vocab_from = None if previous is None else str(previous)
+        manifest = ingest([log], out, IngestOptions(**{**options.__dict__, "vocab_from": vocab_from}))
+        if previous is None:
+            previous = out
+            continue
+        before, after = _split_of_pairs(previous), _split_of_pairs(out)
+        moved = [pair for pair in before if pair in after and after[pair] != before[pair]]
+        assert moved == [], f"day {day}: {len(moved)} of {len(before)} pairs changed split"
+        new = [pair for pair in after if pair not in before]
+        sizes = {name: sum(after[pair] == name for pair in new) for name in layout.SPLITS}
+        assert sizes["train"] == round(0.8 * len(new)) and sizes["valid"] == round(0.1 * len(new)), sizes
+        kept = {name: sum(after[pair] == name for pair in after if pair in before) for name in layout.SPLITS}
+        assert manifest["ingest"]["split"]["kept_from_parent"] == kept
+        assert sum(kept.values()) == len(set(before) & set(after))
+        previous = out
+
+
+def test_a_given_split_with_vocab_from_keeps_every_pair_in_its_given_split(tmp_path):
+    """--split given with --vocab-from: the given split decides every pair's split (the parent's random split,
+    kept otherwise, must not move a given train pair to the parent's test, where the given split's writer would
+    not find it)."""
+    from bigrank.data.ingest.given import GivenSplit, ingest_prepared
+    from tests.test_ingest_given import benchmark_lines, flat, pairs_by_original_ids, write_lines
+
+    train, test = benchmark_lines(seed=3)
+    parent_log = tmp_path / "parent.csv"
+    parent_log.write_text("user,item\n" + "".join(f"{u},{i}\n" for u, i in sorted(flat(train) | flat(test))))
+    ingest([parent_log], tmp_path / "parent", IngestOptions(user="user", item="item", progress=False))
+    given = GivenSplit(
+        inputs={"train": [str(write_lines(tmp_path / "train.txt", train))],
+                "test": [str(write_lines(tmp_path / "test.txt", test))]},
+        valid_fraction=0.0,
+    )  # fmt: skip
+    options = IngestOptions(vocab_from=str(tmp_path / "parent"), progress=False)
+    ingest_prepared([], tmp_path / "child", options, given=given, user_lines=True)
+    got = pairs_by_original_ids(tmp_path / "child")
+    assert got["train"] == flat(train) and got["test"] == flat(test) and not got["valid"]

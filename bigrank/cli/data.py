@@ -45,10 +45,10 @@ def register(subparsers) -> None:
         "ingest",
         help="ingest interaction logs (Parquet, CSV/TSV, JSON Lines; MovieLens) into the bigrank layout",
         description="Read interaction logs (files, directories of parts, globs; Parquet, CSV/TSV, JSON Lines, "
-        "text compressed with .gz/.zst) with a column mapping, clean them (null ids, --min-rating, duplicates, "
-        "k-core), give users and items dense ids (their original ids kept in users/items.parquet) and split them. "
-        "A MovieLens directory (ratings.csv / ratings.dat / u.data) needs no mapping. Runs on DuckDB here, in "
-        "bounded memory (spills to disk), or on a Ray cluster with --address.",
+        "text compressed with .gz/.zst) with a column mapping, clean them (null ids, duplicates, --min-rating on "
+        "the merged rating, k-core), give users and items dense ids (their original ids kept in users/items.parquet) "
+        "and split them. A MovieLens directory (ratings.csv / ratings.dat / u.data) needs no mapping. Runs on DuckDB "
+        "here, in bounded memory (spills to disk), or on a Ray cluster with --address.",
     )
     ingest.add_argument(
         "paths",
@@ -60,22 +60,31 @@ def register(subparsers) -> None:
     columns = ingest.add_argument_group("columns (a name, or a 0-based position for headerless text)")
     columns.add_argument("--user", metavar="COL", help="user id column (integers or strings)")
     columns.add_argument("--item", metavar="COL", help="item id column (integers or strings)")
-    columns.add_argument("--time", metavar="COL", help="time column: epoch seconds/milliseconds or ISO-8601")
+    columns.add_argument("--time", metavar="COL", help="time column: epoch numbers (s, ms, us, ns) or ISO-8601")
     value = columns.add_mutually_exclusive_group()
     value.add_argument("--rating", metavar="COL", help="explicit rating column (a number)")
     value.add_argument("--weight", metavar="COL", help="implicit weight column (a number: plays, quantity, …)")
     columns.add_argument(
-        "--time-unit", choices=["auto", "s", "ms"], default="auto", help="unit of numeric times (auto: by size)"
+        "--time-unit",
+        choices=["auto", "s", "ms", "us", "ns"],
+        default="auto",
+        help="epoch unit of numeric times (auto: by the size of the first rows' numbers, checked against the "
+        "whole column)",
     )
     reading = ingest.add_argument_group("reading")
     reading.add_argument(
         "--format",
-        default="auto",
-        choices=["auto", "parquet", "csv", "tsv", "jsonl", "user-lines"],
-        help="input format (auto: from the file names); user-lines: one line per user, 'uid item item …' (the "
-        "graph-CF benchmarks' train.txt/test.txt; no column options)",
+        **_format_option(
+            "input format (auto: from the file names); user-lines: one line per user, 'uid item item …' (the "
+            "graph-CF benchmarks' train.txt/test.txt; no column options)",
+            "user-lines",
+        ),
     )
-    reading.add_argument("--delimiter", help="CSV delimiter (default , and tab for .tsv)")
+    reading.add_argument(
+        "--delimiter",
+        help="CSV delimiter (default: , and tab for .tsv, :: for .dat; or the one found in the first file when "
+        "that reads one column)",
+    )
     header = reading.add_mutually_exclusive_group()
     header.add_argument(
         "--header", dest="header", action="store_true", default=None, help="CSV files have a header line (default)"
@@ -84,7 +93,12 @@ def register(subparsers) -> None:
         "--no-header", dest="header", action="store_false", help="CSV files have no header: columns by position"
     )
     cleaning = ingest.add_argument_group("cleaning")
-    cleaning.add_argument("--min-rating", type=float, help="keep rows rated at least this (explicit -> implicit)")
+    cleaning.add_argument(
+        "--min-rating",
+        type=float,
+        help="keep the pairs rated at least this (explicit -> implicit), tested on a pair's rating after --dedup "
+        "merged its rows: the latest (last), earliest (first), best (max) or total (sum) rating",
+    )
     cleaning.add_argument(
         "--dedup",
         choices=["last", "first", "sum", "max"],
@@ -146,6 +160,14 @@ def register(subparsers) -> None:
         "--items-file", metavar="PATH", help="a file of item attributes (titles, categories, …) carried to the export"
     )
     items.add_argument("--item-key", metavar="COL", help="its column holding the item id")
+    items.add_argument(
+        "--items-format", **_format_option("the items file's format (auto: from its name, as the log's)")
+    )
+    items.add_argument(
+        "--items-delimiter",
+        metavar="C",
+        help="the items file's delimiter (default: its name's, or the one found in it when that reads one column)",
+    )
     ingest.add_argument(
         "--vocab-from",
         metavar="OLD_DATASET",
@@ -155,14 +177,14 @@ def register(subparsers) -> None:
     engine = ingest.add_argument_group("engine")
     engine.add_argument(
         "--memory-limit",
-        help="DuckDB memory before it spills to disk: 8GB, or a fraction of memory (default 0.5); with --address: "
-        "per node, shared by its stores",
+        help="DuckDB memory before it spills to disk: 8GB, or a fraction of memory (default 0.5): of the machine's, "
+        "or of a container's cgroup limit when lower; with --address: per node, shared by its stores",
     )
     engine.add_argument(
         "--threads",
         type=int,
-        help="DuckDB threads (default: the CPUs available); with --address: per store (default: the node's CPUs "
-        "over its stores)",
+        help="DuckDB threads (default: the CPUs available, fewer under a container's CPU quota); with --address: "
+        "per store (default: the node's CPUs over its stores)",
     )
     engine.add_argument(
         "--address",
@@ -187,6 +209,12 @@ def register(subparsers) -> None:
     info.add_argument("root", metavar="ROOT", help="dataset directory")
     info.add_argument("--check", action="store_true", help="also validate every file against the manifest")
     info.set_defaults(func=run_data_info)
+
+
+def _format_option(help_text: str, *more: str) -> dict:
+    """The settings of a format option (``--format``, ``--items-format``): the formats a file is read as, and
+    ``more`` (the log's ``user-lines``)."""
+    return {"default": "auto", "choices": ["auto", "parquet", "csv", "tsv", "jsonl", *more], "help": help_text}
 
 
 def load_seed_pairs(path: str | Path):
@@ -302,6 +330,8 @@ def run_ingest(args: argparse.Namespace) -> int:
         seed=args.seed,
         items_file=args.items_file,
         item_key=args.item_key,
+        items_format=args.items_format,
+        items_delimiter=args.items_delimiter,
         memory_limit=args.memory_limit,
         threads=args.threads,
         temp_dir=args.temp_dir,
@@ -369,9 +399,9 @@ def format_ingest(record: dict) -> list[str]:
         row("null or empty user id", counts["dropped_null_user"], "dropped"),
         row("null or empty item id", counts["dropped_null_item"], "dropped"),
     ]
-    if options.get("min_rating") is not None:
-        lines.append(row(f"rating below {options['min_rating']:g}", counts["dropped_below_min_rating"], "dropped"))
     lines.append(row(f"duplicates ({options['dedup']})", counts["merged_duplicates"], "merged"))
+    if options.get("min_rating") is not None:  # pairs, after the merge
+        lines.append(row(f"pairs rated below {options['min_rating']:g}", counts["dropped_below_min_rating"], "dropped"))
     if options["min_user_items"] > 1 or options["min_item_users"] > 1:
         lines.append(
             f"  k-core ({options['min_user_items']} items a user, {options['min_item_users']} users an item): "
@@ -394,6 +424,9 @@ def format_ingest(record: dict) -> list[str]:
             f", seed {options['seed']}" * (split["mode"] == "random")
         )
     lines.append(f"split        {split['mode']} ({how})")
+    if split.get("kept_from_parent"):
+        kept = ", ".join(f"{n:,} {name}" for name, n in split["kept_from_parent"].items())
+        lines.append(f"  pairs keeping the parent's split: {kept}")
     return lines
 
 

@@ -48,10 +48,13 @@ def id_kind(arrow_type) -> str:
 
 def as_id_array(values, what: str = "original_id"):
     """``values`` (a pyarrow Array or ChunkedArray of integers or strings) as one ``pa.int64()`` or
-    ``pa.string()`` array; ValueError for another type, nulls, or integers outside int64."""
+    ``pa.large_string()`` array (64-bit offsets: the ids of a catalog may hold more than 2 GiB of text); ValueError
+    for another type, nulls, or integers outside int64."""
     import pyarrow as pa
 
     if isinstance(values, pa.ChunkedArray):
+        if pa.types.is_string(values.type):
+            values = values.cast(pa.large_string())  # before the chunks are joined: more than 2 GiB of text
         values = values.combine_chunks() if values.num_chunks else pa.array([], values.type)
     if not isinstance(values, pa.Array):
         values = pa.array(values)
@@ -60,7 +63,7 @@ def as_id_array(values, what: str = "original_id"):
         raise ValueError(f"{what} holds {values.null_count} null ids; every user and item needs an original id")
     if pa.types.is_dictionary(values.type):
         values = values.dictionary_decode()
-    target = pa.int64() if kind == "int64" else pa.string()
+    target = pa.int64() if kind == "int64" else pa.large_string()
     try:
         return values.cast(target)
     except (pa.ArrowInvalid, OverflowError) as error:
@@ -188,7 +191,7 @@ class OriginalIdIndex:
 
 
 def _string_tables(values) -> tuple[list[tuple[np.ndarray, np.ndarray]], list[int]]:
-    """Sorted fixed-width keys and their dense ids, one table per width class, of a ``pa.string()`` array."""
+    """Sorted fixed-width keys and their dense ids, one table per width class, of a string array."""
     import pyarrow as pa
 
     values = values.cast(pa.large_string())  # int64 offsets: one code path for any total size

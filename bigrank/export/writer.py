@@ -228,6 +228,8 @@ def _write_rank_parts(
     ``mappings``: ``read_id_mapping`` of "items" and "users" (None without side files): the ``items`` and
     ``users`` parts carry their original ids (and the items their attributes); the history table and the
     quantised copies carry ids and embeddings only."""
+    import pyarrow as pa
+
     written: dict[str, dict] = {}
     for table, (start, stop, values) in tables.items():
         id_column = TABLE_ID_COLUMNS[table]
@@ -240,7 +242,10 @@ def _write_rank_parts(
                     f"{table}: rows [{start}, {stop}) exceed the {len(mapping['original_id'])} ids of the dataset "
                     f"{dataset.root}: the model does not match this dataset"
                 )
-            extra_columns["original_id"] = mapping["original_id"].slice(start, stop - start)
+            ids = mapping["original_id"].slice(start, stop - start)
+            if pa.types.is_large_string(ids.type) and ids.nbytes < 2**31:  # the export's string type, when it fits
+                ids = ids.cast(pa.string())
+            extra_columns["original_id"] = ids
             for name, column in mapping["attributes"].items():
                 extra_columns[name] = column.slice(start, stop - start)
         copies = {table: {**extra_columns, "embedding": embedding_array(values)}}

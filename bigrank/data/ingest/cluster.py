@@ -1,9 +1,12 @@
 """The cluster engine of ``bigrank ingest --address ADDR [--buckets B]``: Ray tasks read, Ray actors each run one
 DuckDB over a bucket of users; the driver (``bigrank.data.ingest.pipeline``) runs the same steps as on one machine.
 
-Read. The input files are cut into one group per cluster CPU (at most one group per file; groups balanced by
-bytes) and each group is read by a Ray task (1 CPU, spread over the nodes): DuckDB scans its files one at a time
-(``Source.subset``, ``Columns.rows_sql``: the rows as ``u, i, t, v, bad``, exactly as one machine loads them),
+Read. The input is cut into one group per cluster CPU, balanced by bytes, and each group is read by a Ray task
+(1 CPU, spread over the nodes). A Parquet file larger than a CPU's share of the input is cut at row-group bounds
+into ranges of about that share (:func:`read_units`), so one 1B-row file is read by every CPU, not by one; a text
+file (CSV, JSON Lines: a compressed one cannot be cut) is read whole by one task. DuckDB scans a task's files and
+ranges one at a time (``Source.subset``, ``Columns.rows_sql``, a range by ``file_row_number``, whose filter DuckDB
+answers from the row groups it needs only: the rows as ``u, i, t, v, bad``, exactly as one machine loads them),
 each row goes to bucket ``bucket_of(xxh64(user id), B)`` (``bigrank.data.ingest.hashing``; a null user to
 bucket 0, where it is only counted and dropped), and the task writes one Parquet piece per bucket under the
 ingest's work directory (``OUT/.ingest/pieces/task-T/bucket-B.parquet``).
@@ -13,21 +16,23 @@ Buckets. Bucket ``b`` is an actor (:class:`StoreActor`, no CPU reserved: it runs
 (``RowStore.load_rows``) and then answers the driver's ``map``/``map_each`` calls. Buckets are contiguous ranges
 of user hashes, so bucket ``b``'s users, ranked inside it and offset by the users of the buckets before it, get
 the ids one machine gives them; the reductions across buckets (item codes and counts, the random split's cut
-points) are the driver's, and what it hands back to every store (the item vocabulary, ~1M rows) goes into Ray's
-object store once, as Arrow. Same input and options: the same dataset as one machine, ids, splits and rows.
+points) are the driver's, each bucket's sparse answer folded in as it arrives (``RayEngine.fold``), and what it
+hands back to every store (the item vocabulary, ~1M rows) goes into Ray's object store once, as Arrow. Same
+input and options: the same dataset as one machine, ids, splits and rows.
 
 Placement. The buckets are dealt to the nodes in proportion to their CPUs (hard node affinity); a node's stores share
-its ``--memory-limit`` (default half of the node's memory) and its CPUs (``--threads``: DuckDB threads per store,
-default the node's CPUs over its stores). ``--buckets`` defaults to the cluster's CPUs: the stores' own Python
-work (xxh64 of every id, the ranks) runs one thread per store, so one store per CPU keeps every core busy, while
-more would only add processes, per-store overhead and pieces (tasks x buckets files).
+its ``--memory-limit`` (default half of the node's memory, or of its pod's cgroup limit) and its CPUs
+(``--threads``: DuckDB threads per store, default the node's CPUs over its stores). ``--buckets`` defaults to the
+cluster's CPUs: the stores' own Python work (xxh64 of every id, the ranks) runs one thread per store, so one store
+per CPU keeps every core busy, while more would only add processes, per-store overhead and pieces (tasks x buckets
+files).
 
 Storage. The inputs and ``--out`` (so the pieces, the stores' databases and spill files under ``OUT/.ingest``, and
 the parts the stores write) must be at the same path on every node: NFS or another shared volume. A node that
 cannot see them fails with an error saying so.
 
 Stops and errors. ``interrupt()`` (called from the main thread's signal handler while the driver's steps run in
-another thread, ``bigrank.data.ingest._interruptible``) cancels the read tasks and kills the actors, so the
+another thread, ``bigrank.data.ingest._Steps``) cancels the read tasks and kills the actors, so the
 driver's wait ends at once; ``close()`` waits until they are gone, then the ingest deletes what was written. A
 task's error reaches the user as the one line the local engine gives (a CommandError naming the file), not a
 Ray traceback; a lost node or killed worker is an error saying to run the command again.
@@ -46,12 +51,21 @@ import numpy as np
 
 from bigrank.data.ingest.hashing import bucket_of, id_hashes
 from bigrank.data.ingest.options import IngestOptions
-from bigrank.data.ingest.pipeline import BATCH_ROWS, Interrupted
-from bigrank.data.ingest.sources import duckdb_error, quote_literal
+from bigrank.data.ingest.pipeline import BATCH_ROWS, Interrupted, SideConnections
+from bigrank.data.ingest.sources import duckdb_error, file_list
 from bigrank.data.ingest.store import Columns, RowStore
 from bigrank.errors import CommandError
 
-__all__ = ["RayEngine", "StoreActor", "default_buckets", "file_groups", "piece_path", "place", "read_into_buckets"]
+__all__ = [
+    "RayEngine",
+    "StoreActor",
+    "default_buckets",
+    "file_groups",
+    "piece_path",
+    "place",
+    "read_into_buckets",
+    "read_units",
+]
 
 PIECES_DIR = "pieces"
 # Rows a read task gathers for one bucket before writing them as a row group: PIECE_ROWS, or fewer with many
@@ -78,9 +92,9 @@ def place(node_cpus: dict[str, int], buckets: int) -> list[str]:
     return [slots[b % len(slots)] for b in range(buckets)]
 
 
-def file_groups(files, sizes, groups: int) -> list[list[str]]:
-    """``files`` cut into at most ``groups`` non-empty groups of about equal bytes (largest first onto the lightest
-    group), each in input order."""
+def file_groups(files, sizes, groups: int) -> list[list]:
+    """``files`` (paths, or the ranges of :func:`read_units`) cut into at most ``groups`` non-empty groups of about
+    equal bytes (largest first onto the lightest group), each in input order."""
     groups = max(1, min(int(groups), len(files)))
     loads = [0] * groups
     members: list[list[int]] = [[] for _ in range(groups)]
@@ -88,7 +102,43 @@ def file_groups(files, sizes, groups: int) -> list[list[str]]:
         lightest = min(range(groups), key=lambda g: (loads[g], g))
         loads[lightest] += sizes[index]
         members[lightest].append(index)
-    return [[str(files[k]) for k in sorted(group)] for group in members if group]
+    return [[_unit(files[k]) for k in sorted(group)] for group in members if group]
+
+
+def _unit(unit):
+    return tuple(unit) if isinstance(unit, tuple | list) else str(unit)
+
+
+def read_units(files, fmt: str, cpus: int) -> tuple[list, list[int]]:
+    """What the read tasks share out: ``(units, bytes of each)``. A unit is a file (its path), or a range of a
+    Parquet file's rows ``(path, first row, end row)``: a Parquet file of more than a CPU's share of the input
+    (all bytes / ``cpus``) with several row groups is cut at row-group bounds into ranges of about that share. Text
+    files stay whole."""
+    sizes = [os.path.getsize(f) for f in files]
+    share = max(1, sum(sizes) // max(1, int(cpus)))
+    if fmt != "parquet":
+        return [str(f) for f in files], sizes
+    import pyarrow.parquet as pq
+
+    units, unit_sizes = [], []
+    for file, size in zip(files, sizes, strict=True):
+        metadata = pq.ParquetFile(file).metadata if size > share else None
+        if metadata is None or metadata.num_row_groups < 2:
+            units.append(str(file))
+            unit_sizes.append(size)
+            continue
+        groups = [metadata.row_group(g) for g in range(metadata.num_row_groups)]
+        rows = np.cumsum([0] + [group.num_rows for group in groups])
+        taken = np.cumsum([0] + [sum(g.column(c).total_compressed_size for c in range(g.num_columns)) for g in groups])
+        parts = max(1, min(len(groups), round(size / share)))  # ranges of about a share each
+        # A row group goes to the range its middle byte falls in; the ranges are the runs of one range's groups.
+        middle = (taken[:-1] + taken[1:]) / 2
+        part = np.minimum(parts - 1, (middle * parts // max(1, taken[-1])).astype(np.int64))
+        bounds = np.concatenate([[0], np.flatnonzero(np.diff(part)) + 1, [len(groups)]])
+        for first, end in zip(bounds[:-1], bounds[1:], strict=True):
+            units.append((str(file), int(rows[first]), int(rows[end])))
+            unit_sizes.append(int(taken[end] - taken[first]))
+    return units, unit_sizes
 
 
 def piece_path(work: Path, task: int, bucket: int) -> Path:
@@ -96,10 +146,11 @@ def piece_path(work: Path, task: int, bucket: int) -> Path:
     return Path(work) / PIECES_DIR / f"task-{task:05d}" / f"bucket-{bucket:05d}.parquet"
 
 
-def read_into_buckets(columns: Columns, files: list[str], buckets: int, work: str, task: int, memory_bytes: int):
-    """Read ``files`` (one DuckDB scan each, in order) as ``u, i, t, v, bad`` and write every row to the piece of
-    its user's bucket (:func:`piece_path`; a piece for every bucket, empty ones too, so each store reads ``tasks``
-    pieces). Returns ``{"rows", "seconds", "node"}``. CommandError naming the file that cannot be read.
+def read_into_buckets(columns: Columns, files: list, buckets: int, work: str, task: int, memory_bytes: int):
+    """Read ``files`` (paths, or ``(path, first row, end row)`` ranges of Parquet files: :func:`read_units`; one
+    DuckDB scan each, in order) as ``u, i, t, v, bad`` and write every row to the piece of its user's bucket
+    (:func:`piece_path`; a piece for every bucket, empty ones too, so each store reads ``tasks`` pieces). Returns
+    ``{"rows", "seconds", "node"}``. CommandError naming the file that cannot be read.
 
     The body of the cluster engine's read tasks (also callable here, without Ray)."""
     import duckdb
@@ -108,7 +159,7 @@ def read_into_buckets(columns: Columns, files: list[str], buckets: int, work: st
 
     started = time.monotonic()
     con = duckdb.connect(
-        config={"threads": 1, "memory_limit": f"{max(memory_bytes >> 20, 256)}MB", "preserve_insertion_order": False}
+        config={"threads": 1, "memory_limit": f"{max(memory_bytes >> 20, 256)}MiB", "preserve_insertion_order": False}
     )
     # The store's setting: ISO-8601 times without an offset are UTC whatever the node's zone.
     con.execute("SET TimeZone = 'UTC'").fetchall()
@@ -131,11 +182,12 @@ def read_into_buckets(columns: Columns, files: list[str], buckets: int, work: st
         pending[bucket], pending_rows[bucket] = [], 0
 
     try:
-        for file in files:
+        for unit in files:
+            file, rows_sql = _scan_of(columns, unit)
             if not os.path.exists(file):
                 raise CommandError(f"{file} is not there on Ray node {_node_address()}: {SHARED_STORAGE}")
             try:
-                reader = con.sql(columns.rows_sql(columns.source.subset([file]).scan())).to_arrow_reader(BATCH_ROWS)
+                reader = con.sql(rows_sql).to_arrow_reader(BATCH_ROWS)
                 schema = schema or reader.schema
                 for batch in reader:
                     rows += batch.num_rows
@@ -169,6 +221,20 @@ def read_into_buckets(columns: Columns, files: list[str], buckets: int, work: st
     return {"rows": rows, "seconds": time.monotonic() - started, "node": _node_id()}
 
 
+def _file_of(unit) -> str:
+    """The file of a read unit (:func:`read_units`)."""
+    return unit[0] if isinstance(unit, tuple | list) else unit
+
+
+def _scan_of(columns: Columns, unit) -> tuple[str, str]:
+    """``(file, the query of its rows as u, i, t, v, bad)`` of a read unit: a whole file, or a range of rows."""
+    file = _file_of(unit)
+    if isinstance(unit, tuple | list):
+        scan = columns.source.subset([file]).scan(row_number=True)
+        return file, columns.rows_sql(scan, f"file_row_number >= {int(unit[1])} AND file_row_number < {int(unit[2])}")
+    return file, columns.rows_sql(columns.source.subset([file]).scan())
+
+
 def _node_id() -> str | None:
     import ray
 
@@ -191,19 +257,28 @@ class StoreActor:
 
     def __init__(self, directory: str, options: IngestOptions, stores_on_node: int, threads: int, cwd: str):
         os.chdir(cwd)
-        self.store = RowStore(directory, options.memory_bytes() // max(1, stores_on_node), threads)
+        memory = options.memory_plan()  # this node's: its memory, or its pod's cgroup limit
+        self.plan = (
+            f"{memory.amount / max(1, stores_on_node) / 2**30:.1f} GB a store ({memory.source}, over "
+            f"{stores_on_node} store(s)), {threads} thread(s)"
+        )
+        self.store = RowStore(directory, int(memory.amount) // max(1, stores_on_node), threads)
 
     def node(self) -> str:
         """The Ray node this store runs on."""
         return _node_id()
 
-    def load_pieces(self, pieces: list[str], has_time: bool, has_value: bool, min_rating) -> dict:
+    def limits(self) -> str:
+        """This store's memory limit and threads, and where the limit comes from."""
+        return self.plan
+
+    def load_pieces(self, pieces: list[str], has_time: bool, has_value: bool) -> dict:
         """Load the bucket's pieces (``RowStore.load_rows``); CommandError when this node cannot see one."""
         missing = [piece for piece in pieces if not os.path.exists(piece)]
         if missing:
             raise CommandError(f"{missing[0]} is not there on Ray node {_node_address()}: {SHARED_STORAGE}")
-        scan = "read_parquet([" + ", ".join(quote_literal(piece) for piece in pieces) + "])"
-        return self.store.load_rows(scan, has_time, has_value, min_rating)
+        scan = f"read_parquet({file_list(pieces)})"
+        return self.store.load_rows(scan, has_time, has_value)
 
     def call(self, method: str, *args):
         """``store.method(*args)``."""
@@ -227,6 +302,7 @@ class RayEngine:
         self.say = say or (lambda line: None)
         self.name = "ray"
         self.stopped = False
+        self.side = SideConnections()  # the driver's own DuckDB connections (an items file, a row to locate)
         self.actors: list = []
         self.tasks: list = []
         self._lock = threading.RLock()
@@ -248,15 +324,16 @@ class RayEngine:
         )
 
     # ------------------------------------------------------------------------------------------------ steps
-    def load(self, source, columns: Columns, min_rating) -> list[dict]:
+    def load(self, source, columns: Columns) -> list[dict]:
         """Read the files in Ray tasks into per-bucket pieces, then load each bucket's pieces into its store."""
         import ray
 
         if self.stopped:
             raise Interrupted("stopped")
         started = time.monotonic()
-        sizes = [os.path.getsize(f) for f in source.files]
-        groups = file_groups(source.files, sizes, sum(self.node_cpus.values()))
+        cpus = sum(self.node_cpus.values())
+        units, sizes = read_units(source.files, source.format, cpus)
+        groups = file_groups(units, sizes, cpus)
         read = ray.remote(read_into_buckets).options(num_cpus=1, scheduling_strategy="SPREAD")
         memory = self.options.memory_bytes() // max(1, min(self.node_cpus.values()))
         tasks = [
@@ -268,17 +345,22 @@ class RayEngine:
         done = self._gather(tasks, "read task")
         rows = sum(d["rows"] for d in done)
         nodes = len({d["node"] for d in done})
+        ranges = sum(isinstance(unit, tuple) for unit in units)
+        cut = f" (large Parquet files cut into {ranges} ranges of row groups)" if ranges else ""
         self.say(
-            f"read tasks done: {rows:,} rows from {len(source.files)} file(s) in {len(groups)} task(s) on "
+            f"read tasks done: {rows:,} rows from {len(source.files)} file(s){cut} in {len(groups)} task(s) on "
             f"{nodes} node(s), {time.monotonic() - started:.1f}s"
         )
         nodes = self._gather(placed, "start")
         self.say(f"{len(self.actors)} store(s) on {len(set(nodes))} node(s)")
+        limits = self._gather([actor.limits.remote() for actor in self.actors], "start")
+        for plan in sorted(set(limits)):
+            self.say(f"  {limits.count(plan)} store(s): {plan}")
         has_time, has_value = columns.time is not None, columns.value is not None
         loaded = self._gather(
             [
                 actor.load_pieces.remote(
-                    [str(piece_path(self.work, t, b)) for t in range(len(groups))], has_time, has_value, min_rating
+                    [str(piece_path(self.work, t, b)) for t in range(len(groups))], has_time, has_value
                 )
                 for b, actor in enumerate(self.actors)
             ],
@@ -312,6 +394,17 @@ class RayEngine:
         ]
         return self._gather(calls, method)
 
+    def fold(self, method: str, add, *args) -> None:
+        """``add(store.method(*args))`` for every store, as each result arrives (in any order): the driver holds
+        one store's result at a time, not every store's (per-item counts of 512 buckets x 10M items would be 41
+        GB)."""
+        import ray
+
+        if self.stopped:
+            raise Interrupted("stopped")
+        shared = [ray.put(a) if _is_bulk(a) else a for a in args]
+        self._gather([actor.call.remote(method, *shared) for actor in self.actors], method, each=add)
+
     # ------------------------------------------------------------------------------------------- the actors
     def _start_stores(self) -> list:
         """Start one actor per bucket on its node (:func:`place`); returns the refs of their nodes, once started."""
@@ -343,23 +436,31 @@ class RayEngine:
         if self.stopped:  # a signal came while they were being started
             self.interrupt()
 
-    def _gather(self, refs: list, what: str) -> list:
-        """The results of ``refs`` in order, waiting in short slices so that a stop ends the wait at once; the first
-        failure (in the order they happen) is raised as :meth:`_failure` says."""
+    def _gather(self, refs: list, what: str, each=None) -> list:
+        """The results of ``refs`` in order (or, with ``each``, ``each(result)`` as each arrives, and nothing kept),
+        waiting in short slices so that a stop ends the wait at once; the first failure (in the order they happen)
+        is raised as :meth:`_failure` says."""
         import ray
 
         results = {}
         waiting = list(refs)
+        if each is not None:
+            refs.clear()  # the caller's list too: a result's ref goes once it is folded, and Ray frees the object
         while waiting:
             if self.stopped:
                 raise Interrupted("stopped")
             ready, waiting = ray.wait(waiting, num_returns=len(waiting), timeout=POLL_SECONDS)
             for ref in ready:
                 try:
-                    results[ref] = ray.get(ref)
+                    result = ray.get(ref)
                 except Exception as error:  # noqa: BLE001 - sorted by _failure
                     self._failure(error, what)
-        return [results[ref] for ref in refs]
+                if each is None:
+                    results[ref] = result
+                else:
+                    each(result)
+            ready = ref = result = None  # no reference kept to a folded result
+        return [results[ref] for ref in refs] if each is None else []
 
     def _failure(self, error: Exception, what: str):
         """Raise what the user sees of a failed task or actor call: Interrupted after a stop; a CommandError's own
@@ -399,6 +500,7 @@ class RayEngine:
         import ray
 
         self.stopped = True
+        self.side.interrupt()
         with self._lock:
             tasks, actors = list(self.tasks), list(self.actors)
         for ref in tasks:
@@ -441,10 +543,10 @@ class RayEngine:
                 ray.shutdown()
 
 
-def _on_files(columns: Columns, files: list[str]) -> Columns:
-    """``columns`` over ``files`` only: a read task is not sent the list of every input file."""
+def _on_files(columns: Columns, units: list) -> Columns:
+    """``columns`` over the files of ``units`` only: a read task is not sent the list of every input file."""
     narrowed = copy.copy(columns)
-    narrowed.source = columns.source.subset(files)
+    narrowed.source = columns.source.subset(dict.fromkeys(_file_of(unit) for unit in units))
     return narrowed
 
 

@@ -40,7 +40,15 @@ from pathlib import Path
 from bigrank.data import manifest as layout
 from bigrank.data.ingest.options import IngestOptions
 from bigrank.data.ingest.pipeline import WORK_DIR, Progress, clear, prepare_out
-from bigrank.data.ingest.sources import duckdb_error, open_source, quote_identifier, quote_literal, resolve_files
+from bigrank.data.ingest.sources import (
+    duckdb_error,
+    file_list,
+    literal_path,
+    open_source,
+    quote_identifier,
+    quote_literal,
+    resolve_files,
+)
 from bigrank.errors import CommandError
 
 __all__ = ["DEFAULT_VALID_FRACTION", "EVAL_EXCLUDE", "GivenSplit", "ingest_prepared"]
@@ -135,7 +143,11 @@ def ingest_prepared(
                     names_valid = _split_column_names_valid(read["log"], given.column, options)
                     carve = not names_valid and given.valid_fraction > 0
                 fraction = given.valid_fraction if carve else 0.0
-                staged_options = replace(options, split="random", fractions=(1.0 - fraction, fraction, 0.0))
+                # The carve is the pipeline's random split; with --vocab-from the given split decides, not the
+                # parent's labels (which the pipeline's random split keeps otherwise).
+                staged_options = replace(
+                    options, split="random", fractions=(1.0 - fraction, fraction, 0.0), keep_parent_split=False
+                )
             stage = work / "stage"
             try:
                 staged = ingest([p for files in read.values() for p in files], stage, staged_options)
@@ -220,7 +232,7 @@ def _write_given(
     staging vocabularies and the manifest (with the per-user indexes)."""
     import duckdb
 
-    from bigrank.data.ingest import _interruptible
+    from bigrank.data.ingest import _Steps
     from bigrank.data.user_index import write_manifest_with_indexes
 
     con = duckdb.connect(
@@ -232,13 +244,13 @@ def _write_given(
         }
     )
 
-    class Stop:  # what _interruptible interrupts on a signal: the running query
+    class Stop:  # what _Steps interrupts on a signal: the running query
         @staticmethod
         def interrupt() -> None:
             con.interrupt()
 
     try:
-        split_files, record = _interruptible(
+        split_files, record = _Steps().run(
             lambda: _relabel(con, stage, out, staged, read, options, given, carve, say), Stop
         )
     except duckdb.Error as error:
@@ -278,7 +290,7 @@ def _labelled_scan(files, options: IngestOptions, label_sql, id_types: Mapping[s
 
     source = open_source(files, options.format, options.delimiter, options.header, options.encoding)
     columns = Columns(
-        source, source.column(options.user, "--user"), source.column(options.item, "--item"), None, None, 1
+        source, source.column(options.user, "--user"), source.column(options.item, "--item"), None, None, "s"
     )
     kinds = {"int64": "BIGINT", "string": "VARCHAR"}
     user, item = (
@@ -338,7 +350,7 @@ def _relabel(con, stage: Path, out: Path, staged: dict, read, options, given: Gi
         f"FROM ({' UNION ALL '.join(scans)}) WHERE u IS NOT NULL AND i IS NOT NULL GROUP BY u, i"
     ).fetchall()
     given_valid = bool(con.execute("SELECT count(*) FROM labelled WHERE g = 1").fetchall()[0][0])
-    vocabulary = {name: quote_literal(str(stage / name)) for name in ("users.parquet", "items.parquet")}
+    vocabulary = {name: quote_literal(literal_path(stage / name)) for name in ("users.parquet", "items.parquet")}
     con.execute(
         "CREATE TABLE given AS SELECT users.user_id, items.item_id, labelled.g, labelled.g_max FROM labelled "
         f"JOIN read_parquet({vocabulary['users.parquet']}) users ON labelled.u = users.original_id "
@@ -346,9 +358,9 @@ def _relabel(con, stage: Path, out: Path, staged: dict, read, options, given: Gi
     ).fetchall()
     parts = []
     for label, name in enumerate(("train", "valid")):  # the staging split: train, and the carve's valid
-        files = [quote_literal(str(stage / f)) for f in staged["splits"][name]["files"]]
+        files = [stage / f for f in staged["splits"][name]["files"]]
         if files:
-            parts.append(f"SELECT *, {label} AS carved FROM read_parquet([{', '.join(files)}])")
+            parts.append(f"SELECT *, {label} AS carved FROM read_parquet({file_list(files)})")
     con.execute(
         "CREATE TABLE final AS SELECT rows.* EXCLUDE (carved), given.g, given.g_max, "
         f"(CASE WHEN given.g = 0 THEN {'rows.carved' if carved else '0'} ELSE given.g END)::UTINYINT AS label "

@@ -3,17 +3,29 @@
 from __future__ import annotations
 
 import math
-import os
 import re
 from dataclasses import asdict, dataclass, field
 
+from bigrank.data.ingest.resources import Resource, available_cpus, available_memory
 from bigrank.errors import CommandError
 
-__all__ = ["DEDUP_MODES", "SPLIT_MODES", "TIME_UNITS", "IngestOptions", "parse_fractions", "parse_time"]
+__all__ = [
+    "DEDUP_MODES",
+    "SPLIT_MODES",
+    "TIME_UNITS",
+    "IngestOptions",
+    "epoch_unit_of",
+    "parse_fractions",
+    "parse_time",
+]
 
 DEDUP_MODES = ("last", "first", "sum", "max")
 SPLIT_MODES = ("random", "last", "time")
-TIME_UNITS = ("auto", "s", "ms")
+TIME_UNITS = ("auto", "s", "ms", "us", "ns")
+# Epoch numbers of each unit stay below the next bound until the year 5138 (1e11 s): what --time-unit auto reads a
+# column's largest number by. Today: 1.7e9 s, 1.7e12 ms, 1.7e15 us, 1.7e18 ns.
+EPOCH_UNIT_BOUNDS = (("s", 1e11), ("ms", 1e14), ("us", 1e17), ("ns", float("inf")))
+EPOCH_UNIT_NAMES = {"s": "seconds", "ms": "milliseconds", "us": "microseconds", "ns": "nanoseconds"}
 DEFAULT_FRACTIONS = (0.8, 0.1, 0.1)
 # Share of the machine's memory DuckDB may hold before it spills to disk (`--memory-limit`): the rest is for the
 # Parquet writer, the vocabularies and whatever else runs.
@@ -54,15 +66,15 @@ def parse_time(text: str, option: str) -> int:
     return int(round(moment.timestamp() * 1000))
 
 
-def _memory_bytes() -> int:
-    try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError):
-        return 8 << 30
+def epoch_unit_of(largest: float) -> str:
+    """The epoch unit (``s``, ``ms``, ``us``, ``ns``) whose numbers today are of the size of ``largest`` (the
+    largest absolute time of a column): ``EPOCH_UNIT_BOUNDS``."""
+    return next(unit for unit, bound in EPOCH_UNIT_BOUNDS if abs(largest) < bound)
 
 
 def parse_size(text: str) -> int:
-    """``"8GB"``, ``"512MB"``, ``"0.5"`` (a fraction of the machine's memory) -> bytes."""
+    """``"8GB"``, ``"512MB"``, ``"0.5"`` (a fraction of the memory this process may use: the machine's, or its
+    cgroup's limit, ``bigrank.data.ingest.resources``) -> bytes."""
     text = str(text).strip().upper().replace("IB", "B")
     match = re.fullmatch(r"(\d+(?:\.\d+)?)\s*([KMGT]?B)?", text)
     if not match:
@@ -71,7 +83,7 @@ def parse_size(text: str) -> int:
     if unit is None:
         if not 0 < number <= 1:
             raise CommandError(f"--memory-limit without a unit is a fraction of memory in (0, 1], got {text!r}")
-        return int(number * _memory_bytes())
+        return int(number * available_memory().amount)
     return int(number * {"B": 1, "KB": 1 << 10, "MB": 1 << 20, "GB": 1 << 30, "TB": 1 << 40}[unit])
 
 
@@ -81,8 +93,9 @@ class IngestOptions:
 
     Columns (``user``, ``item``, ``time``, ``rating``/``weight``): a name, or a 0-based position for headerless
     text. Cleaning runs in this order, each step counted in the manifest: rows with a null or empty id dropped;
-    ``min_rating`` (explicit -> implicit: rows rated below it dropped); duplicates of a (user, item) pair merged
-    (``dedup``); the k-core (``min_user_items``, ``min_item_users``) iterated to a fixed point. Then the split:
+    duplicates of a (user, item) pair merged (``dedup``); ``min_rating`` (explicit -> implicit: pairs whose merged
+    rating is below it dropped, so that a pair's latest opinion decides under ``last``); the k-core
+    (``min_user_items``, ``min_item_users``) iterated to a fixed point. Then the split:
     ``random`` (``fractions`` of the pairs, exact sizes, by a seeded hash), ``last`` (per user by time: the latest
     ``fractions[2]`` of a user's pairs to test, the ``fractions[1]`` before them to valid; users with fewer than 3
     pairs keep all in train) or ``time`` (a global cut: ``valid_from`` <= time < ``test_from`` is valid, after it
@@ -111,6 +124,7 @@ class IngestOptions:
     items_file: str | None = None
     item_key: str | None = None
     items_format: str = "auto"
+    items_delimiter: str | None = None  # read as the log is: by the name, else sniffed
     memory_limit: str | None = None
     threads: int | None = None
     temp_dir: str | None = None
@@ -118,6 +132,8 @@ class IngestOptions:
     buckets: int | None = None
     progress: bool = True
     vocab_from: str | None = None  # a parent dataset whose ids are kept (bigrank.data.ingest.vocab)
+    keep_parent_split: bool = True  # --vocab-from, random split: a pair of the parent keeps its split (not --split
+    # given's carve, where the given split decides)
     preset: str | None = None  # "movielens" when the MovieLens files were recognised (set by the ingest)
     extra: dict = field(default_factory=dict)
 
@@ -157,6 +173,8 @@ class IngestOptions:
             raise CommandError("--valid-from/--test-from go with --split time")
         if bool(self.items_file) != bool(self.item_key):
             raise CommandError("--items-file PATH and --item-key COL go together")
+        if (self.items_delimiter or self.items_format != "auto") and not self.items_file:
+            raise CommandError("--items-format and --items-delimiter go with --items-file")
         if self.threads is not None and int(self.threads) < 1:
             raise CommandError(f"--threads must be at least 1, got {self.threads}")
         if self.buckets is not None and int(self.buckets) < 1:
@@ -180,24 +198,54 @@ class IngestOptions:
         return "rating" if self.rating else "weight" if self.weight else None
 
     def memory_bytes(self) -> int:
-        """DuckDB's memory limit in bytes (default a fraction of the machine's memory)."""
-        if self.memory_limit is None:
-            return int(DEFAULT_MEMORY_FRACTION * _memory_bytes())
-        return parse_size(self.memory_limit)
+        """DuckDB's memory limit in bytes (:meth:`memory_plan`)."""
+        return int(self.memory_plan().amount)
+
+    def memory_plan(self) -> Resource:
+        """DuckDB's memory limit (bytes) and where it comes from: ``--memory-limit``, else half the memory this
+        process may use (the machine's, or less under a cgroup limit: ``bigrank.data.ingest.resources``)."""
+        if self.memory_limit is not None:
+            fraction = re.fullmatch(r"\s*\d+(\.\d+)?\s*", str(self.memory_limit)) is not None
+            of = f" of {available_memory().source}" if fraction else ""
+            return Resource(parse_size(self.memory_limit), f"--memory-limit {self.memory_limit}{of}")
+        available = available_memory()
+        return Resource(
+            int(DEFAULT_MEMORY_FRACTION * available.amount),
+            f"{DEFAULT_MEMORY_FRACTION:g} of {available.amount / 2**30:.1f} GB, {available.source}",
+        )
 
     def thread_count(self) -> int:
-        """DuckDB's threads (default the CPUs this process may run on)."""
+        """DuckDB's threads (:meth:`threads_plan`)."""
+        return int(self.threads_plan().amount)
+
+    def threads_plan(self) -> Resource:
+        """DuckDB's threads and where they come from: ``--threads``, else the CPUs this process may use (fewer
+        under a cgroup's CPU quota)."""
         if self.threads is not None:
-            return int(self.threads)
-        try:
-            return len(os.sched_getaffinity(0))
-        except AttributeError:
-            return os.cpu_count() or 1
+            return Resource(int(self.threads), "--threads")
+        return available_cpus()
+
+    def plan(self) -> str:
+        """The engine's limits and their sources, for the progress line."""
+        memory, threads = self.memory_plan(), self.threads_plan()
+        return (
+            f"memory limit {memory.amount / 2**30:.1f} GB ({memory.source}), "
+            f"{int(threads.amount)} thread(s) ({threads.source})"
+        )
 
     def record(self) -> dict:
         """The options as the manifest records them (no machine settings)."""
         kept = asdict(self)
-        for name in ("memory_limit", "threads", "temp_dir", "address", "buckets", "progress", "extra"):
+        for name in (
+            "memory_limit",
+            "threads",
+            "temp_dir",
+            "address",
+            "buckets",
+            "progress",
+            "extra",
+            "keep_parent_split",
+        ):
             kept.pop(name)
         kept["fractions"] = list(self.fractions)
         return kept

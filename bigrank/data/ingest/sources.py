@@ -25,7 +25,17 @@ from pathlib import Path
 
 from bigrank.errors import CommandError
 
-__all__ = ["FORMATS", "Source", "duckdb_error", "open_source", "quote_identifier", "quote_literal", "resolve_files"]
+__all__ = [
+    "FORMATS",
+    "Source",
+    "duckdb_error",
+    "file_list",
+    "literal_path",
+    "open_source",
+    "quote_identifier",
+    "quote_literal",
+    "resolve_files",
+]
 
 FORMATS = ("parquet", "csv", "json")
 COMPRESSIONS = (".gz", ".zst", ".zstd")
@@ -45,6 +55,11 @@ DEFAULT_DELIMITERS = {".tsv": "\t", ".data": "\t", ".dat": "::"}
 INTEGER_TYPES = ("TINYINT", "SMALLINT", "INTEGER", "BIGINT", "UTINYINT", "USMALLINT", "UINTEGER", "UBIGINT")
 NUMBER_TYPES = (*INTEGER_TYPES, "HUGEINT", "FLOAT", "DOUBLE", "REAL")
 TIME_TYPES = ("DATE", "TIMESTAMP", "TIMESTAMP WITH TIME ZONE", "TIMESTAMP_S", "TIMESTAMP_MS", "TIMESTAMP_NS")
+# DuckDB's readers expand these in every path they are given, a list's items included (DuckDB's globbing).
+GLOB_CHARACTERS = "*?["
+# Delimiters a text file is sniffed for when the one its name suggests reads a single column (Last.fm's tab-
+# separated .dat files, a ;-separated .csv).
+SNIFFED_DELIMITERS = (",", "\t", ";", "|")
 
 
 def quote_literal(text: str) -> str:
@@ -55,6 +70,28 @@ def quote_literal(text: str) -> str:
 def quote_identifier(name: str) -> str:
     """``name`` as a SQL identifier."""
     return '"' + str(name).replace('"', '""') + '"'
+
+
+def literal_path(path) -> str:
+    """``path`` written so that DuckDB's readers open that one file: DuckDB expands ``*``, ``?`` and ``[`` in
+    every path as a glob (``a[1].csv`` would read ``a1.csv``), so each is put in brackets (``a[[]1].csv``), the
+    escape DuckDB's glob documents. CommandError for a path that also holds a backslash: DuckDB's glob has no
+    escape for it, so that file cannot be named."""
+    text = str(path)
+    if not any(character in text for character in GLOB_CHARACTERS):
+        return text
+    if "\\" in text:
+        raise CommandError(
+            f"{text}: DuckDB cannot open a path holding both a backslash and one of {' '.join(GLOB_CHARACTERS)} "
+            "(it reads those as a glob); rename the file or its directory"
+        )
+    return "".join(f"[{c}]" if c in GLOB_CHARACTERS else c for c in text)
+
+
+def file_list(files) -> str:
+    """The SQL list of ``files`` for DuckDB's ``read_parquet`` / ``read_csv`` / ``read_json``, each one read as
+    the file it names (:func:`literal_path`), never as a glob."""
+    return "[" + ", ".join(quote_literal(literal_path(f)) for f in files) + "]"
 
 
 def duckdb_error(error: Exception) -> str:
@@ -74,14 +111,16 @@ def _base_suffix(name: str) -> tuple[str, str]:
 
 
 def resolve_files(paths: list[str | Path]) -> list[Path]:
-    """The input files of ``paths`` (files, directories searched recursively, globs), sorted, each once.
+    """The input files of ``paths`` (files, directories searched recursively, globs), sorted, each once. A path
+    that exists is taken as it is, even when its name holds ``*``, ``?`` or ``[``; only one that does not is a
+    glob.
 
     CommandError naming the path when one matches nothing.
     """
     files: list[Path] = []
     for path in paths:
         text = str(path)
-        if any(ch in text for ch in "*?["):
+        if not Path(text).exists() and any(ch in text for ch in GLOB_CHARACTERS):
             matched = [Path(p) for p in sorted(glob.glob(text, recursive=True)) if Path(p).is_file()]
             if not matched:
                 raise CommandError(f"no file matches {text}")
@@ -136,7 +175,7 @@ class Source:
         """The DuckDB table function scanning ``files`` (default all), with a ``filename`` column and, for
         Parquet, ``file_row_number`` when asked (the error path locates a bad row with them)."""
         files = self.files if files is None else tuple(files)
-        listed = "[" + ", ".join(quote_literal(f) for f in files) + "]"
+        listed = file_list(files)
         extra = ", filename = true" if filename else ""
         if self.format == "parquet":
             numbers = ", file_row_number = true" if row_number else ""
@@ -207,6 +246,25 @@ def _describe(con, scan: str, file) -> dict[str, str]:
     return {name: str(kind) for name, kind, *_ in rows}
 
 
+def _delimiter_of(con, probe: Source) -> str:
+    """The delimiter of the text file ``probe`` names: ``probe.delimiter`` (its name's) unless that reads a single
+    column and DuckDB's sniffer finds another of ``SNIFFED_DELIMITERS`` that reads more."""
+    file = probe.files[0]
+    if len(_describe(con, probe.scan(), file)) > 1:
+        return probe.delimiter
+    try:
+        (sniffed,) = con.execute(
+            f"SELECT Delimiter FROM sniff_csv({quote_literal(literal_path(file))}, "
+            f"encoding = {quote_literal(probe.encoding)}, header = {str(probe.header).lower()})"
+        ).fetchall()[0]
+    except Exception:  # noqa: BLE001 - no delimiter found: the name's stays, and the columns are reported as read
+        return probe.delimiter
+    if sniffed in SNIFFED_DELIMITERS and sniffed != probe.delimiter:
+        if len(_describe(con, replace(probe, delimiter=sniffed).scan(), file)) > 1:
+            return sniffed
+    return probe.delimiter
+
+
 def open_source(
     paths,
     fmt: str = "auto",
@@ -219,19 +277,23 @@ def open_source(
 
     Text files: every file's columns come from its header (``header``: default True) or, without one, are
     ``column0, column1, …`` by position; ``delimiter`` defaults to the format's (``,``; tab for .tsv and u.data;
-    ``::`` for .dat). CommandError naming the file when one cannot be read or its columns differ from the first's.
+    ``::`` for .dat), or, when that reads the first file as one column, to the one DuckDB's sniffer finds in it
+    (:func:`_delimiter_of`). CommandError naming the file when one cannot be read or its columns differ from the
+    first's.
     """
     import duckdb
 
     files = resolve_files(paths if isinstance(paths, list | tuple) else [paths])
     kind, default_delimiter = _format_of(files, fmt)
     if kind == "csv":
-        delimiter = delimiter or default_delimiter or ","
         header = True if header is None else header
     elif delimiter is not None or header is not None:
         raise CommandError(f"--delimiter and --header/--no-header apply to CSV/TSV input, not {kind}")
     schemas = []
     with duckdb.connect() as con:
+        if kind == "csv" and delimiter is None:
+            probe = Source((str(files[0]),), kind, {}, default_delimiter or ",", header, encoding, typed_text)
+            delimiter = _delimiter_of(con, probe)
         for file in files:
             probe = Source((str(file),), kind, {}, delimiter or ",", bool(header), encoding, typed_text)
             columns = _describe(con, probe.scan(), file)

@@ -96,14 +96,23 @@ class ParentVocabulary:
             name: table.column("first_seen").combine_chunks() if "first_seen" in table.column_names else None
             for name, table in tables.items()
         }
+        from bigrank.data.ingest.hashing import wide_text
+
         return cls(
             root,
             manifest,
-            tables["users"].column("original_id").combine_chunks(),
-            tables["items"].column("original_id").combine_chunks(),
+            wide_text(tables["users"].column("original_id")),  # text as large_string: it may pass 2 GiB
+            wide_text(tables["items"].column("original_id")),
             firsts["users"],
             firsts["items"],
         )
+
+    def split_files(self) -> list[list[str]]:
+        """The paths of the parent's part files of each split (train, valid, test)."""
+        from bigrank.data.manifest import SPLITS
+
+        splits = self.manifest.get("splits", {})
+        return [[str(self.root / name) for name in splits.get(split, {}).get("files", [])] for split in SPLITS]
 
     def check_types(self, integer_users: bool, integer_items: bool) -> None:
         """CommandError when the new data's id types (int64 or string) differ from the parent's."""
@@ -140,18 +149,34 @@ def extend_ids(old_ids, new_ids) -> tuple[np.ndarray, object]:
     """Dense ids for ``new_ids`` (distinct original ids, in ``(xxh64, id)`` order) that keep ``old_ids``'s
     (the parent's original ids in dense order): an id of ``old_ids`` keeps its position, the others are numbered
     ``len(old_ids), …`` in their order. Returns ``(int32[len(new_ids)] dense ids, the extended vocabulary: the
-    original ids of every dense id, a pyarrow array)``."""
+    original ids of every dense id, a pyarrow ChunkedArray)``.
+
+    Text is ``large_string`` and never joined into one array: the vocabularies may hold more than 2 GiB of it.
+    The ids are matched through a hash table of the smaller side only."""
     import pyarrow as pa
     import pyarrow.compute as pc
 
+    from bigrank.data.ingest.hashing import id_array, wide_text
+
+    old_ids, new_ids = wide_text(old_ids), wide_text(new_ids)
     new_ids = new_ids.cast(old_ids.type) if new_ids.type != old_ids.type else new_ids
-    found = pc.index_in(new_ids, value_set=old_ids).to_numpy(zero_copy_only=False)
-    fresh = np.isnan(found) if found.dtype.kind == "f" else np.zeros(len(found), dtype=bool)
-    dense = np.empty(len(new_ids), dtype=np.int64)
-    dense[~fresh] = found[~fresh].astype(np.int64)
+    dense = np.full(len(new_ids), -1, dtype=np.int64)
+    if len(new_ids) <= len(old_ids):  # each old id's place among the new ones
+        places = pc.fill_null(pc.index_in(old_ids, value_set=id_array(new_ids)), -1)
+        places = places.to_numpy() if isinstance(places, pa.Array) else np.asarray(places)
+        kept = np.flatnonzero(places >= 0)
+        dense[places[kept]] = kept
+    else:  # each new id's place among the old ones
+        found = pc.fill_null(pc.index_in(new_ids, value_set=id_array(old_ids)), -1)
+        dense = (found.to_numpy() if isinstance(found, pa.Array) else np.asarray(found)).astype(np.int64)
+    fresh = dense < 0
     dense[fresh] = len(old_ids) + np.arange(int(fresh.sum()))
     appended = new_ids.filter(pa.array(fresh))
-    return dense.astype(np.int32), pa.concat_arrays([old_ids, appended])
+
+    def chunks(ids) -> list:
+        return list(ids.chunks) if isinstance(ids, pa.ChunkedArray) else [ids]
+
+    return dense.astype(np.int32), pa.chunked_array([*chunks(old_ids), *chunks(appended)], type=old_ids.type)
 
 
 def merged_firsts(old_firsts, dense: np.ndarray, new_firsts_ms, size: int):
