@@ -11,7 +11,7 @@
  * bucket_gather: out[r][c] = prefix[start[r] + idx[r][c]].
  *
  * Scores are float32 or bfloat16 (the upper half of a float32). With AVX-512 sixteen scores are searched at once
- * (one gather per level); elsewhere one at a time. Rows are split over `threads` OpenMP threads when built with
+ * (one gather per level); elsewhere LANES scores' searches are interleaved, level by level. Rows are split over `threads` OpenMP threads when built with
  * OpenMP. bucket_stats returns 0; -1 when a thread could not allocate its counters; -2 when a score is NaN (it
  * has no bucket: the caller raises, and counts, sums and idx are then undefined).
  */
@@ -23,6 +23,7 @@
 #endif
 
 #define FAILED_ALLOC 1
+#define LANES 16
 #define FAILED_NAN 2
 
 static inline float load_score(const void *z, int bf16, int64_t i) {
@@ -108,6 +109,27 @@ int bucket_stats(const void *z, int bf16, int64_t rows, int64_t cols, int64_t z_
                 for (int j = 0; j < 16; j++) {
                     count[(j & 1) * width + ks[j]] += 1;
                     row_sums[ks[j]] += vs[j];
+                }
+            }
+#else
+            /* LANES scores searched together: each search is a chain of depth dependent loads, so one at a time the
+             * core waits on every load; interleaved, the LANES chains overlap (and the compiler may gather them).
+             * Their counts and sums are added afterwards in column order, as one at a time. */
+            for (; c + LANES <= cols; c += LANES) {
+                float v[LANES];
+                int32_t k[LANES];
+                for (int j = 0; j < LANES; j++) {
+                    v[j] = load_score(z, bf16, base + c + j);
+                    k[j] = 0;
+                }
+                for (int s = m - 1; s >= 0; s--) {
+                    const int32_t half = (int32_t)1 << s;
+                    for (int j = 0; j < LANES; j++) k[j] = (v[j] > t[k[j] + half - 1]) ? k[j] + half : k[j];
+                }
+                for (int j = 0; j < LANES; j++) {
+                    store_index(idx16, idx32, out + c + j, k[j]);
+                    count[(j & 1) * width + k[j]] += 1;
+                    row_sums[k[j]] += v[j];
                 }
             }
 #endif
