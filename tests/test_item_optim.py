@@ -3,6 +3,8 @@ agree by definition, lazy Adam equals dense Adam run on each row's own gradients
 
 from __future__ import annotations
 
+from functools import partial
+
 import pytest
 import torch
 
@@ -35,11 +37,12 @@ def _weight(seed=0):
         ("sgd", torch.optim.SGD, 0.1),
         ("adagrad", torch.optim.Adagrad, 0.0),
         ("adagrad", torch.optim.Adagrad, 0.1),
-        ("adam", torch.optim.Adam, 0.0),
-        ("adam", torch.optim.Adam, 0.1),
+        ("adam", partial(torch.optim.Adam, fused=True), 0.0),
+        ("adam", partial(torch.optim.Adam, fused=True), 0.1),
     ],
 )
 def test_dense_steps_equal_torch_optim(name, torch_optimizer, decay):
+    """Dense Adam steps (every row at one count) run torch's fused kernel: equal to torch.optim.Adam(fused=True)."""
     reference = torch.nn.Parameter(_weight())
     expected = torch_optimizer([reference], lr=0.05, weight_decay=decay)
     ours = torch.nn.Parameter(_weight())
