@@ -207,6 +207,43 @@ def test_native_buckets_equal_searchsorted(dtype, longest):
     assert int(native[2][0, 5]) == longest and int(native[2][3, 6]) == 0  # +inf above every threshold, -inf below
 
 
+def test_the_cell_tables_edge_cases_equal_searchsorted():
+    """The kernel without AVX-512 places a score by its row's cell table (cells of equal width over the row's
+    thresholds): rows whose thresholds are all equal (no width), crowded in one cell beside a far one, one
+    threshold, none; scores on a threshold, between two equal ones, at +-inf and at the float32 extremes: the same
+    buckets, counts and sums as torch.searchsorted, bit for bit."""
+    needs_native()
+    far = torch.finfo(torch.float32).max
+    rows = [
+        [0.5] * 7,  # all equal
+        [0.0] * 5 + [0.001, 0.002, 1000.0],  # crowded at 0, one far away: most cells empty
+        [-2.0],
+        [],
+        [-far, far],
+    ]
+    lengths = torch.tensor([len(row) for row in rows])
+    thresholds = torch.tensor([value for row in rows for value in row], dtype=torch.float32)
+    table = buckets.threshold_table(thresholds, lengths)
+    generator = torch.Generator().manual_seed(11)
+    block = torch.randn(len(rows), 300, generator=generator) * 3
+    specials = torch.tensor([0.5, 0.0, 0.001, 0.0015, 1000.0, -2.0, float("inf"), float("-inf"), far, -far])
+    block[:, : specials.numel()] = specials
+
+    def run():
+        counts, sums = table.zeros(), table.zeros()
+        index = torch.empty(block.shape, dtype=table.index_dtype)
+        buckets.bucket_stats(block, table, counts, sums, index)
+        return counts, sums, index.to(torch.int64)
+
+    native, by_torch = native_and_torch(run)
+    for got, expected in zip(native, by_torch, strict=True):  # -inf meets a finite score: NaN-free sums
+        torch.testing.assert_close(got, expected, rtol=0, atol=0, equal_nan=True)
+    index = native[2]
+    assert index[0, 0] == 0 and index[0, 4] == 7 and index[0, 6] == 7  # on the equal thresholds: above none
+    assert index[1, :5].tolist() == [7, 0, 5, 6, 7]  # 0.5; on the crowded 0.0s; on 0.001; between; on 1000
+    assert index[3].max() == 0 and index[4, 8] == 1 and index[4, 6] == 2  # no thresholds; on far; +inf
+
+
 def test_each_row_is_searched_at_its_own_depth_in_buffers_of_its_own_size():
     """One user with 20,000 thresholds among light ones: every row gets 2^m entries for its own length (not the
     heaviest row's), the table's sorted rows and the order of its thresholds are right, and the per-row suffix and

@@ -14,18 +14,19 @@ Two implementations compute the same buckets, counts and sums (bit for bit: the 
 on both):
 
 * native (CPU; float32 or bfloat16 blocks): ``csrc/buckets.c``, built with the system C compiler at first use
-  (``cc -O3 -march=native``, ~0.2 s) and loaded with ctypes. A branchless binary search of each row at its own
-  depth, sixteen scores at a time with AVX-512 gathers where the compiler targets AVX-512, one at a time
-  elsewhere. The library is cached in ``$XDG_CACHE_HOME/bigrank`` (a directory of this user's, mode 0700),
-  keyed by the source, the compiler's version and the target the compiler sees for ``-march=native`` (its
-  predefined macros: the same key on x86 and aarch64); a cached library that does not load is rebuilt once.
-  Measured with ``python -m benchmarks.bench_buckets`` (256 users x 65,536 scores, 363 thresholds a user, one
-  thread, CPU time; 2026-11-28 on a 2-core AVX2 machine, so the one-at-a-time search, at load 13-14): the
-  statistics pass 17-21 ns a score against the torch path's 86-93 (4-5x), the gather 3-4 ns against 19-22; with
-  one user of 20,000 thresholds among the 256, 18-21 ns with each row at its own depth against 37-50 ns with
-  every row at the heaviest's (one depth a batch, as before), and 163K table entries a per-bucket buffer instead
-  of 8.4M. (On an AVX-512 machine, 2026-11-27, the one-depth kernel took 6.5-6.7 ns a score, and 38.6 with the
-  heavy user: issue 48.)
+  (``cc -O3 -march=native``, ~0.2 s) and loaded with ctypes. Where the compiler targets AVX-512, a branchless
+  binary search of each row at its own depth, sixteen scores at a time with gathers. Elsewhere each row's *cell
+  table* (``bucket_cells``, built once a table): 4 x 2^depth cells of equal width over the row's thresholds, each
+  cell knowing the bucket at its left edge, so a score's cell bounds its bucket and one or two comparisons with
+  the thresholds inside the cell settle it (exact: the cell is a non-decreasing function of the score; O(1)
+  expected, whatever the row's depth). The library is cached in ``$XDG_CACHE_HOME/bigrank`` (a directory of this
+  user's, mode 0700), keyed by the source, the compiler's version and the target the compiler sees for
+  ``-march=native`` (its predefined macros: the same key on x86 and aarch64); a cached library that does not load
+  is rebuilt once. Measured with ``python -m benchmarks.bench_buckets --columns 32768`` (256 users, 363 thresholds
+  a user, one thread, CPU time; 2026-11-28 on a 2-core AVX2 machine at load 4.6): the statistics pass 5.0-5.4 ns a
+  score (the one-at-a-time binary search it replaces: 15-17, and 5.7 with sixteen searches interleaved level by
+  level), against the torch path's 81-89; the gather 3.0-3.5 ns against 15-20; with one user of 20,000 thresholds
+  among the 256, 5.1-5.4 ns. (On an AVX-512 machine, 2026-11-27, the binary search took 6.5-6.7 ns a score.)
 * torch (any device, any dtype; the reference): ``torch.searchsorted`` and ``scatter_add_``, one call per depth.
 
 A NaN score has no bucket: both raise ValueError. ``BIGRANK_NATIVE=0`` forces the torch path; a machine without
@@ -44,7 +45,7 @@ import subprocess
 import tempfile
 import threading
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -111,6 +112,7 @@ class ThresholdTable:
     at: torch.Tensor
     buckets_at: torch.Tensor
     depths: tuple[_Depth, ...]
+    native_cells: list = field(default_factory=list, compare=False, repr=False)  # the native kernel's, once built
 
     @property
     def max_depth(self) -> int:
@@ -286,7 +288,10 @@ def _compile(target: Path) -> None:
 def _load(target: Path) -> ctypes.CDLL:
     library = ctypes.CDLL(str(target))
     i64, ptr, i32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
-    library.bucket_stats.argtypes = [ptr, i32, i64, i64, i64, ptr, ptr, ptr, i32, ptr, ptr, ptr, ptr, i64, i32]
+    library.bucket_stats.argtypes = [
+        ptr, i32, i64, i64, i64, ptr, ptr, ptr, i32, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i32,
+    ]  # fmt: skip
+    library.bucket_cells.argtypes = [i64, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i32]
     library.bucket_gather.argtypes = [i64, i64, ptr, ptr, i64, ptr, ptr, ptr, i32]
     return library
 
@@ -333,6 +338,27 @@ def _ptr(tensor: torch.Tensor | None) -> ctypes.c_void_p | None:
     return None if tensor is None else ctypes.c_void_p(tensor.data_ptr())
 
 
+def _cells(library: ctypes.CDLL, table: ThresholdTable) -> tuple[torch.Tensor, ...]:
+    """The native kernel's cell tables of ``table`` (``bucket_cells`` in ``csrc/buckets.c``), built once per table:
+    ``(cells int32, cell_start int64[U], cell_count int32[U], lo float32[U], scale float32[U])``, row r with
+    ``2^(depth[r] + 2)`` cells (four or more a threshold) and ``cell_count[r] + 3`` entries from ``cell_start[r]``."""
+    built = table.native_cells
+    if built:
+        return built
+    count = (4 << table.depth.to(torch.int64)).to(torch.int32)
+    size = count.to(torch.int64) + 3
+    cell_start = torch.cumsum(size, 0) - size
+    cells = torch.empty(int(size.sum()), dtype=torch.int32)
+    lo, scale = torch.empty(count.numel(), dtype=torch.float32), torch.empty(count.numel(), dtype=torch.float32)
+    lengths = table.lengths.to(torch.int64).contiguous()
+    library.bucket_cells(
+        count.numel(), _ptr(table.values), _ptr(table.start), _ptr(lengths), _ptr(cells), _ptr(cell_start),
+        _ptr(count), _ptr(lo), _ptr(scale), torch.get_num_threads(),
+    )  # fmt: skip
+    built.extend((cells, cell_start, count, lo, scale))
+    return tuple(built)
+
+
 def _native_ok(block: torch.Tensor, table: ThresholdTable) -> bool:
     return (
         block.device.type == "cpu"
@@ -360,10 +386,11 @@ def bucket_stats(
     if library is not None and _native_ok(block, table) and index.stride(1) == 1:
         bf16 = int(block.dtype == torch.bfloat16)
         idx16, idx32 = (index, None) if index.dtype == torch.int16 else (None, index)
+        cells = _cells(library, table)
         status = library.bucket_stats(
             _ptr(block), bf16, rows, cols, block.stride(0), _ptr(table.values), _ptr(table.start),
-            _ptr(table.depth), table.max_depth, _ptr(counts), _ptr(sums), _ptr(idx16), _ptr(idx32),
-            index.stride(0), torch.get_num_threads(),
+            _ptr(table.depth), table.max_depth, *(_ptr(part) for part in cells), _ptr(counts), _ptr(sums),
+            _ptr(idx16), _ptr(idx32), index.stride(0), torch.get_num_threads(),
         )  # fmt: skip
         if status == -1:
             raise MemoryError("bucket_stats: could not allocate the per-row counters")

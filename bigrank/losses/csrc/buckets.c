@@ -5,13 +5,14 @@
  * prefix[start[r]]. Each row is searched at its own depth and touches only its own 2^depth[r] buckets: a user with
  * many positives costs its own row more, not every row of the batch.
  *
- * bucket_stats: for every score z[r][c], k = |{j : t_r[j] < z}| (a branchless binary search, depth[r] levels);
+ * bucket_stats: for every score z[r][c], k = |{j : t_r[j] < z}| (with AVX-512 a branchless binary search of
+ * depth[r] levels; elsewhere the row's cell table, bucket_cells);
  * counts[start[r] + k] += 1, sums[start[r] + k] += z (in column order, as torch's scatter_add_ adds them), and k is
  * written to idx.
  * bucket_gather: out[r][c] = prefix[start[r] + idx[r][c]].
  *
  * Scores are float32 or bfloat16 (the upper half of a float32). With AVX-512 sixteen scores are searched at once
- * (one gather per level); elsewhere LANES scores' searches are interleaved, level by level. Rows are split over `threads` OpenMP threads when built with
+ * (one gather per level); elsewhere each score is placed by its row's cell table in O(1) expected. Rows are split over `threads` OpenMP threads when built with
  * OpenMP. bucket_stats returns 0; -1 when a thread could not allocate its counters; -2 when a score is NaN (it
  * has no bucket: the caller raises, and counts, sums and idx are then undefined).
  */
@@ -60,9 +61,51 @@ static inline void store_index(int16_t *idx16, int32_t *idx32, int64_t at, int32
     else idx32[at] = k;
 }
 
+/* Each row's cell table, for bucket_stats without AVX-512: G = cell_count[r] cells of equal width over the row's
+ * thresholds [t_0, t_{P-1}] (P = lengths[r] real ones, the rest of the row +inf). A value x is in cell
+ * c(x) = (int)clamp((x - lo) * scale, -1, G), a non-decreasing function of x, so a threshold in an earlier cell than
+ * a score's is below it and one in a later cell is above it: with arr[i] = |{j : c(t_j) < i - 1}| (i = 0 .. G + 2),
+ * the score's bucket lies in [arr[c + 1], arr[c + 2]], settled by comparing it with the thresholds in its own cell
+ * (exactly: the comparisons are the search's own). All thresholds equal: scale +inf (every score below, at or above
+ * them); no threshold: lo +inf (bucket 0). */
+int bucket_cells(int64_t rows, const float *table, const int64_t *start, const int64_t *lengths, int32_t *cells,
+                 const int64_t *cell_start, const int32_t *cell_count, float *cell_lo, float *cell_scale,
+                 int threads) {
+#ifdef _OPENMP
+#pragma omp parallel for schedule(static) num_threads(threads > 0 ? threads : 1)
+#endif
+    for (int64_t r = 0; r < rows; r++) {
+        const float *t = table + start[r];
+        const int32_t P = (int32_t)lengths[r], G = cell_count[r];
+        int32_t *arr = cells + cell_start[r];
+        float lo = __builtin_inff(), scale = 1.0f;
+        if (P > 0) {
+            lo = t[0];
+            const float span = t[P - 1] - lo;
+            scale = span > 0 ? (float)G / span : __builtin_inff();
+        }
+        cell_lo[r] = lo;
+        cell_scale[r] = scale;
+        const float last = (float)G;
+        int32_t j = 0;
+        for (int32_t i = 0; i <= G + 2; i++) { /* arr[i]: thresholds in cells below i - 1 */
+            while (j < P) {
+                float f = (t[j] - lo) * scale;
+                f = f > -1.0f ? f : -1.0f;
+                f = f < last ? f : last;
+                if ((int32_t)f >= i - 1) break;
+                j++;
+            }
+            arr[i] = j;
+        }
+    }
+    return 0;
+}
+
 int bucket_stats(const void *z, int bf16, int64_t rows, int64_t cols, int64_t z_ld, const float *table,
-                 const int64_t *start, const int32_t *depth, int max_depth, double *counts, double *sums,
-                 int16_t *idx16, int32_t *idx32, int64_t idx_ld, int threads) {
+                 const int64_t *start, const int32_t *depth, int max_depth, const int32_t *cells,
+                 const int64_t *cell_start, const int32_t *cell_count, const float *cell_lo, const float *cell_scale,
+                 double *counts, double *sums, int16_t *idx16, int32_t *idx32, int64_t idx_ld, int threads) {
     const int64_t max_width = (int64_t)1 << max_depth;
     int failed = 0;
 #ifdef _OPENMP
@@ -112,19 +155,27 @@ int bucket_stats(const void *z, int bf16, int64_t rows, int64_t cols, int64_t z_
                 }
             }
 #else
-            /* LANES scores searched together: each search is a chain of depth dependent loads, so one at a time the
-             * core waits on every load; interleaved, the LANES chains overlap (and the compiler may gather them).
-             * Their counts and sums are added afterwards in column order, as one at a time. */
+            /* The row's cell table (bucket_cells): a score's cell bounds its bucket, and the few thresholds inside
+             * that cell settle it; no search. */
+            const int32_t *arr = cells + cell_start[r];
+            const float lo = cell_lo[r], scale = cell_scale[r], last = (float)cell_count[r];
             for (; c + LANES <= cols; c += LANES) {
                 float v[LANES];
                 int32_t k[LANES];
                 for (int j = 0; j < LANES; j++) {
                     v[j] = load_score(z, bf16, base + c + j);
-                    k[j] = 0;
-                }
-                for (int s = m - 1; s >= 0; s--) {
-                    const int32_t half = (int32_t)1 << s;
-                    for (int j = 0; j < LANES; j++) k[j] = (v[j] > t[k[j] + half - 1]) ? k[j] + half : k[j];
+                    float f = (v[j] - lo) * scale;
+                    f = f > -1.0f ? f : -1.0f; /* below the first cell, and NaN: bucket 0 */
+                    f = f < last ? f : last;
+                    /* From the first threshold of the score's cell, step past those below it: two steps without a
+                     * branch (a cell holds under one threshold on average), then a loop for a crowded cell. t[k]
+                     * exists for every k <= P (the row's entries past its thresholds are +inf), and the first
+                     * threshold of a later cell is above the score, so no end is needed. */
+                    int32_t kj = arr[(int32_t)f + 1];
+                    kj += t[kj] < v[j];
+                    kj += t[kj] < v[j];
+                    while (t[kj] < v[j]) kj++;
+                    k[j] = kj;
                 }
                 for (int j = 0; j < LANES; j++) {
                     store_index(idx16, idx32, out + c + j, k[j]);
