@@ -12,6 +12,9 @@ over the seeds, all movies ranked, train pairs left out, ``bigrank.train.metrics
 * popularity, EASE (λ picked on the validation split from the preset's grid; a pick at either end of the
   grid is flagged, since the best λ may lie beyond it) and ``implicit``'s ALS (factors, λ, α and iterations
   picked on the validation split from ``benchmarks.baselines.ALS_GRID``; ``benchmarks.baselines``);
+* ``item_bag``, on request: the starter config ``configs/ml-1m.yaml`` (the item-bag model) trained unchanged on
+  every dataset (a ``lastfm-2k`` preset runs it on Last.fm's ``user_artists.dat``), paired against the item-item
+  model and the towers when they run;
 * each loss of ``--losses`` (rankmax and softmax by default; sparsemax, sampled_softmax and the item-item model's
   ``item_item-rankmax`` / ``item_item-softmax`` on request) trained
   with ``configs/<name>-<loss>.yaml`` — the settings found by ``bigrank tune`` and by hand on the validation
@@ -69,6 +72,7 @@ class Dataset:
     paper_column: str
     paper: dict[str, tuple[float, float, float]]  # Table 2: AP@10, Accuracy, R@100 per loss (PAPER_METRICS)
     quick_als: dict[str, float]  # the one ALS point of --quick (the grid's pick on split seed 0)
+    ingest_args: tuple[str, ...] = ()  # the column mapping, where the file is not a MovieLens file
 
 
 DATASETS = {
@@ -91,13 +95,38 @@ DATASETS = {
         # ALS_GRID's pick on seed 0 (2026-11-28); α 1, λ 10 and 3 iterations, past the grid's edges, did worse
         {"factors": 128, "regularization": 30.0, "alpha": 3.0, "iterations": 5},
     ),
+    # Sparse implicit play counts (1.9K users, 17.6K artists): only the starter config (item_bag) and the
+    # baselines run here; the paper has no column for it.
+    "lastfm-2k": Dataset(
+        "lastfm-2k",
+        (30.0, 100.0, 300.0, 1000.0),
+        100.0,
+        "none",
+        {},
+        {"factors": 256, "regularization": 30.0, "alpha": 10.0, "iterations": 15},
+        ("--user", "userID", "--item", "artistID", "--weight", "weight"),
+    ),
 }
 # A loss trains the low-rank towers (configs/<name>-<loss>.yaml); item_item-<loss> the full-rank item-item model
 # (model.kind item_item, configs/<name>-item_item-<loss>.yaml); rankmax-users the towers user by user
 # (train.batching: users), shown as a twin of rankmax: its paired difference to it, and its training time.
 LOSS_CHOICES = (
     "rankmax", "rankmax-users", "softmax", "sparsemax", "sampled_softmax", "item_item-rankmax", "item_item-softmax",
+    "item_bag",
 )  # fmt: skip
+# item_bag is the config a user starts from, configs/ml-1m.yaml (model.kind item_bag), trained unchanged on every
+# dataset (only data.root, run_dir and eval.ks set): the issue-47 claim that its settings carry to other data.
+STARTER_CONFIG = "ml-1m"
+
+
+def config_path(dataset: Dataset, loss: str) -> Path:
+    """The config ``loss`` trains with on ``dataset``: ``configs/<name>-<loss>.yaml``, or for ``item_bag`` the
+    starter config ``configs/ml-1m.yaml`` on every dataset."""
+    if loss == "item_bag":
+        return ROOT / "configs" / f"{STARTER_CONFIG}.yaml"
+    return ROOT / "configs" / f"{dataset.name}-{loss}.yaml"
+
+
 METRICS = (
     ("ap@10", "AP@10"), ("ndcg@20", "NDCG@20"), ("recall@20", "R@20"), ("accuracy", "Accuracy"),
     ("recall@100", "R@100"),
@@ -124,12 +153,12 @@ def dataset_preset(source: str | Path) -> Dataset:
     return DATASETS[name]
 
 
-def ingest(source: str, work: Path, seed: int) -> Path:
+def ingest(source: str, work: Path, seed: int, extra: tuple[str, ...] = ()) -> Path:
     data = work / f"data-seed{seed}"
     if not (data / "manifest.json").exists():
         if not Path(source).exists():
             sys.exit(f"reproduce_table2: {source} not found (a MovieLens directory is needed: --data)")
-        bigrank("ingest", source, "--out", str(data), "--split", "random", "--seed", str(seed))
+        bigrank("ingest", source, "--out", str(data), "--split", "random", "--seed", str(seed), *extra)
     return data
 
 
@@ -258,6 +287,8 @@ def format_differences(per_user: dict[str, list[dict]]) -> str:
             for other in losses
             if other.startswith("item_item-") and other != "item_item-rankmax"
         ]
+    if "item_bag" in losses:  # issue 47: the scalable model against the best one, and the towers
+        pairs += [("item_bag", other) for other in ("item_item-rankmax", "rankmax", "rankmax-users") if other in losses]
     pairs += twins
     width = max((len(f"{first} - {second}") for first, second in pairs), default=10) + 2
     metrics = [
@@ -365,14 +396,14 @@ def main() -> None:
     if args.quick:
         args.seeds, args.losses, args.lambdas = [0], ["rankmax", "softmax"], [dataset.quick_lambda]
         als_grid = {key: (value,) for key, value in dataset.quick_als.items()}
-    missing = [loss for loss in args.losses if not (ROOT / "configs" / f"{dataset.name}-{loss}.yaml").exists()]
+    missing = [loss for loss in args.losses if not config_path(dataset, loss).exists()]
     if missing:
         parser.error(f"no config for {', '.join(missing)} on {dataset.name}: configs/{dataset.name}-<loss>.yaml")
 
     started = time.perf_counter()
     work = (ROOT / args.work).resolve()
     work.mkdir(parents=True, exist_ok=True)
-    datasets = {seed: ingest(args.source, work, seed) for seed in args.seeds}
+    datasets = {seed: ingest(args.source, work, seed, dataset.ingest_args) for seed in args.seeds}
     rows: dict[str, list[dict]] = {"popularity": [], "EASE": [], "ALS": []}
     for seed, data in datasets.items():
         result = run_baselines(data, args.lambdas, als_grid)
@@ -390,7 +421,7 @@ def main() -> None:
             print(warning, flush=True)
     phases = {"data and baselines": time.perf_counter() - started}
     for loss in args.losses:
-        config = ROOT / "configs" / f"{dataset.name}-{loss}.yaml"
+        config = config_path(dataset, loss)
         if args.tune:
             tick = time.perf_counter()
             config = tune(dataset, loss, datasets[args.seeds[0]], work, args.tune_budget)

@@ -40,6 +40,18 @@ def write_lines(path: Path, lists: dict) -> Path:
     return path
 
 
+def ingest_benchmark_files(tmp_path: Path, seed: int = 1) -> Path:
+    """A benchmark's ``train.txt``/``test.txt`` (``benchmark_lines(seed)``) ingested with ``--split given
+    --format user-lines`` into ``tmp_path/data``; returns that dataset."""
+    train, test = benchmark_lines(seed=seed)
+    data = tmp_path / "data"
+    bigrank(
+        "ingest", "--split", "given", "--train", write_lines(tmp_path / "train.txt", train),
+        "--test", write_lines(tmp_path / "test.txt", test), "--format", "user-lines", "--out", data, "--no-progress",
+    )  # fmt: skip
+    return data
+
+
 def pairs_by_original_ids(root: Path) -> dict[str, set]:
     """Each split's (original user, original item) pairs."""
     users = pq.read_table(root / "users.parquet").column("original_id").to_pylist()
@@ -230,12 +242,7 @@ def test_a_benchmarks_train_and_test_files_train_and_evaluate_at_20(tmp_path):
     """The README's example: train.txt/test.txt ingested with --split given, trained, `bigrank evaluate --ks 20`;
     eval.json's Recall@20 and NDCG@20 equal a brute-force ranking of the checkpoint's vectors that leaves out each
     user's train and carved-valid items."""
-    train, test = benchmark_lines(seed=1)
-    data = tmp_path / "data"
-    bigrank(
-        "ingest", "--split", "given", "--train", write_lines(tmp_path / "train.txt", train),
-        "--test", write_lines(tmp_path / "test.txt", test), "--format", "user-lines", "--out", data, "--no-progress",
-    )  # fmt: skip
+    data = ingest_benchmark_files(tmp_path)
     run = tmp_path / "run"
     config = {
         "data": {"root": str(data)}, "run_dir": str(run), "seed": 0, "workers": 1, "model": {"dim": 16},

@@ -218,15 +218,9 @@ def test_a_given_splits_test_users_are_made_of_their_train_and_carved_valid_item
     """A benchmark's train.txt/test.txt (--split given, valid carved from train): the test ranking leaves out train
     and valid, and the item-bag user is made of both (what the user is known by), without retraining: eval.json
     equals brute force over vectors pooled from train + valid, and pooling train alone ranks otherwise."""
-    from tests.conftest import bigrank
-    from tests.test_ingest_given import benchmark_lines, write_lines
+    from tests.test_ingest_given import ingest_benchmark_files
 
-    train, test = benchmark_lines(seed=1)
-    data = tmp_path / "data"
-    bigrank(
-        "ingest", "--split", "given", "--train", write_lines(tmp_path / "train.txt", train),
-        "--test", write_lines(tmp_path / "test.txt", test), "--format", "user-lines", "--out", data, "--no-progress",
-    )  # fmt: skip
+    data = ingest_benchmark_files(tmp_path)
     config = _config(data, tmp_path / "run", 1, eval={"ks": [20], "every_epochs": 0, "splits": ["valid", "test"]})
     summary = launch_local(train_worker, 1, (config,), timeout=300)[0]
     inputs, outputs = (t.double().numpy() for t in _tables(tmp_path / "run", summary["steps"]))

@@ -244,7 +244,7 @@ def test_serve_ray_rolls_to_the_new_export_on_sighup_and_refuses_a_damaged_one(t
 # starts waiting): a real process and real signals, with the load held open as a large export's checksums hold it.
 SLOW_FIRST_LOAD = """
 import pathlib, sys, time
-import bigrank.export.commands as commands
+import bigrank.cli.export as commands
 from bigrank.cli import main
 
 gate, real = pathlib.Path(sys.argv[1]), commands._recommender
