@@ -267,6 +267,27 @@ def test_reproduce_table2_picks_the_preset_of_the_data_directory(tmp_path):
     assert min(DATASETS["ml-1m"].lambdas) == 100 and max(DATASETS["ml-1m"].lambdas) == 10000
 
 
+def test_reproduce_table2_trains_the_starter_config_on_every_preset_and_pairs_it_with_the_item_item_model(tmp_path):
+    """``--losses item_bag`` is configs/ml-1m.yaml on every dataset (the claim that its settings carry), Last.fm's
+    play counts have a preset with their column mapping, and item_bag is paired with the item-item model."""
+    from benchmarks.reproduce_table2 import DATASETS, ROOT, config_path, dataset_preset, format_differences
+
+    for dataset in DATASETS.values():
+        assert config_path(dataset, "item_bag") == ROOT / "configs" / "ml-1m.yaml"
+        assert config_path(dataset, "rankmax") == ROOT / "configs" / f"{dataset.name}-rankmax.yaml"
+    lastfm = dataset_preset(tmp_path / "lastfm-2k" / "user_artists.dat")
+    assert lastfm is DATASETS["lastfm-2k"] and lastfm.ingest_args[:4] == ("--user", "userID", "--item", "artistID")
+    rng = np.random.default_rng(5)
+    names = ("EASE", "item_bag", "item_item-rankmax")
+    per_user = {name: [{key: rng.random(20) for key in ("ap@10", "recall@100")}] for name in names}
+    per_user["item_bag"] = [
+        {key: values - 0.125 for key, values in seed.items()} for seed in per_user["item_item-rankmax"]
+    ]
+    lines = format_differences(per_user).splitlines()
+    assert [line.split()[0:3] for line in lines[1:]][-1] == ["item_bag", "-", "item_item-rankmax"]
+    assert lines[-1].split()[3:] == ["-0.125", "[-0.125,", "-0.125]"] * 2
+
+
 def test_reproduce_table2_flags_an_ease_lambda_at_the_edge_of_its_grid():
     from benchmarks.reproduce_table2 import lambda_at_grid_edge
 
