@@ -396,6 +396,8 @@ def main() -> None:
     if args.quick:
         args.seeds, args.losses, args.lambdas = [0], ["rankmax", "softmax"], [dataset.quick_lambda]
         als_grid = {key: (value,) for key, value in dataset.quick_als.items()}
+    if args.tune and "item_bag" in args.losses:
+        parser.error("item_bag is the starter config trained unchanged (the claim that it carries): no --tune")
     missing = [loss for loss in args.losses if not config_path(dataset, loss).exists()]
     if missing:
         parser.error(f"no config for {', '.join(missing)} on {dataset.name}: configs/{dataset.name}-<loss>.yaml")
