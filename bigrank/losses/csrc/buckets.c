@@ -12,9 +12,10 @@
  * bucket_gather: out[r][c] = prefix[start[r] + idx[r][c]].
  *
  * Scores are float32 or bfloat16 (the upper half of a float32). With AVX-512 sixteen scores are searched at once
- * (one gather per level); elsewhere each score is placed by its row's cell table in O(1) expected. Rows are split over `threads` OpenMP threads when built with
- * OpenMP. bucket_stats returns 0; -1 when a thread could not allocate its counters; -2 when a score is NaN (it
- * has no bucket: the caller raises, and counts, sums and idx are then undefined).
+ * (one gather per level); elsewhere each score is placed by its row's cell table in O(1) expected. Rows are split
+ * over `threads` OpenMP threads when built with OpenMP. bucket_stats returns 0; -1 when a thread could not
+ * allocate its counters; -2 when a score is NaN (it has no bucket: the caller raises, and counts, sums and idx are
+ * then undefined).
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -24,8 +25,8 @@
 #endif
 
 #define FAILED_ALLOC 1
-#define LANES 16
 #define FAILED_NAN 2
+#define LANES 16 /* scores placed together by the cell-table loop */
 
 static inline float load_score(const void *z, int bf16, int64_t i) {
     if (bf16) {
